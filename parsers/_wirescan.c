@@ -1,0 +1,229 @@
+/* Fast protobuf wire-format scanning for XSpace profiles (parsers/xspace.py).
+ *
+ * Protobuf itself (runtime-built schema) decodes every small message of an XSpace; this module only walks the
+ * wire format of the large repeated parts, so that millions of XEvents land in numpy arrays without one Python
+ * object per event. Wire format: https://protobuf.dev/programming-guides/encoding/ ; XSpace field numbers:
+ * tsl/profiler/protobuf/xplane.proto (docs/reference/xplane-format.md §2).
+ *
+ * Every read is bounds-checked; malformed input raises ValueError("...") and never reads past the buffer.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { const uint8_t *p; const uint8_t *end; int err; } Cur;
+
+static inline uint64_t rd_varint(Cur *c) {
+    uint64_t v = 0; int shift = 0;
+    while (c->p < c->end) {
+        uint8_t b = *c->p++;
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80)) return v;
+        shift += 7;
+        if (shift > 63) { c->err = 1; return 0; }
+    }
+    c->err = 1; return 0;
+}
+
+/* Skip one field's value of the given wire type; returns payload start/end for length-delimited. */
+static inline int skip_value(Cur *c, int wt, const uint8_t **ps, const uint8_t **pe) {
+    uint64_t n;
+    switch (wt) {
+    case 0: rd_varint(c); return !c->err;
+    case 1: if (c->end - c->p < 8) return 0; c->p += 8; return 1;
+    case 5: if (c->end - c->p < 4) return 0; c->p += 4; return 1;
+    case 2:
+        n = rd_varint(c);
+        if (c->err || n > (uint64_t)(c->end - c->p)) return 0;
+        if (ps) *ps = c->p;
+        c->p += n;
+        if (pe) *pe = c->p;
+        return 1;
+    default: return 0;
+    }
+}
+
+static int get_range(PyObject *args, Py_buffer *buf, Py_ssize_t *start, Py_ssize_t *end, const char *fmt) {
+    if (!PyArg_ParseTuple(args, fmt, buf, start, end)) return 0;
+    if (*start < 0 || *end > buf->len || *start > *end) {
+        PyBuffer_Release(buf);
+        PyErr_SetString(PyExc_ValueError, "range outside the buffer");
+        return 0;
+    }
+    return 1;
+}
+
+/* scan_fields(buf, start, end) -> list of (field, wire_type, tag_start, value_start, value_end, varint) */
+static PyObject *scan_fields(PyObject *self, PyObject *args) {
+    Py_buffer buf; Py_ssize_t start, end;
+    if (!get_range(args, &buf, &start, &end, "y*nn")) return NULL;
+    const uint8_t *base = (const uint8_t *)buf.buf;
+    Cur c = {base + start, base + end, 0};
+    PyObject *out = PyList_New(0);
+    while (out && c.p < c.end) {
+        const uint8_t *tag_start = c.p;
+        uint64_t key = rd_varint(&c);
+        if (c.err) break;
+        int wt = (int)(key & 7); uint64_t field = key >> 3;
+        const uint8_t *vs = c.p, *ve = NULL; uint64_t iv = 0;
+        if (wt == 0) { iv = rd_varint(&c); if (c.err) break; ve = c.p; }
+        else if (!skip_value(&c, wt, &vs, &ve)) { c.err = 1; break; }
+        if (wt != 2) ve = c.p;
+        PyObject *t = Py_BuildValue("(Kinnnn)", (unsigned long long)field, wt, (Py_ssize_t)(tag_start - base),
+                                    (Py_ssize_t)(vs - base), (Py_ssize_t)(ve - base), (Py_ssize_t)(int64_t)iv);
+        if (!t || PyList_Append(out, t) < 0) { Py_XDECREF(t); Py_CLEAR(out); break; }
+        Py_DECREF(t);
+    }
+    PyBuffer_Release(&buf);
+    if (out && c.err) {
+        Py_DECREF(out);
+        PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated");
+        return NULL;
+    }
+    return out;
+}
+
+/* count_field(buf, start, end, field) -> number of top-level occurrences of a field in the range */
+static PyObject *count_field(PyObject *self, PyObject *args) {
+    Py_buffer buf; Py_ssize_t start, end; unsigned long long want;
+    if (!PyArg_ParseTuple(args, "y*nnK", &buf, &start, &end, &want)) return NULL;
+    if (start < 0 || end > buf.len || start > end) {
+        PyBuffer_Release(&buf); PyErr_SetString(PyExc_ValueError, "range outside the buffer"); return NULL;
+    }
+    const uint8_t *base = (const uint8_t *)buf.buf;
+    Cur c = {base + start, base + end, 0};
+    Py_ssize_t n = 0;
+    while (c.p < c.end) {
+        uint64_t key = rd_varint(&c);
+        if (c.err) break;
+        if ((key >> 3) == want) n++;
+        if (!skip_value(&c, (int)(key & 7), NULL, NULL)) { c.err = 1; break; }
+    }
+    PyBuffer_Release(&buf);
+    if (c.err) { PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated"); return NULL; }
+    return PyLong_FromSsize_t(n);
+}
+
+enum { K_ABSENT = 0, K_INT = 1, K_UINT = 2, K_DOUBLE = 3, K_REF = 4, K_STR = 5, K_BYTES = 6, K_ZSTR = 7 };
+#define STR_LEN_BITS 24
+#define AGGREGATE_START INT64_MIN
+
+/* decode_events(buf, start, end, line_start_ps, stat_ids, first, metadata_id, start_ps, duration_ps, values, kinds)
+ *
+ * Decodes the XEvents (XLine field 4) of the line whose payload is buf[start:end] into rows first.. of the
+ * output arrays: metadata_id/start_ps/duration_ps int64[n]; values int64[ncol*n] and kinds int8[ncol*n], laid out
+ * column-major (column j at j*n). stat_ids int64[ncol] are the XStatMetadata ids wanted; other stats are skipped.
+ * start_ps = line_start_ps + offset_ps, or INT64_MIN for aggregated events (num_occurrences; then duration_ps
+ * holds the duration and the value is not a time). Values: ints as int64, uint64 bit-cast, doubles bit-cast,
+ * ref_value as the referenced XStatMetadata id, strings/bytes as (payload offset << 24 | length).
+ * Returns the number of events written.
+ */
+static PyObject *decode_events(PyObject *self, PyObject *args) {
+    Py_buffer buf, ids, mid, st, du, val, kin;
+    Py_ssize_t start, end, first; long long line_ps;
+    if (!PyArg_ParseTuple(args, "y*nnLy*nw*w*w*w*w*", &buf, &start, &end, &line_ps, &ids, &first,
+                          &mid, &st, &du, &val, &kin)) return NULL;
+    PyObject *ret = NULL;
+    Py_ssize_t n = mid.len / 8, ncol = ids.len / 8;
+    if (start < 0 || end > buf.len || start > end || st.len / 8 != n || du.len / 8 != n ||
+        val.len / 8 != n * ncol || kin.len != n * ncol || first < 0) {
+        PyErr_SetString(PyExc_ValueError, "decode_events: bad range or output sizes");
+        goto done;
+    }
+    {
+        const uint8_t *base = (const uint8_t *)buf.buf;
+        const int64_t *want = (const int64_t *)ids.buf;
+        int64_t *o_mid = (int64_t *)mid.buf, *o_st = (int64_t *)st.buf, *o_du = (int64_t *)du.buf;
+        int64_t *o_val = (int64_t *)val.buf; int8_t *o_kin = (int8_t *)kin.buf;
+        Cur c = {base + start, base + end, 0};
+        Py_ssize_t row = first;
+        while (c.p < c.end) {
+            uint64_t key = rd_varint(&c);
+            if (c.err) break;
+            const uint8_t *es, *ee;
+            if ((key >> 3) != 4 || (key & 7) != 2) {
+                if (!skip_value(&c, (int)(key & 7), NULL, NULL)) { c.err = 1; break; }
+                continue;
+            }
+            if (!skip_value(&c, 2, &es, &ee)) { c.err = 1; break; }
+            if (row >= n) { c.err = 2; break; }
+            int64_t e_mid = 0, e_off = 0, e_dur = 0; int aggregate = 0;
+            for (Py_ssize_t j = 0; j < ncol; j++) o_kin[j * n + row] = K_ABSENT;
+            Cur e = {es, ee, 0};
+            while (e.p < e.end) {
+                uint64_t ek = rd_varint(&e);
+                if (e.err) break;
+                int f = (int)(ek >> 3), wt = (int)(ek & 7);
+                if (wt == 0 && (f == 1 || f == 2 || f == 3 || f == 5)) {
+                    int64_t v = (int64_t)rd_varint(&e);
+                    if (f == 1) e_mid = v; else if (f == 2) { e_off = v; aggregate = 0; }
+                    else if (f == 3) e_dur = v; else aggregate = 1;
+                    continue;
+                }
+                const uint8_t *ss, *se;
+                if (f != 4 || wt != 2) {
+                    if (!skip_value(&e, wt, NULL, NULL)) { e.err = 1; break; }
+                    continue;
+                }
+                if (!skip_value(&e, 2, &ss, &se)) { e.err = 1; break; }
+                /* XStat */
+                Cur s = {ss, se, 0};
+                int64_t s_mid = 0, s_val = 0; int s_kind = K_ABSENT;
+                while (s.p < s.end) {
+                    uint64_t sk = rd_varint(&s);
+                    if (s.err) break;
+                    int sf = (int)(sk >> 3), swt = (int)(sk & 7);
+                    if (swt == 0) {
+                        uint64_t v = rd_varint(&s);
+                        if (sf == 1) s_mid = (int64_t)v;
+                        else if (sf == 3) { s_val = (int64_t)v; s_kind = K_UINT; }
+                        else if (sf == 4) { s_val = (int64_t)v; s_kind = K_INT; }
+                        else if (sf == 7) { s_val = (int64_t)v; s_kind = K_REF; }
+                    } else if (swt == 1) {
+                        if (s.end - s.p < 8) { s.err = 1; break; }
+                        if (sf == 2) { memcpy(&s_val, s.p, 8); s_kind = K_DOUBLE; }
+                        s.p += 8;
+                    } else if (swt == 2) {
+                        const uint8_t *vs, *ve;
+                        if (!skip_value(&s, 2, &vs, &ve)) { s.err = 1; break; }
+                        if (sf == 5 || sf == 6 || sf == 8) {
+                            int64_t len = ve - vs;
+                            if (len >= ((int64_t)1 << STR_LEN_BITS)) { s.err = 3; break; }
+                            s_val = ((int64_t)(vs - base) << STR_LEN_BITS) | len;
+                            s_kind = sf == 5 ? K_STR : (sf == 6 ? K_BYTES : K_ZSTR);
+                        }
+                    } else if (!skip_value(&s, swt, NULL, NULL)) { s.err = 1; break; }
+                }
+                if (s.err) { e.err = s.err; break; }
+                for (Py_ssize_t j = 0; j < ncol; j++) {
+                    if (want[j] == s_mid) { o_val[j * n + row] = s_val; o_kin[j * n + row] = (int8_t)s_kind; break; }
+                }
+            }
+            if (e.err) { c.err = e.err; break; }
+            o_mid[row] = e_mid;
+            o_st[row] = aggregate ? AGGREGATE_START : (int64_t)line_ps + e_off;
+            o_du[row] = e_dur;
+            row++;
+        }
+        if (c.err == 2) PyErr_SetString(PyExc_ValueError, "decode_events: more events than counted");
+        else if (c.err == 3) PyErr_SetString(PyExc_ValueError, "an event stat string is longer than 16 MiB");
+        else if (c.err) PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated");
+        else ret = PyLong_FromSsize_t(row - first);
+    }
+done:
+    PyBuffer_Release(&buf); PyBuffer_Release(&ids); PyBuffer_Release(&mid); PyBuffer_Release(&st);
+    PyBuffer_Release(&du); PyBuffer_Release(&val); PyBuffer_Release(&kin);
+    return ret;
+}
+
+static PyMethodDef methods[] = {
+    {"scan_fields", scan_fields, METH_VARARGS, "List the top-level fields of buf[start:end]."},
+    {"count_field", count_field, METH_VARARGS, "Count top-level occurrences of a field number."},
+    {"decode_events", decode_events, METH_VARARGS, "Decode an XLine's events into arrays."},
+    {NULL, NULL, 0, NULL}
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wirescan", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__wirescan(void) { return PyModule_Create(&module); }

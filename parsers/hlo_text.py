@@ -1,0 +1,478 @@
+"""HLO text parser: ``*.after_optimizations.txt`` dumps, ``compiled.as_text()``, XLA test modules.
+
+Accepts the grammar of openxla/xla ``xla/hlo/parser/hlo_parser.cc`` as summarised in
+``docs/reference/hlo-text.md``: optional ``%``, optional computation signatures, operand shapes and result
+shapes, tuples, layouts with ``T(...)`` tiles / ``E(n)`` / ``S(n)``, dynamic dims, ``/*index=N*/`` and ``//``
+comments, stack-frame tables, raw-JSON or quoted ``backend_config``, attributes wrapped over lines, ``ENTRY``
+optional (the last computation is then the entry). Unknown opcodes and attributes are kept, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from parsers.errors import HloParseError
+from parsers.hlo import Computation, HloModule, Instruction, Layout, Metadata, Shape, StackFrame
+
+_COMMENT_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/|//[^\n]*', re.S)
+_WS = re.compile(r"[ \t\r\n]*")
+_HWS = re.compile(r"[ \t\r]*")
+_NAME = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
+_WORD = re.compile(r"[A-Za-z0-9_.\-]+")
+_DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
+_DQ = re.compile(r'"(?:[^"\\]|\\.)*"')
+_SQ = re.compile(r"'(?:[^'\\]|\\.)*'")
+_OPEN = {"{": "}", "(": ")", "[": "]"}
+_SPECIAL = re.compile(r"[{}()\[\]\"',\n]")
+_META_ITEM = re.compile(r'([A-Za-z_]+)=("(?:[^"\\]|\\.)*"|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|[^\s}]+)')
+_TABLE_NAMES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+_CALL_ATTRS = ("calls", "to_apply", "condition", "body", "true_computation", "false_computation",
+               "branch_computations", "select", "scatter", "called_computations", "comparator")
+
+# Opcodes of xla/hlo/ir/hlo_opcode.h (hlo-text.md §10) plus the async sugar forms.
+KNOWN_OPCODES = frozenset("""
+abs add add-dependency after-all all-gather all-gather-done all-gather-start all-reduce all-reduce-done
+all-reduce-start all-to-all and async-done async-start async-update atan2 batch-norm-grad batch-norm-inference
+batch-norm-training bitcast bitcast-convert broadcast call cbrt ceil cholesky clamp collective-broadcast
+collective-permute collective-permute-done collective-permute-start collective-reduce compare complex
+concatenate conditional constant convert convolution copy copy-done copy-start cosine count-leading-zeros
+custom-call divide domain dot dynamic-reshape dynamic-slice dynamic-update-slice erf exponential
+exponential-minus-one fft floor fusion gather get-dimension-size get-tuple-element imag infeed iota is-finite
+log log-plus-one logistic map maximum minimum multiply negate not opt-barrier optimization-barrier or outfeed
+pad parameter partition-id popcnt power ragged-all-to-all ragged-dot real recv recv-done reduce
+reduce-precision reduce-scatter reduce-window remainder replica-id reshape reverse rng rng-bit-generator
+rng-get-and-update-state round-nearest-afz round-nearest-even rsqrt scaled-dot scan scatter select
+select-and-scatter send send-done set-dimension-size shift-left shift-right-arithmetic shift-right-logical
+shuffle sign sine slice sort sqrt stochastic-convert subtract tan tanh topk transpose triangular-solve tuple
+while xor acos acosh asin asinh atan atanh cosh sinh mulhi
+""".split())
+_ASYNC_SUFFIXES = ("-start", "-update", "-done")
+
+
+def is_known_opcode(opcode: str) -> bool:
+    """True for XLA opcodes, including ``<op>-start/-update/-done`` async sugar of any wrapped op."""
+    if opcode in KNOWN_OPCODES:
+        return True
+    return any(opcode.endswith(s) and opcode[: -len(s)] in KNOWN_OPCODES for s in _ASYNC_SUFFIXES)
+
+
+def parse_hlo_file(path: str | Path) -> list[HloModule]:
+    """Parse an HLO text file (one or more modules).
+
+    The program id is taken from a dump name ``module_NNNN.<name>...`` when present.
+
+    :raises HloParseError: unreadable file or text that is not HLO (message names file and line).
+    """
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8", errors="replace")
+    except OSError as e:
+        raise HloParseError(f"cannot read HLO file {p}: {e.strerror}") from None
+    modules = parse_hlo_text(text, source=str(p))
+    m = re.match(r"module_(\d+)\.", p.name)
+    if m and len(modules) == 1:
+        modules[0].program_id = int(m.group(1))
+    return modules
+
+
+def parse_hlo_text(text: str, source: str = "<text>") -> list[HloModule]:
+    """Parse HLO text holding one or more ``HloModule`` blocks (text without a header is one module).
+
+    :raises HloParseError: the text is not HLO; the message gives the source and line.
+    """
+    clean = _COMMENT_OR_STRING.sub(lambda m: m.group(0) if m.group(0)[0] == '"' else " ", text)
+    starts = [m.start() for m in re.finditer(r"(?m)^[ \t]*HloModule\b", clean)]
+    if not starts:
+        if "{" not in clean:
+            raise HloParseError(f"{source}: no HloModule header and no computation: not HLO text")
+        starts = [0]
+    modules = []
+    for i, s in enumerate(starts):
+        end = starts[i + 1] if i + 1 < len(starts) else len(clean)
+        modules.append(_Parser(clean, s, end, source).module())
+    return modules
+
+
+class _Parser:
+    def __init__(self, text: str, pos: int, end: int, source: str) -> None:
+        self.t = text
+        self.pos = pos
+        self.end = end
+        self.source = source
+
+    # -- low level -------------------------------------------------------------------------------------
+    def error(self, what: str) -> HloParseError:
+        line = self.t.count("\n", 0, self.pos) + 1
+        snippet = self.t[self.pos: self.pos + 40].split("\n")[0]
+        return HloParseError(f"{self.source}:{line}: {what} near {snippet!r}")
+
+    def ws(self) -> None:
+        self.pos = _WS.match(self.t, self.pos).end()
+
+    def hws(self) -> None:
+        self.pos = _HWS.match(self.t, self.pos).end()
+
+    def peek(self) -> str:
+        return self.t[self.pos] if self.pos < self.end else ""
+
+    def expect(self, ch: str) -> None:
+        self.ws()
+        if not self.t.startswith(ch, self.pos):
+            raise self.error(f"expected {ch!r}")
+        self.pos += len(ch)
+
+    def name(self) -> str:
+        self.ws()
+        m = _NAME.match(self.t, self.pos)
+        if not m:
+            raise self.error("expected a name")
+        self.pos = m.end()
+        return m.group(1)
+
+    def skip_balanced(self, pos: int) -> int:
+        """Index just after the bracket group or quoted string starting at ``pos``."""
+        t, stack = self.t, []
+        while pos < self.end:
+            c = t[pos]
+            if c == '"' or c == "'":
+                m = (_DQ if c == '"' else _SQ).match(t, pos)
+                if not m:
+                    raise self.error("unterminated string")
+                pos = m.end()
+                if not stack:
+                    return pos
+                continue
+            if c in _OPEN:
+                stack.append(_OPEN[c])
+            elif c in ")]}":
+                if not stack or stack.pop() != c:
+                    raise self.error(f"unbalanced {c!r}")
+                if not stack:
+                    return pos + 1
+            pos += 1
+        raise self.error("unterminated bracket")
+
+    def value(self) -> str:
+        """Raw attribute value: up to a depth-0 ',' or end of line (brackets and strings may span lines)."""
+        t, start, pos = self.t, self.pos, self.pos
+        while pos < self.end:
+            m = _SPECIAL.search(t, pos, self.end)
+            if not m:
+                pos = self.end
+                break
+            c = m.group(0)
+            pos = m.start()
+            if c in ",\n" or c in ")]}":
+                break
+            pos = self.skip_balanced(pos)
+        self.pos = pos
+        return t[start:pos].strip()
+
+    # -- shapes ----------------------------------------------------------------------------------------
+    def shape(self) -> Shape:
+        self.ws()
+        if self.peek() == "(":
+            self.pos += 1
+            parts: list[Shape] = []
+            self.ws()
+            if self.peek() == ")":
+                self.pos += 1
+                return Shape("tuple", tuple_shapes=())
+            while True:
+                parts.append(self.shape())
+                self.ws()
+                c = self.peek()
+                self.pos += 1
+                if c == ")":
+                    return Shape("tuple", tuple_shapes=tuple(parts))
+                if c != ",":
+                    raise self.error("expected ',' or ')' in tuple shape")
+        m = _WORD.match(self.t, self.pos)
+        if not m or self.t[m.end(): m.end() + 1] != "[":
+            raise self.error("expected a shape")
+        etype = m.group(0)
+        close = self.t.index("]", m.end())
+        dims, dyn = [], []
+        body = self.t[m.end() + 1: close]
+        if body.strip():
+            for d in body.split(","):
+                dm = _DIM.fullmatch(d)
+                if not dm:
+                    raise self.error(f"bad dimension {d!r}")
+                dims.append(-1 if dm.group(2) == "?" else int(dm.group(2)))
+                dyn.append(bool(dm.group(1)) or dm.group(2) == "?")
+        self.pos = close + 1
+        layout = None
+        if self.peek() == "{":
+            end = self.skip_balanced(self.pos)
+            layout = _parse_layout(self.t[self.pos + 1: end - 1])
+            self.pos = end
+        return Shape(etype, tuple(dims), tuple(dyn), layout)
+
+    # -- module ----------------------------------------------------------------------------------------
+    def module(self) -> HloModule:
+        self.ws()
+        name, attrs = "", {}
+        if self.t.startswith("HloModule", self.pos):
+            self.pos += len("HloModule")
+            name = self.name()
+            while True:
+                self.hws()
+                if self.peek() != ",":
+                    break
+                self.pos += 1
+                self.ws()
+                key = self.name()
+                self.expect("=")
+                self.hws()
+                attrs[key] = self.value()
+        frames = self.tables()
+        comps: dict[str, Computation] = {}
+        entry = ""
+        while True:
+            self.ws()
+            if self.pos >= self.end:
+                break
+            comp = self.computation()
+            comps[comp.name] = comp
+            if comp.is_entry:
+                entry = comp.name
+        if not comps:
+            raise self.error("module has no computation")
+        if not entry:
+            entry = list(comps)[-1]
+            comps[entry].is_entry = True
+        return HloModule(name or entry, comps, entry, attrs, frames, source=self.source)
+
+    def tables(self) -> dict[int, StackFrame]:
+        raw: dict[str, dict[int, str]] = {}
+        while True:
+            self.ws()
+            m = re.compile(r"(FileNames|FunctionNames|FileLocations|StackFrames)\b").match(self.t, self.pos)
+            if not m:
+                break
+            self.pos = m.end()
+            table: dict[int, str] = {}
+            while True:
+                self.ws()
+                em = re.compile(r"(\d+)[ \t]+").match(self.t, self.pos)
+                if not em:
+                    break
+                self.pos = em.end()
+                end = self.skip_balanced(self.pos)
+                table[int(em.group(1))] = self.t[self.pos: end]
+                self.pos = end
+            raw[m.group(1)] = table
+        if not raw:
+            return {}
+        files = {k: _unquote(v) for k, v in raw.get("FileNames", {}).items()}
+        funcs = {k: _unquote(v) for k, v in raw.get("FunctionNames", {}).items()}
+        locs = {k: _kv_ints(v) for k, v in raw.get("FileLocations", {}).items()}
+        frames = {}
+        for fid, v in raw.get("StackFrames", {}).items():
+            kv = _kv_ints(v)
+            loc = locs.get(kv.get("file_location_id", 0), {})
+            frames[fid] = StackFrame(files.get(loc.get("file_name_id", 0), ""),
+                                     funcs.get(loc.get("function_name_id", 0), ""),
+                                     loc.get("line", 0), kv.get("parent_frame_id", 0))
+        return frames
+
+    def computation(self) -> Computation:
+        self.ws()
+        is_entry = False
+        if re.compile(r"ENTRY\b").match(self.t, self.pos):
+            is_entry = True
+            self.pos += 5
+        name = self.name()
+        self.ws()
+        if self.peek() == "(":
+            self.pos = self.skip_balanced(self.pos)
+            self.ws()
+        if self.t.startswith("->", self.pos):
+            self.pos += 2
+            self.shape()
+        self.expect("{")
+        insts = []
+        while True:
+            self.ws()
+            if self.peek() == "}":
+                self.pos += 1
+                break
+            if self.pos >= self.end:
+                raise self.error(f"computation {name} is not closed")
+            insts.append(self.instruction())
+        thread = ""
+        self.hws()
+        if self.peek() == ",":
+            self.pos += 1
+            self.ws()
+            key = self.name()
+            self.expect("=")
+            val = self.value()
+            if key == "execution_thread":
+                thread = _unquote(val)
+        return Computation(name, insts, is_entry, thread)
+
+    def instruction(self) -> Instruction:
+        self.ws()
+        is_root = False
+        if re.compile(r"ROOT\b").match(self.t, self.pos):
+            is_root = True
+            self.pos += 4
+        name = self.name()
+        self.expect("=")
+        self.ws()
+        shape = Shape("tuple", tuple_shapes=())
+        if self.peek() == "(":
+            shape = self.shape()
+        else:
+            m = _WORD.match(self.t, self.pos)
+            if m and self.t[m.end(): m.end() + 1] == "[":
+                shape = self.shape()
+        self.ws()
+        m = _WORD.match(self.t, self.pos)
+        if not m:
+            raise self.error("expected an opcode")
+        opcode = m.group(0)
+        self.pos = m.end()
+        self.ws()
+        if self.peek() != "(":
+            raise self.error(f"expected '(' after opcode {opcode}")
+        end = self.skip_balanced(self.pos)
+        inner = self.t[self.pos + 1: end - 1]
+        self.pos = end
+        operands: list[str] = []
+        operand_shapes: list[Shape | None] = []
+        literal = ""
+        if opcode in ("constant", "parameter") or (opcode == "iota" and not inner.strip()):
+            literal = inner.strip()
+        elif inner.strip():
+            for part in _split_top(inner):
+                sub = _Parser(part, 0, len(part), self.source)
+                sub.ws()
+                op_shape = None
+                wm = _WORD.match(part, sub.pos)
+                if sub.peek() == "(" or (wm and part[wm.end(): wm.end() + 1] == "["):
+                    op_shape = sub.shape()
+                operands.append(sub.name())
+                operand_shapes.append(op_shape)
+        attrs: dict[str, str] = {}
+        while True:
+            save = self.pos
+            self.ws()
+            if self.peek() != ",":
+                self.pos = save
+                break
+            self.pos += 1
+            self.ws()
+            km = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*").match(self.t, self.pos)
+            if not km:
+                raise self.error("expected an attribute name")
+            self.pos = km.end()
+            self.ws()
+            if self.peek() != "=":
+                attrs[km.group(0)] = ""
+                continue
+            self.pos += 1
+            self.ws()
+            attrs[km.group(0)] = self.value()
+        called = []
+        for key in _CALL_ATTRS:
+            if key in attrs:
+                called += [c.lstrip("%") for c in re.findall(r"%?[A-Za-z_][A-Za-z0-9_.\-]*", attrs[key])]
+        return Instruction(
+            name=name, opcode=opcode, shape=shape, operands=tuple(operands),
+            operand_shapes=tuple(operand_shapes), attrs=attrs, called=tuple(called),
+            metadata=_parse_metadata(attrs.get("metadata", "")),
+            backend_config=_parse_backend_config(attrs.get("backend_config")),
+            literal=literal, is_root=is_root,
+        )
+
+
+def _split_top(s: str) -> list[str]:
+    """Split on depth-0 commas (brackets and quoted strings respected)."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c == '"':
+            m = _DQ.match(s, i)
+            i = m.end() if m else len(s)
+            continue
+        if c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(s[start:i].strip())
+            start = i + 1
+        i += 1
+    tail = s[start:].strip()
+    if tail:
+        parts.append(tail)
+    return [p for p in parts if p]
+
+
+def _parse_layout(text: str) -> Layout:
+    m2m_text, _, rest = text.partition(":")
+    m2m = tuple(int(x) for x in m2m_text.replace(" ", "").split(",") if x)
+    tiles: list[tuple[int | None, ...]] = []
+    ebits, space, extra = None, 0, []
+    for m in re.finditer(r"(SC|[A-Z#*])\(([^()]*)\)", rest):
+        kind, arg = m.group(1), m.group(2)
+        if kind == "T":
+            tiles.append(tuple(None if x.strip() == "*" else int(x) for x in arg.split(",") if x.strip()))
+        elif kind == "E":
+            ebits = int(arg)
+        elif kind == "S":
+            space = int(arg)
+        else:
+            extra.append(m.group(0))
+    return Layout(m2m, tuple(tiles), ebits, space, tuple(extra))
+
+
+def _unquote(s: str) -> str:
+    s = s.strip()
+    if len(s) >= 2 and s[0] == s[-1] and s[0] in "\"'":
+        try:
+            return json.loads('"' + s[1:-1].replace("\\'", "'") + '"')
+        except ValueError:
+            return s[1:-1]
+    return s
+
+
+def _kv_ints(text: str) -> dict[str, int]:
+    return {k: int(v) for k, v in re.findall(r"([A-Za-z_]+)=(-?\d+)", text)}
+
+
+def _parse_metadata(text: str) -> Metadata:
+    if not text:
+        return Metadata()
+    items = {k: v for k, v in _META_ITEM.findall(text.strip()[1:-1] if text.startswith("{") else text)}
+
+    def num(key: str) -> int:
+        try:
+            return int(items.get(key, "0"))
+        except ValueError:
+            return 0
+
+    known = {"op_type", "op_name", "source_file", "source_line", "stack_frame_id", "deduplicated_name",
+             "scheduling_name"}
+    return Metadata(
+        op_type=_unquote(items.get("op_type", "")), op_name=_unquote(items.get("op_name", "")),
+        source_file=_unquote(items.get("source_file", "")), source_line=num("source_line"),
+        stack_frame_id=num("stack_frame_id"), deduplicated_name=_unquote(items.get("deduplicated_name", "")),
+        scheduling_name=_unquote(items.get("scheduling_name", "")),
+        extra=tuple((k, v) for k, v in items.items() if k not in known),
+    )
+
+
+def _parse_backend_config(text: str | None) -> object:
+    if not text:
+        return None
+    raw = _unquote(text) if text.startswith('"') else text
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw

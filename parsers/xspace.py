@@ -1,0 +1,414 @@
+"""XSpace (``.xplane.pb``) decoder.
+
+The schema is ``tensorflow.profiler`` ``xplane.proto`` (openxla/xla ``third_party/tsl/tsl/profiler/protobuf/
+xplane.proto``; ``docs/reference/xplane-format.md`` §2), built at runtime from a ``FileDescriptorProto`` so no
+``protoc`` is needed. Protobuf decodes every plane header, metadata map and stat; the events of each line, which
+are millions in real profiles, are walked by the C scanner in ``parsers/_wirescan.c`` straight into numpy arrays
+(no Python object per event). Times follow ``XEventVisitor::TimestampPs``:
+``start_ps = line.timestamp_ns * 1000 + event.offset_ps``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import mmap
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import pandas as pd
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from parsers import _wirescan
+from parsers.errors import FormatError, InputError
+
+_F = descriptor_pb2.FieldDescriptorProto
+_KIND_INT, _KIND_UINT, _KIND_DOUBLE, _KIND_REF, _KIND_STR, _KIND_BYTES, _KIND_ZSTR = 1, 2, 3, 4, 5, 6, 7
+_STR_LEN_BITS = 24
+AGGREGATE_START_PS = np.iinfo(np.int64).min  # start_ps of events that carry num_occurrences instead of a time
+
+
+def _schema() -> dict[str, Any]:
+    """Build the XSpace message classes (field numbers from xplane.proto; newest schema: hostnames, child_id,
+    compressed_str_value)."""
+    fd = descriptor_pb2.FileDescriptorProto(name="traceroof_xplane.proto", package="tensorflow.profiler",
+                                            syntax="proto3")
+
+    def msg(name: str, fields: list[tuple], nested: list | None = None, oneofs: Sequence[str] = ()):
+        m = fd.message_type.add(name=name)
+        for o in oneofs:
+            m.oneof_decl.add(name=o)
+        for spec in fields:
+            fname, num, ftype, label = spec[:4]
+            f = m.field.add(name=fname, number=num, type=ftype, label=label)
+            if ftype == _F.TYPE_MESSAGE:
+                f.type_name = spec[4]
+            if len(spec) > 5:
+                f.oneof_index = spec[5]
+        for n in nested or []:
+            m.nested_type.append(n)
+        return m
+
+    opt, rep = _F.LABEL_OPTIONAL, _F.LABEL_REPEATED
+    I64, U64, STR, BYT, DBL, MSG = (_F.TYPE_INT64, _F.TYPE_UINT64, _F.TYPE_STRING, _F.TYPE_BYTES, _F.TYPE_DOUBLE,
+                                    _F.TYPE_MESSAGE)
+    p = ".tensorflow.profiler."
+    msg("XSpace", [("planes", 1, MSG, rep, p + "XPlane"), ("errors", 2, STR, rep), ("warnings", 3, STR, rep),
+                   ("hostnames", 4, STR, rep)])
+
+    def entry(name: str, value_type: str) -> descriptor_pb2.DescriptorProto:
+        e = descriptor_pb2.DescriptorProto(name=name)
+        e.field.add(name="key", number=1, type=I64, label=opt)
+        e.field.add(name="value", number=2, type=MSG, label=opt, type_name=p + value_type)
+        e.options.map_entry = True
+        return e
+
+    msg("XPlane", [("id", 1, I64, opt), ("name", 2, STR, opt), ("lines", 3, MSG, rep, p + "XLine"),
+                   ("event_metadata", 4, MSG, rep, p + "XPlane.EventMetadataEntry"),
+                   ("stat_metadata", 5, MSG, rep, p + "XPlane.StatMetadataEntry"),
+                   ("stats", 6, MSG, rep, p + "XStat")],
+        nested=[entry("EventMetadataEntry", "XEventMetadata"), entry("StatMetadataEntry", "XStatMetadata")])
+    msg("XLine", [("id", 1, I64, opt), ("display_id", 10, I64, opt), ("name", 2, STR, opt),
+                  ("display_name", 11, STR, opt), ("timestamp_ns", 3, I64, opt), ("duration_ps", 9, I64, opt),
+                  ("events", 4, MSG, rep, p + "XEvent")])
+    msg("XEvent", [("metadata_id", 1, I64, opt), ("offset_ps", 2, I64, opt, None, 0),
+                   ("num_occurrences", 5, I64, opt, None, 0), ("duration_ps", 3, I64, opt),
+                   ("stats", 4, MSG, rep, p + "XStat")], oneofs=["data"])
+    msg("XStat", [("metadata_id", 1, I64, opt), ("double_value", 2, DBL, opt, None, 0),
+                  ("uint64_value", 3, U64, opt, None, 0), ("int64_value", 4, I64, opt, None, 0),
+                  ("str_value", 5, STR, opt, None, 0), ("bytes_value", 6, BYT, opt, None, 0),
+                  ("ref_value", 7, U64, opt, None, 0), ("compressed_str_value", 8, BYT, opt, None, 0)],
+        oneofs=["value"])
+    msg("XEventMetadata", [("id", 1, I64, opt), ("name", 2, STR, opt), ("display_name", 4, STR, opt),
+                           ("metadata", 3, BYT, opt), ("stats", 5, MSG, rep, p + "XStat"),
+                           ("child_id", 6, I64, rep)])
+    msg("XStatMetadata", [("id", 1, I64, opt), ("name", 2, STR, opt), ("description", 3, STR, opt)])
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fd)
+    return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName("tensorflow.profiler." + n))
+            for n in ("XSpace", "XPlane", "XLine", "XEvent", "XStat", "XEventMetadata", "XStatMetadata")}
+
+
+SCHEMA = _schema()
+
+
+def stat_value(stat: Any, stat_names: dict[int, str]) -> Any:
+    """Value of a protobuf ``XStat``: the set oneof field; ``ref_value`` resolved to the interned string;
+    ``compressed_str_value`` gunzipped."""
+    kind = stat.WhichOneof("value")
+    if kind is None:
+        return None
+    if kind == "ref_value":
+        return stat_names.get(stat.ref_value, "")
+    if kind == "compressed_str_value":
+        return _gunzip_text(stat.compressed_str_value)
+    return getattr(stat, kind)
+
+
+def _gunzip_text(data: bytes) -> str:
+    try:
+        return zlib.decompress(data, 47).decode("utf-8", "replace")
+    except zlib.error:
+        return ""
+
+
+@dataclass(frozen=True)
+class EventMetadata:
+    """An ``XEventMetadata``: name, display name and its constant stats (names resolved)."""
+
+    id: int
+    name: str
+    display_name: str
+    stats: dict[str, Any]
+    raw_metadata: bytes = b""
+
+
+@dataclass(frozen=True)
+class Line:
+    """An ``XLine`` header; its events stay in the file until :meth:`Plane.events` decodes them."""
+
+    id: int
+    display_id: int
+    name: str
+    display_name: str
+    timestamp_ns: int
+    duration_ps: int
+    event_count: int
+    _ranges: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(eq=False)
+class Plane:
+    """An ``XPlane``. ``stats`` are the plane stats by name; ``event_metadata`` by id; ``stat_names`` maps
+    XStatMetadata ids to names. :meth:`events` decodes the lines' events into a DataFrame."""
+
+    id: int
+    name: str
+    stats: dict[str, Any]
+    event_metadata: dict[int, EventMetadata]
+    stat_names: dict[int, str]
+    lines: list[Line]
+    _buf: Any = field(repr=False, default=None)
+    source: str = ""
+
+    def events(self, stats: Sequence[str] = (), lines: Iterable[Line] | None = None,
+               merge_metadata_stats: bool = True) -> pd.DataFrame:
+        """Events of this plane (or of the given lines), one row each.
+
+        Columns: ``line_id`` (int64), ``line_name`` (category), ``metadata_id`` (int64), ``name`` and
+        ``display_name`` (category, from the event metadata), ``start_ps`` and ``duration_ps`` (int64,
+        picoseconds; ``start_ps`` is :data:`AGGREGATE_START_PS` for aggregated events), then one column per
+        requested stat name: refs and strings as category, integers as nullable ``Int64``, doubles as float.
+        With ``merge_metadata_stats`` a stat absent on the event is taken from its ``XEventMetadata`` (the
+        event wins when both have it; a project convention, xplane-format.md §3).
+
+        :raises FormatError: the event data is corrupt or truncated.
+        """
+        chosen = list(self.lines if lines is None else lines)
+        n = sum(line.event_count for line in chosen)
+        want = list(dict.fromkeys(stats))
+        ids_by_stat = {s: [i for i, nm in self.stat_names.items() if nm == s] for s in want}
+        # one scan column per (stat, metadata id): a stat name may own several ids
+        col_of: list[tuple[str, int]] = [(s, i) for s in want for i in ids_by_stat[s]]
+        stat_ids = np.array([i for _, i in col_of], dtype=np.int64)
+        mid = np.empty(n, np.int64)
+        start = np.empty(n, np.int64)
+        dur = np.empty(n, np.int64)
+        vals = np.zeros(len(col_of) * n, np.int64)
+        kinds = np.zeros(len(col_of) * n, np.int8)
+        line_id = np.empty(n, np.int64)
+        line_code = np.empty(n, np.int32)
+        row = 0
+        for li, line in enumerate(chosen):
+            first = row
+            for s, e in line._ranges:
+                try:
+                    row += _wirescan.decode_events(self._buf, s, e, line.timestamp_ns * 1000, stat_ids.tobytes(),
+                                                   row, mid, start, dur, vals, kinds)
+                except ValueError as err:
+                    raise FormatError(f"{self.source}: events of line {line.name!r} on plane {self.name!r}: {err}; "
+                                      "the file is corrupt or truncated - capture the profile again") from None
+            line_id[first:row] = line.id
+            line_code[first:row] = li
+        names = sorted({line.name for line in chosen})
+        code_of = {nm: names.index(nm) for nm in names}
+        line_codes = np.array([code_of[line.name] for line in chosen] or [0], dtype=np.int32)[line_code]
+        df = pd.DataFrame({
+            "line_id": line_id,
+            "line_name": pd.Categorical.from_codes(line_codes, categories=names) if n else pd.Categorical([]),
+            "metadata_id": mid,
+        })
+        meta_ids = np.array(sorted(self.event_metadata), dtype=np.int64)
+        pos = np.searchsorted(meta_ids, mid) if len(meta_ids) else np.zeros(n, np.int64)
+        known = (pos < len(meta_ids)) & (meta_ids[np.minimum(pos, max(len(meta_ids) - 1, 0))] == mid) \
+            if len(meta_ids) else np.zeros(n, bool)
+        codes = np.where(known, pos, -1).astype(np.int32)
+        metas = [self.event_metadata[int(i)] for i in meta_ids]
+        df["name"] = _categorical(codes, [m.name for m in metas])
+        df["display_name"] = _categorical(codes, [m.display_name or m.name for m in metas])
+        df["start_ps"] = start
+        df["duration_ps"] = dur
+        vals2 = vals.reshape(len(col_of), n) if n else vals.reshape(len(col_of), 0)
+        kinds2 = kinds.reshape(len(col_of), n) if n else kinds.reshape(len(col_of), 0)
+        for s in want:
+            cols = [j for j, (nm, _) in enumerate(col_of) if nm == s]
+            v = np.zeros(n, np.int64)
+            k = np.zeros(n, np.int8)
+            for j in cols:  # later ids win where both are set (rare)
+                set_ = kinds2[j] != 0
+                v[set_] = vals2[j][set_]
+                k[set_] = kinds2[j][set_]
+            df[s] = self._resolve(v, k, codes, s, metas if merge_metadata_stats else None)
+        return df
+
+    def _resolve(self, v: np.ndarray, k: np.ndarray, codes: np.ndarray, stat: str,
+                 metas: list[EventMetadata] | None) -> pd.Series:
+        present = set(np.unique(k).tolist()) - {0}
+        meta_vals = [m.stats.get(stat) for m in metas] if metas else []
+        has_meta = any(x is not None for x in meta_vals)
+        numeric = present <= {_KIND_INT, _KIND_UINT} and all(
+            isinstance(x, (int, np.integer)) or x is None for x in meta_vals)
+        if numeric:
+            out = pd.array(np.where(k == _KIND_UINT, v.view(np.uint64).astype(np.int64), v), dtype="Int64")
+            out[k == 0] = pd.NA
+            if has_meta:
+                fill = pd.array([x for x in meta_vals] + [None], dtype="Int64")
+                missing = (k == 0)
+                out[missing] = fill[np.where(codes[missing] >= 0, codes[missing], len(meta_vals))]
+            return pd.Series(out)
+        if present and present <= {_KIND_INT, _KIND_UINT, _KIND_DOUBLE} and not has_meta:
+            out = np.where(k == _KIND_UINT, v.view(np.uint64).astype(np.float64), v.astype(np.float64))
+            out = np.where(k == _KIND_DOUBLE, v.view(np.float64), out)
+            out[k == 0] = np.nan
+            return pd.Series(out)
+        # strings (refs, str, bytes) or a mix: categories of distinct values
+        values: list[Any] = []
+        index: dict[Any, int] = {}
+        cat_codes = np.full(len(v), -1, np.int32)
+        for kind in present:
+            sel = np.flatnonzero(k == kind)
+            uniq, inv = np.unique(v[sel], return_inverse=True)
+            decoded = [self._decode_value(kind, int(u)) for u in uniq]
+            ids = np.array([index.setdefault(d, len(index)) for d in decoded] or [0], dtype=np.int32)
+            cat_codes[sel] = ids[inv]
+        values = list(index)
+        if has_meta:
+            missing = np.flatnonzero(cat_codes < 0)
+            mc = codes[missing]
+            meta_codes = np.array([index.setdefault(x, len(index)) if x is not None else -1 for x in meta_vals]
+                                  + [-1], dtype=np.int32)
+            cat_codes[missing] = meta_codes[np.where(mc >= 0, mc, len(meta_vals))]
+            values = list(index)
+        if any(not isinstance(x, str) for x in values):  # mixed kinds: keep each value as decoded
+            return pd.Series([values[c] if c >= 0 else None for c in cat_codes], dtype=object)
+        return pd.Series(pd.Categorical.from_codes(cat_codes, categories=values) if values else
+                         pd.Categorical([None] * len(v)))
+
+    def _decode_value(self, kind: int, raw: int) -> Any:
+        if kind == _KIND_REF:
+            return self.stat_names.get(raw, "")
+        if kind == _KIND_DOUBLE:
+            return float(np.int64(raw).view(np.float64))
+        if kind in (_KIND_INT, _KIND_UINT):
+            return raw
+        off, length = raw >> _STR_LEN_BITS, raw & ((1 << _STR_LEN_BITS) - 1)
+        data = bytes(self._buf[off: off + length])
+        if kind == _KIND_STR:
+            return data.decode("utf-8", "replace")
+        if kind == _KIND_ZSTR:
+            return _gunzip_text(data)
+        return data
+
+
+def _categorical(codes: np.ndarray, categories: list[str]) -> pd.Categorical:
+    uniq = list(dict.fromkeys(categories))
+    if len(uniq) == len(categories):
+        return pd.Categorical.from_codes(codes, categories=categories)
+    remap = np.array([uniq.index(c) for c in categories] + [-1], dtype=np.int32)
+    return pd.Categorical.from_codes(remap[np.where(codes >= 0, codes, len(categories))], categories=uniq)
+
+
+@dataclass(eq=False)
+class XSpace:
+    """A decoded ``.xplane.pb``: planes in file order, plus the XSpace errors/warnings/hostnames."""
+
+    path: str
+    planes: list[Plane]
+    hostnames: list[str]
+    errors: list[str]
+    warnings: list[str]
+    size_bytes: int = 0
+
+    def plane(self, name: str) -> Plane | None:
+        return next((p for p in self.planes if p.name == name), None)
+
+    @property
+    def host(self) -> str:
+        """Host name: the XSpace's own, else the file name before ``.xplane.pb``."""
+        if self.hostnames:
+            return self.hostnames[0]
+        return Path(self.path).name.split(".xplane")[0].split(".xspace")[0]
+
+    @property
+    def profile_start_time_ns(self) -> int | None:
+        """``profile_start_time`` (epoch ns) of the ``Task Environment`` plane, ``None`` if absent."""
+        env = self.plane("Task Environment")
+        value = env.stats.get("profile_start_time") if env else None
+        return int(value) if value is not None else None
+
+
+def _load_bytes(path: Path) -> Any:
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise InputError(f"cannot open {path}: {e.strerror}") from None
+    with f:
+        head = f.read(2)
+        if head == b"\x1f\x8b":
+            f.seek(0)
+            try:
+                return gzip.decompress(f.read())
+            except (OSError, EOFError, zlib.error) as e:
+                raise FormatError(f"{path}: gzip data is corrupt or truncated ({e}); capture the profile again") \
+                    from None
+        if not head:
+            raise FormatError(f"{path}: the file is empty; capture the profile again")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def read_xspace(path: str | Path) -> XSpace:
+    """Decode an ``.xplane.pb`` (or gzip-compressed ``.xplane.pb.gz``) file.
+
+    Plane headers, metadata and stats are parsed by protobuf; line events are left in the (memory-mapped)
+    file and decoded on demand by :meth:`Plane.events`.
+
+    :raises InputError: the file cannot be opened.
+    :raises FormatError: the bytes are not a valid XSpace (corrupt, truncated, or text-mangled).
+    """
+    p = Path(path)
+    buf = _load_bytes(p)
+    size = len(buf)
+
+    def bad(why: str) -> FormatError:
+        hint = ""
+        if bytes(buf[: min(size, 65536)]).count(b"\xef\xbf\xbd") > 16:
+            hint = " (bytes >= 0x80 were replaced by U+FFFD: the file went through a text conversion)"
+        return FormatError(f"{p}: not a valid XSpace protobuf: {why}{hint}; pass an intact .xplane.pb")
+
+    try:
+        top = _wirescan.scan_fields(buf, 0, size)
+    except ValueError as e:
+        raise bad(str(e)) from None
+    XS, XP, XL = SCHEMA["XSpace"], SCHEMA["XPlane"], SCHEMA["XLine"]
+    header = XS()
+    planes: list[Plane] = []
+    try:
+        header.ParseFromString(b"".join(bytes(buf[t:e]) for f, wt, t, s, e, _ in top if f != 1))
+        for f, wt, t, s, e, _ in top:
+            if f != 1:
+                continue
+            if wt != 2:
+                raise bad("plane field has the wrong wire type")
+            fields = _wirescan.scan_fields(buf, s, e)
+            xp = XP()
+            xp.ParseFromString(b"".join(bytes(buf[ft:fe]) for ff, _, ft, _, fe, _ in fields if ff != 3))
+            stat_names = {k: v.name for k, v in xp.stat_metadata.items()}
+            lines = []
+            for ff, fwt, _, fs, fe, _ in fields:
+                if ff != 3:
+                    continue
+                lf = _wirescan.scan_fields(buf, fs, fe)
+                xl = XL()
+                xl.ParseFromString(b"".join(bytes(buf[lt:le]) for lff, _, lt, _, le, _ in lf if lff != 4))
+                lines.append(Line(xl.id, xl.display_id or xl.id, xl.name, xl.display_name or xl.name,
+                                  xl.timestamp_ns, xl.duration_ps,
+                                  sum(1 for x in lf if x[0] == 4), ((fs, fe),)))
+            metas = {
+                k: EventMetadata(k, v.name, v.display_name,
+                                 {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names)
+                                  for st in v.stats}, bytes(v.metadata))
+                for k, v in xp.event_metadata.items()
+            }
+            pstats = {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names)
+                      for st in xp.stats}
+            planes.append(Plane(xp.id, xp.name, pstats, metas, stat_names, lines, buf, str(p)))
+    except ValueError as e:
+        raise bad(str(e)) from None
+    except Exception as e:  # protobuf's DecodeError
+        if type(e).__name__ == "DecodeError":
+            raise bad(str(e)) from None
+        raise
+    return XSpace(str(p), planes, list(header.hostnames), list(header.errors), list(header.warnings), size)
+
+
+def parse_full(path: str | Path) -> Any:
+    """Parse the whole file with protobuf alone (the reference decoder; one Python object per event).
+
+    Used by tests to check :meth:`Plane.events` event for event; slow and memory-hungry on large files.
+    """
+    data = _load_bytes(Path(path))
+    msg = SCHEMA["XSpace"]()
+    msg.ParseFromString(bytes(data))
+    return msg
