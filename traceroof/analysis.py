@@ -1,0 +1,300 @@
+"""``analyze()``: the op table of a profile, its roofline verdict and the per-layer rollup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from parsers.hlo import HloModule, Instruction
+from traceroof.chips import Chip, ChipError, get_chip, host_cache_path, host_chip
+from traceroof.cost import CONTROL_OPCODES, CostModel, categorize
+from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, layer_of, parse_scope, rollup
+from traceroof.profile import HloMismatchError, JoinReport, Profile, discover, load_profile, match_modules
+from traceroof.roofline import apply_roofline
+
+FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
+                   "executed work incl. rematerialisation, while bodies x trip count)")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Report header: input, device, chip, steps, and whole-step figures (per device, per step)."""
+
+    input: str
+    device: str
+    chip_id: str
+    chip_name: str
+    chip_note: str
+    peak_flops_per_s: dict[str, float]
+    hbm_bandwidth_bytes_per_s: float | None
+    step_annotation: str
+    steps_total: int
+    steps_used: tuple[int, ...]
+    warmup_steps: int
+    step_time_mean_s: float
+    step_time_std_s: float
+    flops_per_step: float
+    hbm_bytes_per_step: float
+    expected_per_step_s: float
+    op_time_per_step_s: float
+    mfu: float
+    mfu_peak_key: str
+    roofline_efficiency: float
+    devices: int
+    join: JoinReport
+    flop_convention: str = FLOP_CONVENTION
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class Analysis:
+    """Everything a report shows. ``ops`` is the op table (one row per op execution); ``layers`` the
+    per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps."""
+
+    summary: Summary
+    ops: pd.DataFrame
+    layers: pd.DataFrame
+    top_ops: pd.DataFrame
+    steps: pd.DataFrame
+    depth: int = 2
+    findings: tuple[str, ...] = field(default_factory=tuple)
+
+
+_ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
+                 "source", "flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
+                 "cost_note", "called"]
+
+
+def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[str, object]:
+    cost = model.cost(inst)
+    category, dtype = categorize(model, inst)
+    scope, phase = parse_scope(inst.metadata.op_name, optimizer_pattern)
+    operand_shapes = []
+    for i in range(len(inst.operands)):
+        s = model.operand_shape(inst, i)
+        operand_shapes.append(str(s) if s is not None else "?")
+    return {
+        "opcode": inst.opcode, "category": category, "fusion_kind": inst.fusion_kind, "dtype": dtype,
+        "shape": str(inst.shape), "operand_shapes": ", ".join(operand_shapes), "scope": scope, "phase": phase,
+        "source": model.module.source_line(inst), "flops": cost.flops, "transcendentals": cost.transcendentals,
+        "logical_bytes": cost.bytes_accessed, "padded_bytes": cost.padded_bytes, "hbm_bytes": cost.hbm_bytes,
+        "opaque": cost.opaque, "cost_note": cost.note,
+        "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),
+    }
+
+
+def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
+                   ) -> tuple[pd.DataFrame, JoinReport]:
+    """Join profile events to HLO instructions and their costs: one row per op execution.
+
+    Columns: the profile's (``host``, ``device``, ``program_id``, ``module``, ``hlo_op``, ``start_ps``,
+    ``duration_ps``, ``step``), ``measured_s``, ``joined`` (an instruction was found), the instruction's
+    ``opcode``, ``category``, ``fusion_kind``, ``dtype``, ``shape``, ``operand_shapes``, ``scope``, ``layer``,
+    ``phase``, ``source``, per-execution ``flops``, ``transcendentals``, ``logical_bytes``, ``padded_bytes``,
+    ``hbm_bytes``, ``opaque``, ``cost_note``, and ``counted`` (False for control ops such as ``while`` whose
+    bodies' ops are events of their own, so time is not counted twice).
+    """
+    ev = profile.events
+    modules = profile.modules
+    mod_idx, partial = match_modules(ev, modules)
+    op_codes = ev["hlo_op"].cat.codes.to_numpy().astype(np.int64)
+    keys, uniques = pd.factorize(mod_idx * (1 << 32) + op_codes)
+    op_names = list(ev["hlo_op"].cat.categories)
+    models: dict[int, CostModel] = {}
+    rows: list[dict[str, object] | None] = []
+    for key in uniques:
+        mi, oc = int(key) >> 32, int(key) & 0xFFFFFFFF
+        if mi < 0 or mi >= len(modules):
+            rows.append(None)
+            continue
+        model = models.get(mi) or models.setdefault(mi, CostModel(modules[mi]))
+        inst = model.module.instruction(op_names[oc])
+        rows.append(_attrs(model, inst, optimizer_pattern) if inst is not None else None)
+    joined_u = np.array([r is not None for r in rows] or [False])
+    blank = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "",
+             "operand_shapes": "", "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0,
+             "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0,
+             "opaque": False, "cost_note": "", "called": ()}
+    table = pd.DataFrame([r if r is not None else blank for r in rows], columns=_ATTR_COLUMNS)
+    # control ops (while/call/conditional): not counted when their bodies' ops show up as events
+    comps_with_events: set[tuple[int, str]] = set()
+    for u, key in enumerate(uniques):
+        mi, oc = int(key) >> 32, int(key) & 0xFFFFFFFF
+        if rows[u] is not None:
+            comp = models[mi].comp_of.get(op_names[oc])
+            if comp is not None:
+                comps_with_events.add((mi, comp.name))
+    counted_u = np.array([not any((int(uniques[u]) >> 32, c) in comps_with_events for c in table.at[u, "called"])
+                          for u in range(len(uniques))] or [True])
+    out = ev.copy()
+    out["measured_s"] = ev["duration_ps"].to_numpy(np.float64) * 1e-12
+    out["joined"] = joined_u[keys] if len(ev) else np.zeros(0, bool)
+    for col in _ATTR_COLUMNS:
+        if col == "called":
+            continue
+        vals = table[col].to_numpy()
+        if col in ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes"):
+            out[col] = vals.astype(np.float64)[keys] if len(ev) else np.zeros(0)
+        elif col == "opaque":
+            out[col] = vals.astype(bool)[keys] if len(ev) else np.zeros(0, bool)
+        else:
+            cat = pd.Categorical(vals)
+            out[col] = pd.Categorical.from_codes(cat.codes[keys], categories=cat.categories) if len(ev) \
+                else pd.Categorical([])
+    out["counted"] = counted_u[keys] if len(ev) else np.zeros(0, bool)
+    layer_cat = pd.Categorical([layer_of(str(s), depth) for s in out["scope"].cat.categories])
+    out["layer"] = pd.Categorical.from_codes(layer_cat.codes[out["scope"].cat.codes.to_numpy()],
+                                             categories=layer_cat.categories) if len(ev) else pd.Categorical([])
+    joined_mask = out["joined"].to_numpy(bool)
+    report = JoinReport(partial.events_total, int(joined_mask.sum()), partial.time_total_ps,
+                        int(ev["duration_ps"].to_numpy()[joined_mask].sum()), partial.unmatched_modules,
+                        int(sum(1 for u, r in enumerate(rows) if r is None and int(uniques[u]) >> 32 >= 0
+                                and int(uniques[u]) >> 32 < len(modules))),
+                        partial.ambiguous_modules)
+    return out, report
+
+
+def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
+    """The target chip and a note saying why it was chosen.
+
+    :raises ChipError: no chip given for a device profile (detection needs a known device), or unknown name.
+    """
+    if isinstance(chip, Chip):
+        return chip, ""
+    if chip:
+        return get_chip(chip), ""
+    if profile.device_kind == "cpu":
+        c = host_chip()
+        return c, (f"CPU profile judged against this machine's calibration ({host_cache_path()}; "
+                   "`traceroof calibrate` re-measures it)")
+    raise ChipError(f"cannot tell the target chip of this {profile.device_kind.upper()} profile; pass --chip "
+                    "(see `traceroof chips`)")
+
+
+def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] = (), chip: str | Chip | None = None,
+            depth: int = 2, warmup_steps: int = 1, top: int = 10,
+            optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> Analysis:
+    """Analyze a profile: op table, roofline on ``chip``, per-layer rollup, top ops by lost time.
+
+    :param paths: ``.xplane.pb`` / trace JSON files, run directories or logdirs (one capture; all hosts).
+    :param hlo: HLO text files or ``--xla_dump_to`` folders (dumps found beside the profile are added).
+    :param chip: chip id/name/alias, a chip ``.toml`` path, or a :class:`Chip`; CPU profiles default to the
+        calibrated host.
+    :param depth: named-scope segments that make a layer (``layer_0/mlp`` at depth 2).
+    :param warmup_steps: marked steps excluded from the start of the profile.
+    :param top: number of ops in ``top_ops``.
+    :raises TraceroofError: bad input (see :mod:`parsers.errors`), unknown chip, HLO that does not match.
+    """
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    profile = load_profile(discover(paths, hlo))
+    notes = list(profile.notes)
+    target, chip_note = resolve_chip(profile, chip)
+    ops, join = build_op_table(profile, depth, optimizer_pattern)
+    if hlo and join.events_joined == 0:
+        raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given "
+                               f"(profile modules: {', '.join(join.unmatched_modules[:4]) or '?'}); "
+                               "pass the after-optimization dumps of the profiled run")
+    if not profile.modules:
+        notes.append("no HLO found: times only; pass --hlo DIR (an --xla_dump_to folder) for the roofline")
+    elif join.events_joined < join.events_total:
+        share = 1 - join.time_joined_ps / max(join.time_total_ps, 1)
+        notes.append(f"{join.events_total - join.events_joined:,} of {join.events_total:,} op events "
+                     f"({share:.1%} of op time) have no HLO"
+                     + (f" (modules without HLO: {', '.join(join.unmatched_modules[:5])})"
+                        if join.unmatched_modules else "")
+                     + (f" (ambiguous module names: {', '.join(join.ambiguous_modules)})"
+                        if join.ambiguous_modules else "")
+                     + "; pass --hlo DIR with those modules' dumps")
+    ops = apply_roofline(ops, target)
+
+    steps = profile.steps
+    if steps.empty:
+        span = int(ops["start_ps"].max() + ops["duration_ps"].max() - ops["start_ps"].min()) if len(ops) else 0
+        ops["step"] = pd.array(np.zeros(len(ops), np.int64), "Int64")
+        steps = pd.DataFrame({"host": [""], "step": pd.array([0], "Int64"),
+                              "start_ps": [int(ops["start_ps"].min()) if len(ops) else 0],
+                              "end_ps": [int(ops["start_ps"].min()) + span if len(ops) else 0]})
+        notes.append("no steps marked (jax.profiler.StepTraceAnnotation): the whole profile is one step")
+        warmup_steps = 0
+    all_steps = sorted(set(int(s) for s in steps["step"].dropna()))
+    used = tuple(all_steps[warmup_steps:]) if len(all_steps) > warmup_steps else tuple(all_steps)
+    if len(all_steps) <= warmup_steps:
+        notes.append(f"only {len(all_steps)} step(s) marked: none excluded as warm-up")
+    sel = steps[steps["step"].isin(used)]
+    durations = (sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12
+    step_mean = float(durations.mean()) if len(durations) else float("nan")
+    step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
+    ops["step"] = ops["step"].where(ops["step"].isin(used))
+    counted = ops[ops["counted"] & ops["step"].notna()]
+    n_dev = max(counted["device"].nunique(), 1)
+    k = 1.0 / (max(len(used), 1) * n_dev)
+    flops = float(counted["flops"].sum()) * k
+    hbm = float(counted["hbm_bytes"].sum()) * k
+    expected = float(counted["expected_s"].sum()) * k
+    op_time = float(counted["measured_s"].sum()) * k
+    mm = counted[counted["category"] == "matmul"]
+    main_dtype = str(mm.groupby("dtype", observed=True)["flops"].sum().idxmax()) if len(mm) else "f32"
+    peak, peak_key = target.peak_for(main_dtype)
+    mfu = flops / step_mean / peak if peak and step_mean > 0 else float("nan")
+    summary = Summary(
+        input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
+        chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
+        hbm_bandwidth_bytes_per_s=target.hbm_bandwidth_bytes_per_s, step_annotation=profile.step_annotation,
+        steps_total=len(all_steps), steps_used=used, warmup_steps=min(warmup_steps, len(all_steps)),
+        step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
+        expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
+        roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=n_dev, join=join,
+        notes=tuple(notes),
+    )
+    layers = rollup(ops, len(used), step_mean)
+    return Analysis(summary, ops, layers, top_ops(counted, len(used) * n_dev, top), steps, depth,
+                    tuple(_findings(summary, counted, len(used) * n_dev)))
+
+
+def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
+    """The ``n`` ops (module, HLO op) losing most time per step, with opcode, category, shapes and bound."""
+    cols = ["module", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step", "time_per_step_s",
+            "expected_per_step_s", "lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
+    d = counted[counted["joined"]]
+    if d.empty:
+        return pd.DataFrame(columns=cols)
+    g = d.groupby(["module", "hlo_op"], observed=True, sort=False)
+    first = g.first()
+    agg = pd.DataFrame({
+        "executions_per_step": g.size() / per,
+        "time_per_step_s": g["measured_s"].sum() / per,
+        "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
+        "lost_per_step_s": g["lost_s"].sum(min_count=1) / per,
+    })
+    agg["efficiency"] = agg["expected_per_step_s"] / agg["time_per_step_s"]
+    for c in ("opcode", "category", "layer", "phase", "bound", "shape", "operand_shapes"):
+        agg[c] = first[c].astype(str)
+    agg = agg.reset_index()
+    agg["module"] = agg["module"].astype(str)
+    agg["hlo_op"] = agg["hlo_op"].astype(str)
+    agg = agg.sort_values(["lost_per_step_s", "time_per_step_s", "hlo_op"], ascending=[False, False, True],
+                          kind="stable", na_position="last")
+    return agg[cols].head(n).reset_index(drop=True)
+
+
+def _findings(s: Summary, counted: pd.DataFrame, per: int) -> list[str]:
+    out = []
+    if s.step_time_mean_s > 0 and s.op_time_per_step_s > 0:
+        busy = s.op_time_per_step_s / s.step_time_mean_s
+        if busy < 0.5:
+            out.append(f"ops cover {busy:.0%} of the step time: the rest is host overhead, input or idle gaps")
+    opaque = counted[counted["opaque"]]
+    if len(opaque):
+        out.append(f"{opaque['measured_s'].sum() / per * 1e3:.3f} ms per step in opaque custom-calls "
+                   "(measured, no expectation)")
+    fast = counted[(counted["efficiency"] > 1.5) & counted["joined"]]
+    if len(fast):
+        names = ", ".join(sorted(fast["hlo_op"].astype(str).unique())[:5])
+        out.append(f"{fast['hlo_op'].nunique()} op(s) ran faster than their roofline ({names}...): the chip "
+                   "figures are below what the device reached (for a calibrated host: caches, not DRAM)")
+    return out

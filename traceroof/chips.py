@@ -1,0 +1,285 @@
+"""Chip database: peak FLOP/s per dtype, HBM, on-chip memories and interconnects, as data files.
+
+Each chip is one TOML file (``traceroof/chips/*.toml``, bundled) whose every figure is a table
+``{ value = ..., source = "..." }`` naming its datasheet or paper section. Users add chips by writing the same
+kind of file into ``$TRACEROOF_CHIPS_DIR`` (or ``~/.config/traceroof/chips``), or by passing a file path to
+``--chip``. ``calibrate`` measures this machine into such a file (``kind = "cpu"``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import tomllib
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from parsers.errors import TraceroofError
+
+BUNDLED_DIR = Path(__file__).resolve().parent / "chips"
+
+# HLO element type -> keys of [peak_flops_per_s] to try, in order.
+DTYPE_PEAK_KEYS: dict[str, tuple[str, ...]] = {
+    "bf16": ("bf16", "f16"),
+    "f16": ("f16", "bf16"),
+    "f32": ("f32", "tf32", "bf16"),
+    "f64": ("f64", "f32", "vector_f32"),
+    "s8": ("int8",), "u8": ("int8",),
+    "s4": ("int4", "int8"), "u4": ("int4", "int8"),
+    "f8e4m3fn": ("fp8",), "f8e5m2": ("fp8",), "f8e4m3fnuz": ("fp8",), "f8e5m2fnuz": ("fp8",),
+    "f8e4m3": ("fp8",), "f8e3m4": ("fp8",), "f8e4m3b11fnuz": ("fp8",),
+    "f4e2m1fn": ("fp4", "fp8"),
+}
+
+
+class ChipError(TraceroofError):
+    """An unknown chip name or an invalid chip file."""
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One chip figure with the source it was taken from."""
+
+    value: Any
+    source: str
+
+
+@dataclass(frozen=True)
+class Chip:
+    """A chip's figures. ``figures`` maps ``section.key`` (e.g. ``memory.hbm_bandwidth_bytes_per_s``) to a
+    :class:`Figure`; the properties below read the common ones. ``path`` is the file it came from."""
+
+    id: str
+    name: str
+    vendor: str
+    kind: str
+    aliases: tuple[str, ...]
+    figures: dict[str, Figure] = field(default_factory=dict)
+    path: str = ""
+    note: str = ""
+
+    def figure(self, key: str) -> Figure | None:
+        return self.figures.get(key)
+
+    def value(self, key: str, default: Any = None) -> Any:
+        f = self.figures.get(key)
+        return f.value if f is not None else default
+
+    @property
+    def peak_flops_per_s(self) -> dict[str, float]:
+        return {k.split(".", 1)[1]: float(f.value) for k, f in self.figures.items()
+                if k.startswith("peak_flops_per_s.")}
+
+    @property
+    def hbm_bandwidth_bytes_per_s(self) -> float | None:
+        v = self.value("memory.hbm_bandwidth_bytes_per_s")
+        return float(v) if v is not None else None
+
+    def peak_for(self, element_type: str, vector: bool = False) -> tuple[float | None, str]:
+        """Peak FLOP/s for work in ``element_type`` and the key used.
+
+        Matrix work (dot, convolution) uses the dtype's dense matrix-unit peak; ``vector`` work (elementwise,
+        reductions) uses ``vector_f32`` where the chip file has it. Returns ``(None, "")`` when no figure fits.
+        """
+        peaks = self.peak_flops_per_s
+        if vector and "vector_f32" in peaks:
+            return peaks["vector_f32"], "vector_f32"
+        for key in DTYPE_PEAK_KEYS.get(element_type, ("f32", "bf16")):
+            if key in peaks:
+                return peaks[key], key
+        if peaks:
+            key = max(peaks, key=lambda k: peaks[k])
+            return peaks[key], key
+        return None, ""
+
+
+def _user_dirs() -> list[Path]:
+    dirs = []
+    env = os.environ.get("TRACEROOF_CHIPS_DIR")
+    if env:
+        dirs.append(Path(env))
+    dirs.append(Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "traceroof" / "chips")
+    return dirs
+
+
+def load_chip_file(path: str | Path) -> Chip:
+    """Read one chip TOML file.
+
+    :raises ChipError: unreadable file, invalid TOML, or a figure without a value.
+    """
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ChipError(f"cannot read chip file {p}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ChipError(f"chip file {p} is not valid TOML: {e}") from None
+    figures: dict[str, Figure] = {}
+    for section, body in data.items():
+        if not isinstance(body, dict) or section == "detect":
+            continue
+        for key, fig in body.items():
+            if isinstance(fig, dict):
+                if "value" not in fig:
+                    raise ChipError(f"chip file {p}: {section}.{key} has no 'value'")
+                figures[f"{section}.{key}"] = Figure(fig["value"], str(fig.get("source", "")))
+            else:
+                figures[f"{section}.{key}"] = Figure(fig, "")
+    if "name" not in data:
+        raise ChipError(f"chip file {p} has no 'name'")
+    return Chip(id=p.stem, name=str(data["name"]), vendor=str(data.get("vendor", "")),
+                kind=str(data.get("kind", "")), aliases=tuple(data.get("aliases", ())), figures=figures,
+                path=str(p), note=str(data.get("note", "")))
+
+
+def all_chips() -> list[Chip]:
+    """Bundled chips, then user chips (a user file with a bundled id replaces it), sorted by id."""
+    chips: dict[str, Chip] = {}
+    for d in [BUNDLED_DIR, *_user_dirs()]:
+        if d.is_dir():
+            for f in sorted(d.glob("*.toml")):
+                chips[f.stem] = load_chip_file(f)
+    return [chips[k] for k in sorted(chips)]
+
+
+def _norm(s: str) -> str:
+    return "".join(ch for ch in s.lower() if ch.isalnum())
+
+
+def get_chip(name_or_path: str) -> Chip:
+    """A chip by id, name or alias (case and punctuation ignored), or a path to a chip file.
+
+    :raises ChipError: no such chip; the message lists the closest known ids.
+    """
+    p = Path(name_or_path)
+    if name_or_path.endswith(".toml") or p.is_file():
+        if not p.is_file():
+            raise ChipError(f"chip file {p} does not exist")
+        return load_chip_file(p)
+    want = _norm(name_or_path)
+    chips = all_chips()
+    for c in chips:
+        if want in {_norm(c.id), _norm(c.name), *(_norm(a) for a in c.aliases)}:
+            return c
+    import difflib
+
+    close = difflib.get_close_matches(want, [_norm(c.id) for c in chips], n=3, cutoff=0.3)
+    ids = [c.id for c in chips if _norm(c.id) in close] or [c.id for c in chips]
+    raise ChipError(f"unknown chip {name_or_path!r}; closest known: {', '.join(ids)} "
+                    "(see `traceroof chips`, or pass a chip .toml file)")
+
+
+# -- host calibration -------------------------------------------------------------------------------------
+
+def host_cache_path() -> Path:
+    """Where the calibrated host chip file is cached (``$XDG_CACHE_HOME/traceroof/host.toml``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "traceroof" / "host.toml"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured peaks of this machine: matmul FLOP/s per dtype, vector FLOP/s and memory bandwidth."""
+
+    matmul_flops_per_s: dict[str, float]
+    vector_flops_per_s: float
+    memory_bandwidth_bytes_per_s: float
+    cpu: str
+    threads: int
+    measured_at: str
+    engine: str = ""
+
+
+def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: int = 1 << 28) -> Calibration:
+    """Measure this machine: best-of-runs square matmul FLOP/s (2·n³ per matmul) per dtype, vector FLOP/s of
+    a fused elementwise chain on a cache-resident array (2 FLOPs per multiply-add), and DRAM bandwidth from a
+    large array copy (read + write bytes).
+
+    With JAX installed the matmuls and the vector chain run on XLA:CPU (what a CPU profile ran on; f32 and
+    bf16); otherwise numpy runs them (f32 and f64, vector rate of numpy's in-cache add). The figures are a
+    practical roof for this machine under its current load, not a datasheet.
+    """
+    import platform
+
+    import numpy as np
+
+    def best(fn: Any) -> float:
+        fn()
+        t_best, deadline = float("inf"), time.perf_counter() + seconds_per_test
+        while True:
+            t0 = time.perf_counter()
+            fn()
+            t_best = min(t_best, time.perf_counter() - t0)
+            if time.perf_counter() > deadline:
+                return t_best
+
+    matmul: dict[str, float] = {}
+    try:
+        import jax
+        import jax.numpy as jnp
+
+        cpu0 = jax.devices("cpu")[0]
+        for key, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+            a = jax.device_put(jnp.ones((matmul_n, matmul_n), dt), cpu0)
+            mm = jax.jit(lambda a: a @ a)
+            matmul[key] = 2 * matmul_n**3 / best(lambda: mm(a).block_until_ready())
+        chain = 32
+
+        def fma_chain(x: Any) -> Any:
+            for _ in range(chain):
+                x = x * 1.0001 + 0.5
+            return x
+
+        x = jax.device_put(jnp.ones(1 << 16, jnp.float32), cpu0)
+        f = jax.jit(fma_chain)
+        vec = 2 * chain * x.size / best(lambda: f(x).block_until_ready())
+        engine = f"XLA:CPU (jax {jax.__version__})"
+    except ImportError:
+        for key, np_dtype in (("f32", "float32"), ("f64", "float64")):
+            a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n)).astype(np_dtype)
+            matmul[key] = 2 * matmul_n**3 / best(lambda: a @ a)
+        xs = np.ones(1 << 14, np.float32)
+        ys = np.empty_like(xs)
+        vec = xs.size / best(lambda: np.add(xs, xs, out=ys))
+        engine = f"numpy {np.__version__}"
+    n = copy_bytes // 8
+    src = np.ones(n, np.float64)
+    dst = np.empty_like(src)
+    bw = 2 * src.nbytes / best(lambda: np.copyto(dst, src))
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return Calibration(matmul, vec, bw, cpu, os.cpu_count() or 1,
+                       datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), engine)
+
+
+def calibration_toml(cal: Calibration, name: str = "calibrated host") -> str:
+    """A chip file for a calibration (the same format as the bundled chips)."""
+    src = f"traceroof calibrate on {cal.cpu}, {cal.threads} threads, {cal.engine}, {cal.measured_at}"
+    lines = [
+        f'name = "{name}"', 'vendor = "host"', 'kind = "cpu"', 'aliases = ["host"]',
+        f'note = "measured, not a datasheet: {src}"', "", "[peak_flops_per_s]",
+    ]
+    for k, v in sorted(cal.matmul_flops_per_s.items()):
+        lines.append(f'{k} = {{ value = {v:.4e}, source = "{src}: {k} square matmul, best of runs" }}')
+    lines.append(f'vector_f32 = {{ value = {cal.vector_flops_per_s:.4e}, '
+                 f'source = "{src}: f32 elementwise multiply-add chain in cache" }}')
+    lines += ["", "[memory]",
+              f'hbm_bandwidth_bytes_per_s = {{ value = {cal.memory_bandwidth_bytes_per_s:.4e}, '
+              f'source = "{src}: DRAM bandwidth from a 256 MiB copy (read + write)" }}', ""]
+    return "\n".join(lines)
+
+
+def host_chip(recalibrate: bool = False) -> Chip:
+    """The calibrated host chip: read from the cache, measured (and cached) when absent or asked."""
+    path = host_cache_path()
+    if recalibrate or not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(calibration_toml(calibrate()))
+    return load_chip_file(path)

@@ -1,0 +1,104 @@
+"""Command line: every command is one library call and a renderer. Bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+import click
+
+from parsers.errors import TraceroofError
+
+FORMATS = ("terminal", "markdown", "json", "csv")
+
+
+def _fail(message: str) -> None:
+    click.echo(f"traceroof: error: {message}", err=True)
+    sys.exit(2)
+
+
+def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
+    def wrapper(*args: object, **kwargs: object) -> None:
+        try:
+            fn(*args, **kwargs)
+        except TraceroofError as e:
+            _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except MemoryError:
+            _fail("out of memory while reading the input; analyze fewer hosts or a shorter capture")
+        except OSError as e:
+            _fail(f"{e.filename or ''}: {e.strerror}" if e.strerror else str(e))
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+def _write(text: str, output: str | None) -> None:
+    if output:
+        try:
+            Path(output).write_text(text, encoding="utf-8")
+        except OSError as e:
+            raise TraceroofError(f"cannot write {output}: {e.strerror}") from None
+    else:
+        click.echo(text, nl=False)
+
+
+@click.group()
+@click.version_option(package_name="traceroof")
+def main() -> None:
+    """Roofline and per-layer efficiency reports for profiled XLA programs."""
+
+
+@main.command()
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--hlo", "hlo", multiple=True, help="HLO text file or --xla_dump_to folder (repeatable).")
+@click.option("--chip", help="Target chip id/name (see `traceroof chips`) or a chip .toml file.")
+@click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 32),
+              help="Named-scope segments per layer.")
+@click.option("--warmup-steps", default=1, show_default=True, type=click.IntRange(0),
+              help="Marked steps excluded at the start.")
+@click.option("--top", default=10, show_default=True, type=click.IntRange(0), help="Ops listed by lost time.")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="terminal", show_default=True)
+@click.option("--table", type=click.Choice(("layers", "top-ops", "ops")), default="layers", show_default=True,
+              help="Table written by --format csv.")
+@click.option("-o", "--output", help="Write the report to this file instead of stdout.")
+@_guarded
+def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: int, warmup_steps: int,
+            top: int, fmt: str, table: str, output: str | None) -> None:
+    """Per-layer roofline report of a profile (.xplane.pb, run directory, logdir or trace JSON)."""
+    from traceroof.analysis import analyze as run
+    from traceroof.report import render
+
+    a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top)
+    _write(render(a, fmt, table), output)
+
+
+@main.command()
+@click.option("--sources", is_flag=True, help="Print every figure with its source.")
+@_guarded
+def chips(sources: bool) -> None:
+    """List the chip database (bundled and user chip files)."""
+    from traceroof.chips import all_chips
+    from traceroof.report.chips import render_chips
+
+    click.echo(render_chips(all_chips(), sources), nl=False)
+
+
+@main.command()
+@click.option("-o", "--output", help="Chip file to write (default: the host cache used for CPU profiles).")
+@click.option("--name", default="calibrated host", show_default=True)
+@_guarded
+def calibrate(output: str | None, name: str) -> None:
+    """Measure this machine (matmul FLOP/s, vector FLOP/s, memory bandwidth) into a chip file."""
+    from traceroof.chips import calibrate as measure, calibration_toml, host_cache_path
+
+    path = Path(output) if output else host_cache_path()
+    text = calibration_toml(measure(), name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _write(text, str(path))
+    click.echo(f"wrote {path}", err=True)
+
+
+if __name__ == "__main__":
+    main()

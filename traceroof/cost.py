@@ -1,0 +1,532 @@
+"""FLOPs, transcendentals and bytes accessed per HLO instruction, and per execution of a module.
+
+The rules are XLA's ``HloCostAnalysis`` (openxla/xla ``xla/service/hlo_cost_analysis.cc``; summarised in
+``docs/reference/cost-model.md`` §2-§4): 2 FLOPs per multiply-add, elementwise ops one FLOP (or one
+transcendental) per output element, fusions costed from their fused computation with fusion-boundary bytes.
+Where XLA is knowingly wrong we differ, and say so per op:
+
+* a ``while`` body runs ``known_trip_count`` times (or the count inferred from its condition), not once;
+* GEMM custom-calls (``__cublas$gemm``, ``__cublas$lt$matmul*``, hipBLASLt uses the same targets) get the dot
+  FLOPs from their operands and ``gemm_backend_config``; other custom-calls are *opaque* (no invented cost);
+* bytes with tile padding (``T(...)`` layouts) are kept beside logical bytes; HBM bytes exclude ``S(n != 0)``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from parsers.hlo import Computation, HloModule, Instruction, Shape
+
+TRANSCENDENTAL_OPCODES = frozenset({
+    "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh", "sine", "cosine",
+    "exponential-minus-one", "log-plus-one", "atan2", "tan",
+})
+ELEMENTWISE_OPCODES = TRANSCENDENTAL_OPCODES | frozenset({
+    "abs", "negate", "sign", "not", "ceil", "floor", "round-nearest-afz", "round-nearest-even", "convert",
+    "bitcast-convert", "real", "imag", "is-finite", "count-leading-zeros", "popcnt", "reduce-precision", "add",
+    "subtract", "multiply", "divide", "remainder", "maximum", "minimum", "complex", "and", "or", "xor",
+    "shift-left", "shift-right-arithmetic", "shift-right-logical", "compare", "select", "clamp",
+    "stochastic-convert", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cosh", "sinh", "mulhi",
+})
+ZERO_COST_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "domain", "after-all",
+                               "add-dependency", "bitcast", "opt-barrier", "optimization-barrier",
+                               "partition-id", "replica-id"})
+CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
+GEMM_CUSTOM_CALL = re.compile(r"^__cublas\$(gemm|lt\$matmul.*)$|^__hipblaslt\$|^__rocblas\$gemm")
+CONV_CUSTOM_CALL = re.compile(r"^__cudnn\$conv")
+COLLECTIVE_OPCODES = frozenset({
+    "all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter", "all-to-all",
+    "ragged-all-to-all", "collective-permute", "collective-permute-start", "collective-broadcast",
+    "send", "recv",
+})
+IMMEDIATE_CONSTANT_MAX_ELEMENTS = 1  # HloCostAnalysis base class (GPU: 8)
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Cost of one execution of one instruction.
+
+    ``flops`` and ``transcendentals`` are counts; ``bytes_accessed`` are logical bytes (XLA's
+    ``bytes accessed``); ``padded_bytes`` include tile padding; ``hbm_bytes`` are padded bytes of buffers in the
+    default memory space (what the memory roofline uses). ``opaque`` marks a custom-call we cannot cost;
+    ``note`` says where the number comes from when it is not XLA's rule.
+    """
+
+    flops: float = 0.0
+    transcendentals: float = 0.0
+    bytes_accessed: float = 0.0
+    padded_bytes: float = 0.0
+    hbm_bytes: float = 0.0
+    opaque: bool = False
+    note: str = ""
+
+    def __add__(self, o: "OpCost") -> "OpCost":
+        return OpCost(self.flops + o.flops, self.transcendentals + o.transcendentals,
+                      self.bytes_accessed + o.bytes_accessed, self.padded_bytes + o.padded_bytes,
+                      self.hbm_bytes + o.hbm_bytes, self.opaque or o.opaque, self.note or o.note)
+
+    def scaled(self, k: float) -> "OpCost":
+        return OpCost(self.flops * k, self.transcendentals * k, self.bytes_accessed * k, self.padded_bytes * k,
+                      self.hbm_bytes * k, self.opaque, self.note)
+
+
+def _sizes(shape: Shape | None) -> tuple[int, int, int]:
+    """(logical, padded, hbm) bytes of a shape: tuples as their pointer table (ShapeUtil::ByteSizeOf)."""
+    if shape is None:
+        return 0, 0, 0
+    logical = shape.byte_size()
+    if shape.is_tuple:
+        return logical, logical, logical
+    padded = shape.padded_byte_size()
+    on_hbm = shape.layout is None or shape.layout.memory_space == 0
+    return logical, padded, padded if on_hbm else 0
+
+
+def _leaf_sizes(shape: Shape) -> tuple[int, int, int]:
+    totals = [0, 0, 0]
+    for leaf in shape.leaves():
+        for i, v in enumerate(_sizes(leaf)):
+            totals[i] += v
+    return totals[0], totals[1], totals[2]
+
+
+@dataclass
+class CostModel:
+    """Costs of every instruction of one module, and how many times each computation runs per execution.
+
+    :param module: a parsed module (after optimizations: its shapes are per device).
+    """
+
+    module: HloModule
+    _cache: dict[tuple[str, str], OpCost] = field(default_factory=dict)
+    _comp_cache: dict[str, OpCost] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.comp_of: dict[str, Computation] = {}
+        self.fused: set[str] = set()
+        for comp in self.module.computations.values():
+            for inst in comp.instructions:
+                self.comp_of[inst.name] = comp
+                if inst.opcode == "fusion":
+                    self.fused.update(inst.called)
+        self.executions = self._execution_counts()
+
+    # -- operand helpers -----------------------------------------------------------------------------
+    def operand_shape(self, inst: Instruction, i: int) -> Shape | None:
+        if i < len(inst.operand_shapes) and inst.operand_shapes[i] is not None:
+            return inst.operand_shapes[i]
+        comp = self.comp_of.get(inst.name)
+        if comp is None or i >= len(inst.operands):
+            return None
+        src = comp.by_name.get(inst.operands[i])
+        return src.shape if src is not None else None
+
+    def _users(self, comp: Computation) -> dict[str, list[Instruction]]:
+        users: dict[str, list[Instruction]] = {}
+        for inst in comp.instructions:
+            for op in inst.operands:
+                users.setdefault(op, []).append(inst)
+        return users
+
+    # -- loops ------------------------------------------------------------------------------------------
+    def trip_count(self, inst: Instruction) -> tuple[int, str]:
+        """Trip count of a ``while`` and its source: ``known_trip_count`` in backend_config, else a
+        ``compare(iv, constant(N)), direction=LT`` in the condition (init 0 assumed), else 1 ("unknown")."""
+        bc = inst.backend_config
+        if isinstance(bc, dict):
+            n = bc.get("known_trip_count", {}).get("n")
+            if n is not None:
+                return int(n), "known_trip_count"
+        cond = self.module.computations.get(inst.attrs.get("condition", "").lstrip("%"))
+        if cond is not None and cond.root is not None and cond.root.opcode == "compare":
+            direction = cond.root.attrs.get("direction", "")
+            for op in cond.root.operands:
+                c = cond.by_name.get(op)
+                if c is not None and c.opcode == "constant" and re.fullmatch(r"-?\d+", c.literal.strip()):
+                    n = int(c.literal)
+                    if direction in ("LT", "GT"):
+                        return max(n, 0), "condition"
+                    if direction in ("LE", "GE"):
+                        return max(n + 1, 0), "condition"
+        return 1, "unknown"
+
+    def _execution_counts(self) -> dict[str, float]:
+        """Executions per module run of each non-fused computation (entry = 1, while bodies x trip count)."""
+        counts: dict[str, float] = {}
+
+        def visit(name: str, k: float) -> None:
+            comp = self.module.computations.get(name)
+            if comp is None or name in self.fused:
+                return
+            counts[name] = counts.get(name, 0.0) + k
+            for inst in comp.instructions:
+                if inst.opcode == "while":
+                    n, _ = self.trip_count(inst)
+                    visit(inst.attrs.get("body", "").lstrip("%"), k * n)
+                    visit(inst.attrs.get("condition", "").lstrip("%"), k * (n + 1))
+                elif inst.opcode == "conditional":
+                    for c in inst.called:  # which branch ran is unknown statically: each counted once
+                        visit(c, k)
+                elif inst.opcode in ("call", "async-start") or inst.opcode.endswith("-start") and inst.called:
+                    for c in inst.called:
+                        visit(c, k)
+
+        visit(self.module.entry_name, 1.0)
+        return counts
+
+    # -- costs ------------------------------------------------------------------------------------------
+    def cost(self, inst: Instruction) -> OpCost:
+        """Cost of one execution of ``inst`` itself. Control ops (while, call, conditional) cost 0 here: their
+        bodies are costed per instruction and counted by :attr:`executions`."""
+        key = (self.comp_of.get(inst.name).name if inst.name in self.comp_of else "", inst.name)
+        c = self._cache.get(key)
+        if c is None:
+            c = self._cost(inst)
+            self._cache[key] = c
+        return c
+
+    def computation_cost(self, name: str) -> OpCost:
+        """Sum of the instruction costs of a computation (one execution; fused computations included)."""
+        if name in self._comp_cache:
+            return self._comp_cache[name]
+        comp = self.module.computations.get(name)
+        total = OpCost()
+        if comp is not None:
+            for inst in comp.instructions:
+                total = total + self.cost(inst)
+        self._comp_cache[name] = total
+        return total
+
+    def _default_bytes(self, inst: Instruction) -> tuple[float, float, float]:
+        out = _sizes(inst.shape)
+        tot = list(out)
+        for i in range(len(inst.operands)):
+            s = _sizes(self.operand_shape(inst, i))
+            for j in range(3):
+                tot[j] += s[j]
+        return tot[0], tot[1], tot[2]
+
+    def _cost(self, inst: Instruction) -> OpCost:
+        op = inst.opcode
+        if op in ZERO_COST_OPCODES:
+            return OpCost()
+        if op in CONTROL_OPCODES:
+            return OpCost()
+        if op == "fusion":
+            return self._fusion_cost(inst)
+        b = self._default_bytes(inst)
+        flops = trans = 0.0
+        out_elems = sum(leaf.elements for leaf in inst.shape.leaves())
+        if op in ELEMENTWISE_OPCODES:
+            if op in TRANSCENDENTAL_OPCODES:
+                trans = out_elems
+            else:
+                flops = out_elems
+        elif op == "dot":
+            flops = self._dot_flops(inst, inst.attr_ints("lhs_contracting_dims"))
+        elif op == "convolution":
+            flops = self._conv_flops(inst)
+        elif op in ("reduce", "reduce-window", "map", "scatter", "select-and-scatter", "all-reduce",
+                    "all-reduce-start", "reduce-scatter"):
+            flops, trans = self._reduction_flops(inst, out_elems)
+        elif op == "sort":
+            n = self.operand_shape(inst, 0).elements if self.operand_shape(inst, 0) else 0
+            flops = n * max(math.ceil(math.log2(n)), 0) if n > 1 else 0
+        elif op in ("rng", "rng-bit-generator"):
+            trans = out_elems
+        elif op == "tuple":
+            return OpCost(bytes_accessed=8 * len(inst.operands), padded_bytes=8 * len(inst.operands),
+                          hbm_bytes=8 * len(inst.operands))
+        elif op == "transpose" and self._transpose_is_bitcast(inst):
+            return OpCost()
+        elif op == "custom-call":
+            return self._custom_call_cost(inst, b)
+        elif op in ("slice",):
+            o = _sizes(inst.shape)
+            b = (2 * o[0], 2 * o[1], 2 * o[2])
+        elif op == "dynamic-slice":
+            o, idx = _sizes(inst.shape), _sizes(self.operand_shape(inst, 1))
+            b = tuple(2 * o[j] + idx[j] for j in range(3))
+        elif op == "dynamic-update-slice":
+            u, idx = _sizes(self.operand_shape(inst, 1)), _sizes(self.operand_shape(inst, 2))
+            b = tuple(2 * u[j] + idx[j] for j in range(3))
+        elif op == "gather":
+            o, idx = _sizes(inst.shape), _sizes(self.operand_shape(inst, 1))
+            b = tuple(2 * o[j] + idx[j] for j in range(3))
+        if op == "scatter":
+            n = len(inst.operands) // 2
+            upd = [_sizes(self.operand_shape(inst, i)) for i in range(n + 1, len(inst.operands))]
+            idx = _sizes(self.operand_shape(inst, n))
+            b = tuple(3 * sum(u[j] for u in upd) + idx[j] for j in range(3))
+        if op in ("async-start",) or (op.endswith("-start") and inst.called):
+            sub = OpCost()
+            for c in inst.called:
+                sub = sub + self.computation_cost(c)
+            return OpCost(sub.flops, sub.transcendentals, b[0], b[1], b[2], sub.opaque, sub.note)
+        return OpCost(flops, trans, b[0], b[1], b[2])
+
+    def _dot_flops(self, inst: Instruction, lhs_contracting: tuple[int, ...], lhs: Shape | None = None,
+                   out: Shape | None = None) -> float:
+        lhs = lhs or self.operand_shape(inst, 0)
+        out = out or inst.shape
+        if lhs is None:
+            return 0.0
+        width = math.prod(lhs.dims[d] for d in lhs_contracting if d < len(lhs.dims))
+        return 2.0 * out.elements * width
+
+    def _conv_flops(self, inst: Instruction) -> float:
+        lhs, rhs = self.operand_shape(inst, 0), self.operand_shape(inst, 1)
+        labels = inst.attrs.get("dim_labels", "")
+        m = re.fullmatch(r"([0-9a-z?]+)_([0-9a-z?]+)->([0-9a-z?]+)", labels)
+        if lhs is None or rhs is None or not m:
+            return 0.0
+        in_l, k_l, out_l = m.groups()
+        out = inst.shape.leaves()[0]
+        fgc = int(inst.attrs.get("feature_group_count", "1") or 1)
+        bgc = int(inst.attrs.get("batch_group_count", "1") or 1)
+        input_feature = lhs.dims[in_l.index("f")]
+        output_feature = out.dims[out_l.index("f")]
+        batch = lhs.dims[in_l.index("b")]
+        spatial = [c for c in in_l if c.isdigit()]
+        window = _parse_window(inst.attrs.get("window", ""), len(spatial))
+        positions = 1
+        for i, s in enumerate(sorted(spatial)):
+            in_size = lhs.dims[in_l.index(s)]
+            k_size = rhs.dims[k_l.index(s)]
+            out_size = out.dims[out_l.index(s)]
+            w = window[i]
+            positions *= _valid_positions(in_size, k_size, out_size, w)
+        return 2.0 * (input_feature / fgc) * output_feature * (batch / bgc) * positions
+
+    def _reduction_flops(self, inst: Instruction, out_elems: int) -> tuple[float, float]:
+        sub = OpCost()
+        for c in inst.called[:1]:
+            sub = self.computation_cost(c)
+        op = inst.opcode
+        if op == "reduce":
+            in_elems = self.operand_shape(inst, 0).elements if self.operand_shape(inst, 0) else 0
+            first_out = inst.shape.leaves()[0].elements
+            k = in_elems - first_out
+        elif op == "reduce-window":
+            window = _parse_window(inst.attrs.get("window", ""), len(inst.shape.leaves()[0].dims))
+            k = (math.prod(w["size"] for w in window) - 1) * inst.shape.leaves()[0].elements
+        elif op == "scatter":
+            n = len(inst.operands) // 2
+            upd = self.operand_shape(inst, n + 1)
+            k = upd.elements if upd is not None else 0
+        elif op in ("all-reduce", "all-reduce-start"):
+            return float(out_elems), 0.0
+        else:  # map, select-and-scatter, reduce-scatter
+            k = out_elems
+        return sub.flops * k, sub.transcendentals * k
+
+    def _transpose_is_bitcast(self, inst: Instruction) -> bool:
+        src = self.operand_shape(inst, 0)
+        if src is None or src.layout is None or inst.shape.layout is None:
+            return False
+        dims = inst.attr_ints("dimensions")
+        try:
+            return tuple(dims[d] for d in inst.shape.layout.minor_to_major) == src.layout.minor_to_major
+        except IndexError:
+            return False
+
+    def _custom_call_cost(self, inst: Instruction, b: tuple[float, float, float]) -> OpCost:
+        target = inst.attrs.get("custom_call_target", "").strip('"')
+        bc = inst.backend_config if isinstance(inst.backend_config, dict) else {}
+        if GEMM_CUSTOM_CALL.search(target):
+            cfg = bc.get("gemm_backend_config", bc)
+            dn = cfg.get("dot_dimension_numbers", {})
+            contracting = tuple(int(x) for x in dn.get("lhs_contracting_dimensions", []))
+            out = inst.shape.leaves()[0]
+            flops = self._dot_flops(inst, contracting, out=out)
+            o_all, o_first = _sizes(inst.shape), _leaf_sizes(out)
+            # output bytes exclude the workspace (tuple element 1)
+            bb = tuple(b[j] - (o_all[j]) + o_first[j] for j in range(3))
+            return OpCost(flops, 0.0, bb[0], bb[1], bb[2], note=f"GEMM {target}: 2*M*N*K from shapes")
+        if CONV_CUSTOM_CALL.search(target):
+            return OpCost(0.0, 0.0, b[0], b[1], b[2], opaque=True, note=f"cuDNN conv {target}")
+        return OpCost(0.0, 0.0, b[0], b[1], b[2], opaque=True, note=f"opaque custom-call {target}")
+
+    # -- fusions ----------------------------------------------------------------------------------------
+    def _fusion_cost(self, inst: Instruction) -> OpCost:
+        comp = self.module.computations.get(inst.called[0]) if inst.called else None
+        if comp is None:
+            b = self._default_bytes(inst)
+            return OpCost(0, 0, b[0], b[1], b[2], opaque=True, note="fused computation missing")
+        sub = self.computation_cost(comp.name)
+        total = [0.0, 0.0, 0.0]
+        root = comp.root
+        leaves = inst.shape.tuple_shapes if inst.shape.is_tuple else (inst.shape,)
+        for i, leaf in enumerate(leaves):
+            r = root
+            if inst.shape.is_tuple and root is not None and root.opcode == "tuple" and i < len(root.operands):
+                r = comp.by_name.get(root.operands[i])
+            if r is not None and r.opcode == "dynamic-update-slice":
+                s = _sizes(self.operand_shape(r, 1))
+            else:
+                s = _leaf_sizes(leaf)
+            for j in range(3):
+                total[j] += s[j]
+        users = self._users(comp)
+        for c in comp.instructions:
+            if c.opcode == "constant" and c.shape.elements > IMMEDIATE_CONSTANT_MAX_ELEMENTS:
+                s = _sizes(c.shape)
+                for j in range(3):
+                    total[j] += s[j]
+        params = comp.parameters()
+        for num, p in params.items():
+            outer = self.operand_shape(inst, num)
+            for j, v in enumerate(self._param_read_bytes(p, users, outer)):
+                total[j] += v
+        return OpCost(sub.flops, sub.transcendentals, total[0], total[1], total[2], sub.opaque, sub.note)
+
+    def _param_read_bytes(self, p: Instruction, users: dict[str, list[Instruction]],
+                          outer: Shape | None) -> tuple[float, float, float]:
+        """``FusionParameterReadBytes``: bytes a fusion reads of one parameter, judged by its users."""
+        shape = p.shape
+        if shape.is_tuple:
+            tot = [0.0, 0.0, 0.0]
+            for u in users.get(p.name, []):
+                if u.opcode == "get-tuple-element":
+                    for j, v in enumerate(self._param_read_bytes(u, users, None)):
+                        tot[j] += v
+            return tot[0], tot[1], tot[2]
+        # memory space and tiling of the buffer are those of the fusion operand as printed outside
+        own = _sizes(outer if outer is not None and not outer.is_tuple else shape)
+        size = [0.0, 0.0, 0.0]
+        trivial = False
+        for u in users.get(p.name, []):
+            add = None
+            if u.opcode == "slice":
+                add = _sizes(u.shape)
+            elif u.opcode == "dynamic-slice" and u.operands and u.operands[0] == p.name:
+                add = _sizes(u.shape)
+            elif u.opcode == "dynamic-update-slice" and u.operands and u.operands[0] == p.name:
+                add = (0, 0, 0)
+            elif u.opcode in ("broadcast", "reshape"):
+                add = own
+            elif not trivial:
+                trivial = True
+                add = own
+            if add:
+                for j in range(3):
+                    size[j] += add[j]
+        return size[0], size[1], size[2]
+
+    # -- module totals ------------------------------------------------------------------------------------
+    def executed_instructions(self) -> list[tuple[Computation, Instruction, float]]:
+        """Every instruction of every executed (non-fused) computation, with executions per module run."""
+        out = []
+        for name, k in self.executions.items():
+            comp = self.module.computations[name]
+            for inst in comp.instructions:
+                out.append((comp, inst, k))
+        return out
+
+    def module_cost(self, loops_once: bool = False) -> OpCost:
+        """Cost of one module execution: Σ cost x executions. ``loops_once`` reproduces XLA's own accounting
+        (while bodies counted once) for comparison with ``compiled.cost_analysis()``."""
+        total = OpCost()
+        for comp, inst, k in self.executed_instructions():
+            total = total + self.cost(inst).scaled(1.0 if loops_once and k > 0 else k)
+        return total
+
+
+def _parse_window(text: str, rank: int) -> list[dict[str, int]]:
+    """``window={size=3x3 stride=2x2 pad=1_1x1_1 lhs_dilate=1x1 rhs_dilate=1x1}`` -> one dict per dim."""
+    dims = [dict(size=1, stride=1, pad_lo=0, pad_hi=0, lhs_dilate=1, rhs_dilate=1) for _ in range(rank)]
+    for key, val in re.findall(r"(\w+)=([\dx_\-]+)", text):
+        parts = val.split("x")
+        for i, p in enumerate(parts[:rank]):
+            if key == "pad":
+                lo, _, hi = p.partition("_")
+                dims[i]["pad_lo"], dims[i]["pad_hi"] = int(lo), int(hi or 0)
+            elif key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
+                dims[i][key] = int(p)
+    return dims
+
+
+def _valid_positions(in_size: int, k_size: int, out_size: int, w: dict[str, int]) -> int:
+    """Number of (kernel position, output position) pairs that read a real (non-padding) input element, as
+    XLA's convolution FLOP count (hlo_cost_analysis.cc, HandleConvolution)."""
+    dilated_in = (in_size - 1) * w["lhs_dilate"] + 1 if in_size > 0 else 0
+    count = 0
+    for k in range(k_size):
+        for o in range(out_size):
+            pos = o * w["stride"] + k * w["rhs_dilate"] - w["pad_lo"]
+            if 0 <= pos < dilated_in and pos % w["lhs_dilate"] == 0:
+                count += 1
+    return count
+
+
+MATMUL_OPCODES = frozenset({"dot", "convolution", "ragged-dot", "scaled-dot"})
+DATA_MOVEMENT_OPCODES = frozenset({
+    "copy", "transpose", "broadcast", "reshape", "dynamic-reshape", "slice", "dynamic-slice",
+    "dynamic-update-slice", "gather", "scatter", "pad", "concatenate", "reverse", "iota", "copy-start",
+    "copy-done", "tuple", "get-tuple-element", "bitcast", "parameter", "constant",
+})
+REDUCTION_OPCODES = frozenset({"reduce", "reduce-window", "select-and-scatter", "sort", "topk", "scan"})
+
+
+def categorize(model: CostModel, inst: Instruction) -> tuple[str, str]:
+    """(category, dtype) of an instruction.
+
+    Categories: ``matmul`` (dot/convolution, a fusion containing one, a GEMM custom-call), ``collective``
+    (collective opcodes, their async forms, fusions wrapping one), ``reduction``, ``elementwise``,
+    ``data movement``, ``control`` (while/call/conditional), ``custom-call`` (opaque library call), ``other``.
+    The dtype is the matmul operand type for matmuls (what picks the peak), else the output element type.
+    """
+    op = inst.opcode
+    out_type = inst.shape.leaves()[0].element_type if inst.shape.leaves() else ""
+    if op in CONTROL_OPCODES:
+        return "control", out_type
+    base = op[: -len("-start")] if op.endswith("-start") else op[: -len("-done")] if op.endswith("-done") else op
+    if base in COLLECTIVE_OPCODES or base in ("all-reduce", "all-gather", "collective-permute", "send", "recv"):
+        return "collective", out_type
+    if op in MATMUL_OPCODES:
+        lhs = model.operand_shape(inst, 0)
+        return "matmul", lhs.element_type if lhs is not None else out_type
+    if op == "custom-call":
+        target = inst.attrs.get("custom_call_target", "").strip('"')
+        if GEMM_CUSTOM_CALL.search(target) or CONV_CUSTOM_CALL.search(target):
+            lhs = model.operand_shape(inst, 0)
+            return "matmul", lhs.element_type if lhs is not None else out_type
+        return "custom-call", out_type
+    if op == "fusion":
+        inner = _fused_opcodes(model, inst)
+        for i in inner:
+            if i.opcode in MATMUL_OPCODES:
+                comp = model.comp_of.get(i.name)
+                lhs = comp.by_name.get(i.operands[0]) if comp and i.operands else None
+                return "matmul", lhs.shape.element_type if lhs is not None else out_type
+        if any(i.opcode in COLLECTIVE_OPCODES for i in inner) or any(
+                c.startswith(("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"))
+                for c in inst.called):
+            return "collective", out_type
+        if any(i.opcode in REDUCTION_OPCODES for i in inner):
+            return "reduction", out_type
+        if any(i.opcode in ELEMENTWISE_OPCODES for i in inner):
+            return "elementwise", out_type
+        return "data movement", out_type
+    if op in REDUCTION_OPCODES or op in ("reduce-scatter",):
+        return "reduction", out_type
+    if op in ELEMENTWISE_OPCODES or op in ("rng", "rng-bit-generator"):
+        return "elementwise", out_type
+    if op in DATA_MOVEMENT_OPCODES:
+        return "data movement", out_type
+    return "other", out_type
+
+
+def _fused_opcodes(model: CostModel, inst: Instruction) -> list[Instruction]:
+    out: list[Instruction] = []
+    for name in inst.called:
+        comp = model.module.computations.get(name)
+        if comp is None:
+            continue
+        for i in comp.instructions:
+            out.append(i)
+            if i.opcode == "fusion":
+                out.extend(_fused_opcodes(model, i))
+    return out

@@ -1,0 +1,371 @@
+"""Open any input, pick the op events, find the steps, and join events to HLO instructions.
+
+Inputs: an ``.xplane.pb`` file, a run directory (``plugins/profile/<run>/``: every host's file is read), a
+TensorBoard logdir (the latest run), a trace JSON file, or a folder holding one of those plus HLO dumps (as the
+project's fixtures do). HLO comes from ``--hlo`` paths (files or dump folders) and from ``*after_optimizations*``
+dumps found beside the profile. Events join to instructions by ``(program_id, hlo_op)``, or by module name when a
+module name is unique and the input has no program ids; never by op name alone across modules
+(``docs/reference/xplane-format.md`` §7).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from parsers.errors import FormatError, InputError, TraceroofError
+from parsers.hlo import HloModule
+from parsers.hlo_text import parse_hlo_file
+from parsers.trace_json import read_trace_json
+from parsers.xspace import AGGREGATE_START_PS, read_xspace
+
+XPLANE_SUFFIXES = (".xplane.pb", ".xspace.pb", ".xplane.pb.gz")
+TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz", ".json.gz", ".json")
+RUN_TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz")
+HLO_SUFFIXES = (".txt", ".hlo", ".hlo.txt")
+OP_STATS = ("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num")
+
+
+class HloMismatchError(TraceroofError):
+    """The HLO given does not describe the profiled program."""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Files an analysis reads: profile files of one kind (``xplane`` or ``trace_json``) and HLO text files."""
+
+    profiles: tuple[Path, ...]
+    kind: str
+    hlo_files: tuple[Path, ...]
+    description: str
+
+
+def _is_xplane(p: Path) -> bool:
+    return p.name.endswith(XPLANE_SUFFIXES)
+
+
+def _is_trace_json(p: Path) -> bool:
+    return p.name.endswith(TRACE_JSON_SUFFIXES)
+
+
+def _run_dirs(root: Path) -> list[Path]:
+    runs = [d for d in (root / "plugins" / "profile").glob("*") if d.is_dir()]
+    return sorted(runs, key=lambda d: d.name)
+
+
+def _profiles_in_run(run: Path) -> tuple[list[Path], str]:
+    xplanes = sorted(p for p in run.iterdir() if p.is_file() and _is_xplane(p))
+    if xplanes:
+        return xplanes, "xplane"
+    jsons = sorted(p for p in run.iterdir() if p.is_file() and p.name.endswith(RUN_TRACE_JSON_SUFFIXES))
+    return jsons, "trace_json"
+
+
+def _hlo_files(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*after_optimizations*.txt") if "buffer-assignment" not in p.name
+                   and "memory-usage" not in p.name)
+    if not files:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(HLO_SUFFIXES)
+                       and "plugins" not in p.parts)
+    return files
+
+
+def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inputs:
+    """Resolve user paths to the profile and HLO files to read.
+
+    :raises InputError: a path does not exist, or holds no profile traceroof can read.
+    """
+    profiles: list[Path] = []
+    kinds: set[str] = set()
+    hlo_files: list[Path] = []
+    described = []
+    if not paths:
+        raise InputError("no input given: pass a .xplane.pb, a run directory or a TensorBoard logdir")
+    for raw in paths:
+        p = Path(raw)
+        if not p.exists():
+            raise InputError(f"{p} does not exist; pass a .xplane.pb, a run directory or a TensorBoard logdir")
+        if p.is_file():
+            if _is_xplane(p):
+                profiles.append(p)
+                kinds.add("xplane")
+            elif _is_trace_json(p):
+                profiles.append(p)
+                kinds.add("trace_json")
+            else:
+                raise InputError(f"{p}: unknown input format; expected .xplane.pb, .trace.json.gz or a directory")
+            described.append(str(p))
+            continue
+        found, kind = _profiles_in_run(p)
+        run = p
+        if not found:
+            roots = [p, *sorted(d for d in p.iterdir() if d.is_dir())]
+            runs = [r for root in roots for r in _run_dirs(root)]
+            for r in sorted(runs, key=lambda d: d.name, reverse=True):
+                found, kind = _profiles_in_run(r)
+                if found:
+                    run = r
+                    break
+        if not found:
+            raise InputError(f"{p}: no .xplane.pb or trace JSON found (looked in it and in plugins/profile/<run>/); "
+                             "pass a profile file, a run directory or a logdir")
+        profiles += found
+        kinds.add(kind)
+        described.append(str(run))
+        hlo_files += [f for f in _hlo_files(p) if f not in found and "plugins" not in f.relative_to(p).parts]
+    for h in hlo:
+        hp = Path(h)
+        if not hp.exists():
+            raise InputError(f"--hlo {hp} does not exist; pass HLO text files or an --xla_dump_to folder")
+        files = _hlo_files(hp)
+        if not files:
+            raise InputError(f"--hlo {hp}: no HLO text found (*after_optimizations*.txt)")
+        hlo_files += files
+    if len(kinds) > 1:
+        raise InputError("mixing .xplane.pb and trace JSON inputs is not supported; pass one kind")
+    return Inputs(tuple(dict.fromkeys(profiles)), kinds.pop(), tuple(dict.fromkeys(hlo_files)),
+                  ", ".join(described))
+
+
+@dataclass(eq=False)
+class Profile:
+    """Op events and steps of a profile, with the HLO modules it may join to.
+
+    ``events``: one row per op execution: ``host``, ``device``, ``program_id`` (Int64, NA when unknown),
+    ``module``, ``hlo_op``, ``start_ps``, ``duration_ps`` (int64, one clock across hosts), ``step`` (Int64; NA
+    outside marked steps). ``steps``: ``host``, ``step``, ``start_ps``, ``end_ps``. ``device_kind`` is ``cpu``,
+    ``gpu`` or ``tpu``; ``notes`` says what was missing or odd.
+    """
+
+    inputs: Inputs
+    events: pd.DataFrame
+    steps: pd.DataFrame
+    modules: list[HloModule]
+    device_kind: str
+    device_description: str
+    step_annotation: str
+    plane_stats: dict[str, object] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def load_hlo(files: Sequence[Path]) -> list[HloModule]:
+    """Parse HLO text files into modules (program ids from dump names)."""
+    modules = []
+    for f in files:
+        modules += parse_hlo_file(f)
+    return modules
+
+
+def load_profile(inputs: Inputs) -> Profile:
+    """Read the profile files and the HLO of an :class:`Inputs`.
+
+    :raises FormatError: a profile or HLO file is corrupt.
+    :raises InputError: the profile holds no XLA op events.
+    """
+    notes: list[str] = []
+    frames, step_frames = [], []
+    device_kind, device_desc, annotation = "cpu", "", ""
+    plane_stats: dict[str, object] = {}
+    starts = []
+    if inputs.kind == "xplane":
+        spaces = [read_xspace(p) for p in inputs.profiles]
+        starts = [xs.profile_start_time_ns for xs in spaces]
+        base = min((s for s in starts if s is not None), default=None)
+        for xs, s in zip(spaces, starts):
+            offset_ps = (s - base) * 1000 if (s is not None and base is not None) else 0
+            ev, st, kind, desc, ann, stats = _xspace_events(xs)
+            ev["start_ps"] += offset_ps
+            st["start_ps"] += offset_ps
+            st["end_ps"] += offset_ps
+            frames.append(ev)
+            step_frames.append(st)
+            device_kind, device_desc, annotation = kind, desc, ann or annotation
+            plane_stats.update(stats)
+        if len(spaces) > 1 and any(s is None for s in starts):
+            notes.append("some hosts have no profile_start_time: their clocks were not aligned")
+    else:
+        for p in inputs.profiles:
+            tj = read_trace_json(p)
+            if tj.maybe_truncated:
+                notes.append(f"{p.name} holds exactly {len(tj.complete_events):,} events, a trace-viewer cap: "
+                             "events were probably dropped; analyze the .xplane.pb instead")
+            ev, st, ann = _trace_json_events(tj, p)
+            frames.append(ev)
+            step_frames.append(st)
+            annotation = ann or annotation
+        device_desc = "host CPU (trace JSON: no plane stats, no program ids)"
+    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    steps = pd.concat(step_frames, ignore_index=True) if step_frames else pd.DataFrame()
+    if events.empty:
+        raise InputError(f"{inputs.description}: the profile holds no XLA op events (no hlo_op stats); "
+                         "profile a jitted JAX/XLA program")
+    events = _assign_steps(events, steps)
+    modules = load_hlo(inputs.hlo_files)
+    return Profile(inputs, events, steps, modules, device_kind, device_desc, annotation, plane_stats, notes)
+
+
+def _host_of(path: str) -> str:
+    name = Path(path).name
+    for suf in XPLANE_SUFFIXES + TRACE_JSON_SUFFIXES:
+        if name.endswith(suf):
+            return name[: -len(suf)]
+    return name
+
+
+def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]:
+    host = xs.host
+    device_planes = [p for p in xs.planes if p.name.startswith("/device:")]
+    gpu = [p for p in device_planes if re.match(r"/device:GPU:\d+$", p.name)]
+    tpu = [p for p in device_planes if re.match(r"/device:TPU:\d+$", p.name)]
+    cpu = xs.plane("/host:CPU")
+    frames = []
+    stats: dict[str, object] = {}
+    if tpu:
+        raise FormatError(f"{xs.path}: TPU device planes are not supported yet (XLA Ops lines); "
+                          "analyze the XProf hlo_stats export or wait for TPU support")
+    if gpu and any(line.event_count for p in gpu for line in p.lines):
+        kind = "gpu"
+        for p in gpu:
+            ev = p.events(stats=OP_STATS)
+            ev = ev[ev["hlo_op"].notna() & (ev["start_ps"] != AGGREGATE_START_PS)]
+            ev = ev.assign(device=f"{host}/{p.name}")
+            frames.append(ev)
+            stats.update({f"{p.name}:{k}": v for k, v in p.stats.items()})
+        desc = f"{len(gpu)} GPU plane(s): " + ", ".join(sorted({str(p.stats.get('device_vendor', '')) for p in gpu}))
+    else:
+        kind = "cpu"
+        if cpu is None:
+            raise InputError(f"{xs.path}: no /host:CPU or device plane: not a JAX/XLA profile")
+        ev = cpu.events(stats=OP_STATS)
+        ev = ev[ev["hlo_op"].notna() & (ev["start_ps"] != AGGREGATE_START_PS)]
+        ordinal = ev["device_ordinal"].fillna(0).astype("int64")
+        ev = ev.assign(device=pd.Categorical(host + "/cpu:" + ordinal.astype(str)))
+        frames.append(ev)
+        meta = xs.plane("/host:metadata")
+        version = meta.stats.get("jax_version", "") if meta else ""
+        desc = f"XLA:CPU host threads{f' (jax {version})' if version else ''}"
+    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    out = pd.DataFrame({
+        "host": pd.Categorical([host] * len(events)),
+        "device": pd.Categorical(events["device"]) if len(events) else pd.Categorical([]),
+        "program_id": events["program_id"].astype("Int64") if len(events) else pd.array([], "Int64"),
+        "module": events["hlo_module"].astype("category") if len(events) else pd.Categorical([]),
+        "hlo_op": events["hlo_op"].astype("category") if len(events) else pd.Categorical([]),
+        "start_ps": events["start_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
+        "duration_ps": events["duration_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
+    })
+    steps, ann = _steps_from_events(cpu.events(stats=("step_num",)) if cpu else pd.DataFrame(), host)
+    return out, steps, kind, desc, ann, stats
+
+
+def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
+    empty = pd.DataFrame({"host": pd.Series([], dtype=object), "step": pd.array([], "Int64"),
+                          "start_ps": np.zeros(0, np.int64), "end_ps": np.zeros(0, np.int64)})
+    if ev.empty or "step_num" not in ev:
+        return empty, ""
+    marked = ev[ev["step_num"].notna()]
+    if marked.empty:
+        return empty, ""
+    name = marked["name"].astype(str).value_counts().idxmax()
+    marked = marked[marked["name"].astype(str) == name]
+    steps = pd.DataFrame({
+        "host": host,
+        "step": pd.array(pd.to_numeric(marked["step_num"]).astype("int64"), "Int64"),
+        "start_ps": marked["start_ps"].to_numpy(np.int64),
+        "end_ps": (marked["start_ps"] + marked["duration_ps"]).to_numpy(np.int64),
+    }).sort_values("start_ps", kind="stable").reset_index(drop=True)
+    return steps, name
+
+
+def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    host = _host_of(str(path))
+    ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num"))
+    ops = ev[ev["hlo_op"].notna() & ev["plane"].astype(str).str.startswith(("/host:CPU", "/device:"))]
+    ordinal = pd.to_numeric(ops["device_ordinal"].astype(object), errors="coerce").fillna(0).astype("int64")
+    out = pd.DataFrame({
+        "host": pd.Categorical([host] * len(ops)),
+        "device": pd.Categorical(host + "/cpu:" + ordinal.astype(str)),
+        "program_id": pd.array(pd.to_numeric(ops["program_id"].astype(object), errors="coerce"), "Int64"),
+        "module": ops["hlo_module"].astype(str).astype("category"),
+        "hlo_op": ops["hlo_op"].astype(str).astype("category"),
+        "start_ps": ops["start_ps"].to_numpy(np.int64),
+        "duration_ps": ops["duration_ps"].to_numpy(np.int64),
+    })
+    step_ev = ev[ev["step_num"].notna()].copy()
+    step_ev["step_num"] = pd.to_numeric(step_ev["step_num"].astype(object), errors="coerce")
+    steps, ann = _steps_from_events(step_ev[step_ev["step_num"].notna()], host)
+    return out, steps, ann
+
+
+def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    step = pd.array(np.full(len(events), pd.NA), "Int64")
+    if not steps.empty:
+        for host, st in steps.groupby("host", sort=False):
+            mask = (events["host"].astype(str) == str(host)).to_numpy()
+            starts = st["start_ps"].to_numpy()
+            ends = st["end_ps"].to_numpy()
+            t = events.loc[mask, "start_ps"].to_numpy()
+            idx = np.searchsorted(starts, t, side="right") - 1
+            ok = (idx >= 0) & (t < ends[np.maximum(idx, 0)])
+            vals = st["step"].to_numpy()[np.maximum(idx, 0)]
+            col = pd.array(np.where(ok, vals.astype("float64"), np.nan), "Float64").astype("Int64")
+            step[mask] = col
+    return events.assign(step=step)
+
+
+# -- join ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class JoinReport:
+    """How much of the profile joined to HLO: events and time, and why the rest did not."""
+
+    events_total: int
+    events_joined: int
+    time_total_ps: int
+    time_joined_ps: int
+    unmatched_modules: tuple[str, ...]
+    unmatched_ops: int
+    ambiguous_modules: tuple[str, ...]
+
+
+def match_modules(events: pd.DataFrame, modules: Sequence[HloModule]) -> tuple[np.ndarray, JoinReport]:
+    """Index into ``modules`` for every event (-1 when no module matches) and a partial :class:`JoinReport`.
+
+    An event's module is the one with its program id and name; without a program id, the only module of that
+    name (several modules sharing a name and no id to tell them apart: ambiguous, not joined).
+    """
+    by_id: dict[int, int] = {m.program_id: i for i, m in enumerate(modules) if m.program_id is not None}
+    by_name: dict[str, list[int]] = {}
+    for i, m in enumerate(modules):
+        by_name.setdefault(m.name, []).append(i)
+    names = events["module"].astype("category")
+    mcodes = names.cat.codes.to_numpy().astype(np.int64)
+    pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)
+    codes, uniques = pd.factorize(mcodes * (1 << 40) + (pid + 1))
+    cats = list(names.cat.categories)
+    chosen = np.full(len(uniques), -1, np.int64)
+    unmatched, ambiguous = set(), set()
+    for u, key in enumerate(uniques):
+        name = cats[int(key) >> 40] if int(key) >> 40 < len(cats) else ""
+        p = int(key) % (1 << 40) - 1
+        idx = -1
+        if p >= 0 and p in by_id:
+            if modules[by_id[p]].name == name:
+                idx = by_id[p]
+        elif len(by_name.get(name, [])) == 1 and (p < 0 or modules[by_name[name][0]].program_id is None):
+            idx = by_name[name][0]
+        elif len(by_name.get(name, [])) > 1:
+            ambiguous.add(name)
+        if idx < 0 and name not in ambiguous:
+            unmatched.add(f"{name}({p})" if p >= 0 else name)
+        chosen[u] = idx
+    report = JoinReport(len(events), 0, int(events["duration_ps"].sum()), 0, tuple(sorted(unmatched)), 0,
+                        tuple(sorted(ambiguous)))
+    return chosen[codes] if len(events) else np.zeros(0, np.int64), report

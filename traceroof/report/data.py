@@ -1,0 +1,64 @@
+"""JSON and CSV renderers of an :class:`~traceroof.analysis.Analysis`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from traceroof.analysis import Analysis
+
+TABLES = ("layers", "top-ops", "ops")
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating, float)):
+        return None if math.isnan(v) else float(v)
+    if isinstance(v, (np.bool_,)):
+        return bool(v)
+    if v is pd.NA:
+        return None
+    return v
+
+
+def table(a: Analysis, name: str) -> pd.DataFrame:
+    """One of the analysis tables by name: ``layers``, ``top-ops`` or ``ops`` (the full op table)."""
+    if name == "layers":
+        return a.layers
+    if name == "top-ops":
+        return a.top_ops
+    if name == "ops":
+        return a.ops
+    raise ValueError(f"unknown table {name!r}; one of {', '.join(TABLES)}")
+
+
+def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    out = []
+    for row in df.astype(object).itertuples(index=False):
+        out.append({c: _clean(v) for c, v in zip(df.columns, row)})
+    return out
+
+
+def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops")) -> str:
+    """JSON: ``summary`` (units in key names), the chosen tables as lists of records, ``findings``."""
+    summary = _clean(dataclasses.asdict(a.summary))
+    doc: dict[str, Any] = {"summary": summary, "depth": a.depth}
+    for t in tables:
+        doc[t.replace("-", "_")] = _records(table(a, t))
+    doc["findings"] = list(a.findings)
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def render_csv(a: Analysis, name: str = "layers") -> str:
+    """CSV of one table (``layers`` by default); quantities keep full precision, units in column names."""
+    return table(a, name).to_csv(index=False, lineterminator="\n")

@@ -1,0 +1,144 @@
+"""Terminal and Markdown renderers of an :class:`~traceroof.analysis.Analysis` (deterministic text)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from traceroof.analysis import Analysis
+
+
+def fmt_time(s: float) -> str:
+    """Seconds as a short string with a unit (ns, µs, ms, s)."""
+    if s is None or (isinstance(s, float) and math.isnan(s)):
+        return "-"
+    a = abs(s)
+    if a >= 1:
+        return f"{s:.3f} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    if a >= 1e-6:
+        return f"{s * 1e6:.1f} µs"
+    return f"{s * 1e9:.0f} ns"
+
+
+def fmt_si(x: float, unit: str) -> str:
+    """A quantity with a decimal SI prefix (``1.45 GFLOP``, ``23.2 GB/s``)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def fmt_pct(x: float) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:.1f}%"
+
+
+def header_lines(a: Analysis) -> list[tuple[str, str]]:
+    """(label, text) pairs of the report header."""
+    s = a.summary
+    peaks = ", ".join(f"{k} {fmt_si(v, 'FLOP/s')}" for k, v in sorted(s.peak_flops_per_s.items()))
+    hbm = fmt_si(s.hbm_bandwidth_bytes_per_s, "B/s") if s.hbm_bandwidth_bytes_per_s else "-"
+    used = s.steps_used
+    span = f"{used[0]}-{used[-1]}" if len(used) > 1 else (str(used[0]) if used else "none")
+    j = s.join
+    joined_time = j.time_joined_ps / j.time_total_ps if j.time_total_ps else 0.0
+    lines = [
+        ("input", s.input),
+        ("device", f"{s.device}; {s.devices} device(s) with op events"),
+        ("chip", f"{s.chip_name} [{s.chip_id}]: {peaks}; HBM {hbm}"),
+    ]
+    if s.chip_note:
+        lines.append(("", s.chip_note))
+    lines += [
+        ("steps", f"{len(used)} used of {s.steps_total} (\"{s.step_annotation or '-'}\" steps {span}; "
+                  f"{s.warmup_steps} warm-up excluded); step time {fmt_time(s.step_time_mean_s)} "
+                  f"± {fmt_time(s.step_time_std_s)}"),
+        ("work", f"{fmt_si(s.flops_per_step, 'FLOP')} and {fmt_si(s.hbm_bytes_per_step, 'B')} HBM per step "
+                 f"per device; op time {fmt_time(s.op_time_per_step_s)} per step"),
+        ("efficiency", f"MFU {fmt_pct(s.mfu)} of {s.mfu_peak_key or '-'} peak; roofline efficiency "
+                       f"{fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)} "
+                       f"÷ step time)"),
+        ("joined", f"{j.events_joined:,} of {j.events_total:,} op events to HLO ({fmt_pct(joined_time)} "
+                   "of op time)"),
+        ("FLOPs", s.flop_convention),
+    ]
+    return lines
+
+
+def layers_table(a: Analysis) -> pd.DataFrame:
+    """The per-layer table with formatted cells."""
+    d = a.layers
+    return pd.DataFrame({
+        "layer": d["layer"].astype(str), "phase": d["phase"].astype(str),
+        "time/step": d["time_per_step_s"].map(fmt_time), "share": d["share_of_step"].map(fmt_pct),
+        "FLOP/step": d["flops_per_step"].map(lambda x: fmt_si(x, "")),
+        "HBM B/step": d["hbm_bytes_per_step"].map(lambda x: fmt_si(x, "")),
+        "expected": d["expected_per_step_s"].map(fmt_time), "efficiency": d["efficiency"].map(fmt_pct),
+        "bound": d["bound"].astype(str), "lost/step": d["lost_per_step_s"].map(fmt_time),
+        "worst op": d["worst_op"].astype(str),
+    })
+
+
+def top_table(a: Analysis) -> pd.DataFrame:
+    """The top-ops table with formatted cells."""
+    d = a.top_ops
+    return pd.DataFrame({
+        "op": d["hlo_op"], "opcode": d["opcode"], "category": d["category"], "layer": d["layer"],
+        "phase": d["phase"], "runs/step": d["executions_per_step"].map(lambda x: f"{x:g}"),
+        "time/step": d["time_per_step_s"].map(fmt_time), "expected": d["expected_per_step_s"].map(fmt_time),
+        "lost/step": d["lost_per_step_s"].map(fmt_time), "efficiency": d["efficiency"].map(fmt_pct),
+        "bound": d["bound"], "shape": d["shape"], "operands": d["operand_shapes"],
+    })
+
+
+def _text_table(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "(none)"
+    cols = list(df.columns)
+    cells = [[str(v) for v in row] for row in df.itertuples(index=False)]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    left = {"layer", "phase", "worst op", "op", "opcode", "category", "bound", "shape", "operands"}
+    def line(vals: list[str]) -> str:
+        return "  ".join(v.ljust(w) if c in left else v.rjust(w) for v, w, c in zip(vals, widths, cols)).rstrip()
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def _md_table(df: pd.DataFrame) -> str:
+    if df.empty:
+        return "_none_"
+    def esc(v: object) -> str:
+        return str(v).replace("|", "\\|").replace("\n", " ")
+    rows = ["| " + " | ".join(esc(c) for c in df.columns) + " |", "|" + "---|" * len(df.columns)]
+    rows += ["| " + " | ".join(esc(v) for v in r) + " |" for r in df.itertuples(index=False)]
+    return "\n".join(rows)
+
+
+def render_terminal(a: Analysis) -> str:
+    """Plain-text report for a terminal: header, per-layer table, top ops, findings and notes."""
+    out = ["traceroof: per-layer roofline report", ""]
+    width = max(len(k) for k, _ in header_lines(a))
+    out += [f"{k.ljust(width)}  {v}" for k, v in header_lines(a)]
+    out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", _text_table(layers_table(a))]
+    out += ["", f"Top {len(a.top_ops)} ops by lost time", _text_table(top_table(a))]
+    if a.findings:
+        out += ["", "Findings"] + [f"- {f}" for f in a.findings]
+    if a.summary.notes:
+        out += ["", "Missing or partial input"] + [f"- {n}" for n in a.summary.notes]
+    return "\n".join(out) + "\n"
+
+
+def render_markdown(a: Analysis) -> str:
+    """GitHub-flavoured Markdown report with the same content as the terminal report."""
+    out = ["# traceroof: per-layer roofline report", ""]
+    out += [f"- **{k or ' '}**: {v.replace('|', '/')}" for k, v in header_lines(a)]
+    out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", _md_table(layers_table(a))]
+    out += ["", f"## Top {len(a.top_ops)} ops by lost time", "", _md_table(top_table(a))]
+    if a.findings:
+        out += ["", "## Findings", ""] + [f"- {f}" for f in a.findings]
+    if a.summary.notes:
+        out += ["", "## Missing or partial input", ""] + [f"- {n}" for n in a.summary.notes]
+    return "\n".join(out) + "\n"
