@@ -217,7 +217,45 @@ done:
     return ret;
 }
 
+/* split_fields(buf, start, end, field) -> (bytes of every top-level field except `field`, occurrences of it)
+ * Used to parse a message's small fields with protobuf while its big repeated field stays in the buffer. */
+static PyObject *split_fields(PyObject *self, PyObject *args) {
+    Py_buffer buf; Py_ssize_t start, end; unsigned long long want;
+    if (!PyArg_ParseTuple(args, "y*nnK", &buf, &start, &end, &want)) return NULL;
+    if (start < 0 || end > buf.len || start > end) {
+        PyBuffer_Release(&buf); PyErr_SetString(PyExc_ValueError, "range outside the buffer"); return NULL;
+    }
+    const uint8_t *base = (const uint8_t *)buf.buf;
+    Cur c = {base + start, base + end, 0};
+    Py_ssize_t n = 0, total = 0;
+    /* pass 1: size of the kept fields */
+    while (c.p < c.end) {
+        const uint8_t *tag = c.p;
+        uint64_t key = rd_varint(&c);
+        if (c.err) break;
+        if (!skip_value(&c, (int)(key & 7), NULL, NULL)) { c.err = 1; break; }
+        if ((key >> 3) == want) n++; else total += c.p - tag;
+    }
+    if (c.err) {
+        PyBuffer_Release(&buf); PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated"); return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, total);
+    if (!out) { PyBuffer_Release(&buf); return NULL; }
+    char *dst = PyBytes_AS_STRING(out);
+    Cur d = {base + start, base + end, 0};
+    while (d.p < d.end) {
+        const uint8_t *tag = d.p;
+        uint64_t key = rd_varint(&d);
+        skip_value(&d, (int)(key & 7), NULL, NULL);
+        if ((key >> 3) != want) { memcpy(dst, tag, d.p - tag); dst += d.p - tag; }
+    }
+    PyBuffer_Release(&buf);
+    PyObject *ret = Py_BuildValue("(Nn)", out, n);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
+    {"split_fields", split_fields, METH_VARARGS, "Bytes of all fields but one, and that field's count."},
     {"scan_fields", scan_fields, METH_VARARGS, "List the top-level fields of buf[start:end]."},
     {"count_field", count_field, METH_VARARGS, "Count top-level occurrences of a field number."},
     {"decode_events", decode_events, METH_VARARGS, "Decode an XLine's events into arrays."},

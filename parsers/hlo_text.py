@@ -193,7 +193,9 @@ class _Parser:
         if not m or self.t[m.end(): m.end() + 1] != "[":
             raise self.error("expected a shape")
         etype = m.group(0)
-        close = self.t.index("]", m.end())
+        close = self.t.find("]", m.end(), self.end)
+        if close < 0 or "\n" in self.t[m.end(): close]:
+            raise self.error("unterminated dimensions")
         dims, dyn = [], []
         body = self.t[m.end() + 1: close]
         if body.strip():
@@ -419,8 +421,9 @@ def _parse_layout(text: str) -> Layout:
     m2m = tuple(int(x) for x in m2m_text.replace(" ", "").split(",") if x)
     tiles: list[tuple[int | None, ...]] = []
     ebits, space, extra = None, 0, []
-    for m in re.finditer(r"(SC|[A-Z#*])\(([^()]*)\)", rest):
-        kind, arg = m.group(1), m.group(2)
+    kind = ""
+    for m in re.finditer(r"(SC|[A-Z#*])?\(([^()]*)\)", rest):
+        kind, arg = m.group(1) or kind, m.group(2)  # "T(8,128)(2,1)": a bare group continues the tiles
         if kind == "T":
             tiles.append(tuple(None if x.strip() == "*" else int(x) for x in arg.split(",") if x.strip()))
         elif kind == "E":
@@ -476,3 +479,86 @@ def _parse_backend_config(text: str | None) -> object:
         return json.loads(raw)
     except ValueError:
         return raw
+
+
+def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list[int]]:
+    """Expand a ``replica_groups=`` value into explicit groups of device (or replica/partition) ids.
+
+    Forms (openxla/xla ``xla/hlo/ir/replica_group.cc``; ``docs/reference/hlo-text.md`` §9.1):
+
+    * explicit ``{{0,1,2,3},{4,5,6,7}}``; ``{}`` is one group of all ``num_devices`` (``[]`` when unknown);
+    * iota ``[G,S]<=[d0,d1,...]T(perm)``: ``iota(Πd)`` reshaped to ``d``, transposed by ``perm``, cut into G
+      groups of S;
+    * mesh axes ``mesh['a'=4,'b'=2] {'a'}``: the mesh's devices (iota) reshaped to the axis sizes, the named
+      axes moved last, cut into groups of their product; a sub-axis ``'a':(pre)size`` picks that factor.
+
+    :raises HloParseError: text in none of these forms.
+    """
+    import numpy as np
+
+    t = text.strip()
+    m = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", t.replace(" ", ""))
+    if m:
+        g, s = int(m.group(1)), int(m.group(2))
+        dims = [int(x) for x in m.group(3).split(",")]
+        arr = np.arange(int(np.prod(dims))).reshape(dims)
+        if m.group(4):
+            arr = arr.transpose([int(x) for x in m.group(4).split(",")])
+        return arr.reshape(g, s).tolist()
+    m = re.fullmatch(r"mesh\[(.*?)\]\s*\{(.*)\}", t, re.S)
+    if m:
+        axes = [(a, int(n)) for a, n in re.findall(r"'([^']+)'\s*=\s*(\d+)", m.group(1))]
+        sizes = dict(axes)
+        shape: list[int] = []
+        index: dict[tuple[str, int], int] = {}  # (axis, part) -> dim; part 0 = pre, 1 = selected, 2 = post
+        selected: list[int] = []
+        subs = {a: (int(p), int(sz)) for a, p, sz in re.findall(r"'([^']+)'\s*:\s*\((\d+)\)\s*(\d+)", m.group(2))}
+        for a, n in axes:
+            if a in subs:
+                pre, sz = subs[a]
+                for part, size in enumerate((pre, sz, n // (pre * sz))):
+                    index[(a, part)] = len(shape)
+                    shape.append(size)
+            else:
+                index[(a, 1)] = len(shape)
+                shape.append(n)
+        for a in re.findall(r"'([^']+)'", m.group(2)):
+            if a not in sizes:
+                raise HloParseError(f"replica_groups {text!r}: axis {a!r} is not in the mesh")
+            selected.append(index[(a, 1)])
+        rest = [d for d in range(len(shape)) if d not in selected]
+        arr = np.arange(int(np.prod(shape))).reshape(shape).transpose(rest + selected)
+        group = int(np.prod([shape[d] for d in selected])) if selected else 1
+        return arr.reshape(-1, group).tolist()
+    if t.startswith("{"):
+        inner = t[1:-1].strip()
+        if not inner:
+            return [list(range(num_devices))] if num_devices else []
+        groups = re.findall(r"\{([^{}]*)\}", inner)
+        if not groups and re.fullmatch(r"[\d,\s]+", inner):
+            groups = [inner]
+        return [[int(x) for x in g.replace(" ", "").split(",") if x] for g in groups]
+    raise HloParseError(f"unknown replica_groups form {text!r}")
+
+
+def async_pairs(comp: Computation) -> dict[str, str]:
+    """Map each ``*-done`` instruction to the ``*-start`` (or ``async-start``) whose result it consumes.
+
+    Follows operands through ``async-update`` and ``get-tuple-element``/``bitcast`` links (``docs/async_ops.md``).
+    """
+    pairs: dict[str, str] = {}
+    for inst in comp.instructions:
+        if not (inst.opcode.endswith("-done") or inst.opcode in ("send-done", "recv-done")):
+            continue
+        cur = inst.operands[0] if inst.operands else None
+        seen = 0
+        while cur is not None and seen < 16:
+            src = comp.by_name.get(cur)
+            if src is None:
+                break
+            if src.opcode.endswith("-start") or src.opcode in ("send", "recv"):
+                pairs[inst.name] = src.name
+                break
+            cur = src.operands[0] if src.operands else None
+            seen += 1
+    return pairs

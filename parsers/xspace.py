@@ -154,7 +154,7 @@ class Plane:
     source: str = ""
 
     def events(self, stats: Sequence[str] = (), lines: Iterable[Line] | None = None,
-               merge_metadata_stats: bool = True) -> pd.DataFrame:
+               merge_metadata_stats: bool = True, require: Sequence[str] = ()) -> pd.DataFrame:
         """Events of this plane (or of the given lines), one row each.
 
         Columns: ``line_id`` (int64), ``line_name`` (category), ``metadata_id`` (int64), ``name`` and
@@ -162,66 +162,99 @@ class Plane:
         picoseconds; ``start_ps`` is :data:`AGGREGATE_START_PS` for aggregated events), then one column per
         requested stat name: refs and strings as category, integers as nullable ``Int64``, doubles as float.
         With ``merge_metadata_stats`` a stat absent on the event is taken from its ``XEventMetadata`` (the
-        event wins when both have it; a project convention, xplane-format.md §3).
+        event wins when both have it; a project convention, xplane-format.md §3). With ``require`` (stat
+        names, added to ``stats``) only events that carry one of them, on the event or its metadata, are kept;
+        they are filtered line by line, so memory follows the kept events.
 
         :raises FormatError: the event data is corrupt or truncated.
         """
         chosen = list(self.lines if lines is None else lines)
-        n = sum(line.event_count for line in chosen)
-        want = list(dict.fromkeys(stats))
-        ids_by_stat = {s: [i for i, nm in self.stat_names.items() if nm == s] for s in want}
-        # one scan column per (stat, metadata id): a stat name may own several ids
-        col_of: list[tuple[str, int]] = [(s, i) for s in want for i in ids_by_stat[s]]
-        stat_ids = np.array([i for _, i in col_of], dtype=np.int64)
-        mid = np.empty(n, np.int64)
-        start = np.empty(n, np.int64)
-        dur = np.empty(n, np.int64)
-        vals = np.zeros(len(col_of) * n, np.int64)
-        kinds = np.zeros(len(col_of) * n, np.int8)
-        line_id = np.empty(n, np.int64)
-        line_code = np.empty(n, np.int32)
-        row = 0
+        require = (require,) if isinstance(require, str) else tuple(require)
+        want = list(dict.fromkeys([*stats, *require]))
+        col_of: list[tuple[str, int]] = [(s, i) for s in want for i, nm in self.stat_names.items() if nm == s]
+        stat_ids = np.array([i for _, i in col_of], dtype=np.int64).tobytes()
+        ncol = len(col_of)
+        req_cols = [j for j, (nm, _) in enumerate(col_of) if nm in require]
+        req_meta = np.array(sorted(k for k, m in self.event_metadata.items() if any(r in m.stats for r in require)),
+                            np.int64)
+        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("mid", "start", "dur", "vals", "kinds", "line")}
         for li, line in enumerate(chosen):
-            first = row
+            n = line.event_count
+            mid, start, dur = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+            vals, kinds = np.zeros(ncol * n, np.int64), np.zeros(ncol * n, np.int8)
+            row = 0
             for s, e in line._ranges:
                 try:
-                    row += _wirescan.decode_events(self._buf, s, e, line.timestamp_ns * 1000, stat_ids.tobytes(),
-                                                   row, mid, start, dur, vals, kinds)
+                    row += _wirescan.decode_events(self._buf, s, e, line.timestamp_ns * 1000, stat_ids, row,
+                                                   mid, start, dur, vals, kinds)
                 except ValueError as err:
                     raise FormatError(f"{self.source}: events of line {line.name!r} on plane {self.name!r}: {err}; "
                                       "the file is corrupt or truncated - capture the profile again") from None
-            line_id[first:row] = line.id
-            line_code[first:row] = li
+                self._release(s, e)
+            vals, kinds = vals.reshape(ncol, n), kinds.reshape(ncol, n)
+            if require:
+                keep = np.isin(mid, req_meta)
+                for j in req_cols:
+                    keep |= kinds[j] != 0
+                mid, start, dur, vals, kinds = mid[keep], start[keep], dur[keep], vals[:, keep], kinds[:, keep]
+            parts["mid"].append(mid)
+            parts["start"].append(start)
+            parts["dur"].append(dur)
+            parts["vals"].append(vals)
+            parts["kinds"].append(kinds)
+            parts["line"].append(np.full(len(mid), li, np.int32))
+        def joined(key: str, empty: np.ndarray) -> np.ndarray:
+            chunks = parts.pop(key)
+            return np.concatenate(chunks, axis=-1) if chunks else empty
+
+        mid = joined("mid", np.zeros(0, np.int64))
+        start = joined("start", np.zeros(0, np.int64))
+        dur = joined("dur", np.zeros(0, np.int64))
+        line_idx = joined("line", np.zeros(0, np.int32))
+        vals2 = joined("vals", np.zeros((ncol, 0), np.int64))
+        kinds2 = joined("kinds", np.zeros((ncol, 0), np.int8))
+        n = len(mid)
         names = sorted({line.name for line in chosen})
-        code_of = {nm: names.index(nm) for nm in names}
-        line_codes = np.array([code_of[line.name] for line in chosen] or [0], dtype=np.int32)[line_code]
-        df = pd.DataFrame({
-            "line_id": line_id,
-            "line_name": pd.Categorical.from_codes(line_codes, categories=names) if n else pd.Categorical([]),
-            "metadata_id": mid,
-        })
+        code_of = {nm: i for i, nm in enumerate(names)}
+        line_codes = np.array([code_of[line.name] for line in chosen] or [0], dtype=np.int32)
+        line_ids = np.array([line.id for line in chosen] or [0], dtype=np.int64)
         meta_ids = np.array(sorted(self.event_metadata), dtype=np.int64)
-        pos = np.searchsorted(meta_ids, mid) if len(meta_ids) else np.zeros(n, np.int64)
-        known = (pos < len(meta_ids)) & (meta_ids[np.minimum(pos, max(len(meta_ids) - 1, 0))] == mid) \
-            if len(meta_ids) else np.zeros(n, bool)
-        codes = np.where(known, pos, -1).astype(np.int32)
+        if len(meta_ids):
+            pos = np.minimum(np.searchsorted(meta_ids, mid), len(meta_ids) - 1)
+            codes = np.where(meta_ids[pos] == mid, pos, -1).astype(np.int32)
+        else:
+            codes = np.full(n, -1, np.int32)
         metas = [self.event_metadata[int(i)] for i in meta_ids]
-        df["name"] = _categorical(codes, [m.name for m in metas])
-        df["display_name"] = _categorical(codes, [m.display_name or m.name for m in metas])
-        df["start_ps"] = start
-        df["duration_ps"] = dur
-        vals2 = vals.reshape(len(col_of), n) if n else vals.reshape(len(col_of), 0)
-        kinds2 = kinds.reshape(len(col_of), n) if n else kinds.reshape(len(col_of), 0)
+        columns: dict[str, object] = {
+            "line_id": line_ids[line_idx],
+            "line_name": pd.Categorical.from_codes(line_codes[line_idx], categories=names) if names
+            else pd.Categorical([]),
+            "metadata_id": mid,
+            "name": _categorical(codes, [m.name for m in metas]),
+            "display_name": _categorical(codes, [m.display_name or m.name for m in metas]),
+            "start_ps": start,
+            "duration_ps": dur,
+        }
         for s in want:
             cols = [j for j, (nm, _) in enumerate(col_of) if nm == s]
-            v = np.zeros(n, np.int64)
-            k = np.zeros(n, np.int8)
-            for j in cols:  # later ids win where both are set (rare)
-                set_ = kinds2[j] != 0
-                v[set_] = vals2[j][set_]
-                k[set_] = kinds2[j][set_]
-            df[s] = self._resolve(v, k, codes, s, metas if merge_metadata_stats else None)
-        return df
+            if len(cols) == 1:
+                v, k = vals2[cols[0]], kinds2[cols[0]]
+            else:
+                v, k = np.zeros(n, np.int64), np.zeros(n, np.int8)
+                for j in cols:  # a name owning several ids: the later id wins where both are set (rare)
+                    set_ = kinds2[j] != 0
+                    v[set_] = vals2[j][set_]
+                    k[set_] = kinds2[j][set_]
+            columns[s] = self._resolve(v, k, codes, s, metas if merge_metadata_stats else None)
+        return pd.DataFrame(columns, copy=False)
+
+    def _release(self, start: int, end: int) -> None:
+        """Let the OS drop decoded pages of a memory-mapped file from RSS (they are re-read if needed)."""
+        if isinstance(self._buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+            page = mmap.PAGESIZE
+            lo, hi = (start // page) * page, (end // page) * page
+            if hi > lo:
+                self._buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def _resolve(self, v: np.ndarray, k: np.ndarray, codes: np.ndarray, stat: str,
                  metas: list[EventMetadata] | None) -> pd.Series:
@@ -230,8 +263,12 @@ class Plane:
         has_meta = any(x is not None for x in meta_vals)
         numeric = present <= {_KIND_INT, _KIND_UINT} and all(
             isinstance(x, (int, np.integer)) or x is None for x in meta_vals)
+        if numeric and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
+            big = v.view(np.uint64)
+            return pd.Series([int(big[i]) if k[i] == _KIND_UINT else (int(v[i]) if k[i] else None)
+                              for i in range(len(v))], dtype=object)
         if numeric:
-            out = pd.array(np.where(k == _KIND_UINT, v.view(np.uint64).astype(np.int64), v), dtype="Int64")
+            out = pd.array(v, dtype="Int64")
             out[k == 0] = pd.NA
             if has_meta:
                 fill = pd.array([x for x in meta_vals] + [None], dtype="Int64")
@@ -249,7 +286,7 @@ class Plane:
         cat_codes = np.full(len(v), -1, np.int32)
         for kind in present:
             sel = np.flatnonzero(k == kind)
-            uniq, inv = np.unique(v[sel], return_inverse=True)
+            inv, uniq = pd.factorize(v[sel])
             decoded = [self._decode_value(kind, int(u)) for u in uniq]
             ids = np.array([index.setdefault(d, len(index)) for d in decoded] or [0], dtype=np.int32)
             cat_codes[sel] = ids[inv]
@@ -365,26 +402,25 @@ def read_xspace(path: str | Path) -> XSpace:
     header = XS()
     planes: list[Plane] = []
     try:
-        header.ParseFromString(b"".join(bytes(buf[t:e]) for f, wt, t, s, e, _ in top if f != 1))
+        header.ParseFromString(_wirescan.split_fields(buf, 0, size, 1)[0])
         for f, wt, t, s, e, _ in top:
             if f != 1:
                 continue
             if wt != 2:
                 raise bad("plane field has the wrong wire type")
-            fields = _wirescan.scan_fields(buf, s, e)
+            fields = [x for x in _wirescan.scan_fields(buf, s, e) if x[0] == 3]
             xp = XP()
-            xp.ParseFromString(b"".join(bytes(buf[ft:fe]) for ff, _, ft, _, fe, _ in fields if ff != 3))
+            xp.ParseFromString(_wirescan.split_fields(buf, s, e, 3)[0])
             stat_names = {k: v.name for k, v in xp.stat_metadata.items()}
             lines = []
             for ff, fwt, _, fs, fe, _ in fields:
                 if ff != 3:
                     continue
-                lf = _wirescan.scan_fields(buf, fs, fe)
+                head, count = _wirescan.split_fields(buf, fs, fe, 4)
                 xl = XL()
-                xl.ParseFromString(b"".join(bytes(buf[lt:le]) for lff, _, lt, _, le, _ in lf if lff != 4))
+                xl.ParseFromString(head)
                 lines.append(Line(xl.id, xl.display_id or xl.id, xl.name, xl.display_name or xl.name,
-                                  xl.timestamp_ns, xl.duration_ps,
-                                  sum(1 for x in lf if x[0] == 4), ((fs, fe),)))
+                                  xl.timestamp_ns, xl.duration_ps, count, ((fs, fe),)))
             metas = {
                 k: EventMetadata(k, v.name, v.display_name,
                                  {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names)

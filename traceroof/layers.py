@@ -15,6 +15,9 @@ import pandas as pd
 NO_SCOPE = "(no scope)"
 TOP_LEVEL = "(top level)"
 DEFAULT_OPTIMIZER_PATTERN = r"optim|optax|apply_updates|adam|sgd|momentum"
+# segments JAX's transformations add to the name stack (loops, calls, remat), not user scopes
+STRUCTURAL_SEGMENTS = frozenset({"while", "body", "cond", "closed_call", "core_call", "remat", "checkpoint",
+                                 "rematted_computation", "custom_jvp_call", "custom_vjp_call", "pjit", "scan"})
 # jnp.einsum pushes its spec ("btd,df->btf") onto the name stack: not a user scope
 _EINSUM_SPEC = re.compile(r"[A-Za-z.,\s]*->[A-Za-z.\s]*")
 
@@ -52,7 +55,8 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     """(scope path, phase) of an ``op_name``.
 
     The scope path joins the named scopes with '/' after dropping ``jit(...)`` segments, unwrapping
-    ``jvp``/``transpose`` wrappers and removing the last segment (the primitive). Phase: ``backward`` when a
+    ``jvp``/``transpose`` wrappers, dropping structural segments (``while``, ``body``, ``closed_call``,
+    ``checkpoint``...) and einsum specs, and removing the last segment (the primitive). Phase: ``backward`` when a
     ``transpose(`` wraps any segment, ``optimizer`` when a scope matches ``optimizer_pattern``, else
     ``forward``. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
     Merged names (``a;b``) use the first.
@@ -69,7 +73,7 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
         if re.fullmatch(r"jit\(.*\)", s):
             continue
         inner, _ = _unwrap(s)
-        if inner and not _EINSUM_SPEC.fullmatch(inner):
+        if inner and not _EINSUM_SPEC.fullmatch(inner) and inner not in STRUCTURAL_SEGMENTS:
             scopes.append(inner)
     path = "/".join(scopes) or TOP_LEVEL
     if any(re.search(optimizer_pattern, s, re.I) for s in scopes):

@@ -163,6 +163,19 @@ def load_hlo(files: Sequence[Path]) -> list[HloModule]:
     return modules
 
 
+def _relevant_hlo(files: Sequence[Path], events: pd.DataFrame) -> list[Path]:
+    """The HLO files that can describe the profiled modules: a dump ``module_NNNN.<name>.*`` is kept when the
+    profile ran program NNNN or a module of that name; other files are always kept."""
+    names = set(events["module"].astype(str).unique())
+    ids = set(int(x) for x in events["program_id"].dropna().unique())
+    keep = []
+    for f in files:
+        m = re.match(r"module_(\d+)\.(.+?)\.", f.name)
+        if not m or int(m.group(1)) in ids or m.group(2) in names:
+            keep.append(f)
+    return keep
+
+
 def load_profile(inputs: Inputs) -> Profile:
     """Read the profile files and the HLO of an :class:`Inputs`.
 
@@ -207,7 +220,7 @@ def load_profile(inputs: Inputs) -> Profile:
         raise InputError(f"{inputs.description}: the profile holds no XLA op events (no hlo_op stats); "
                          "profile a jitted JAX/XLA program")
     events = _assign_steps(events, steps)
-    modules = load_hlo(inputs.hlo_files)
+    modules = load_hlo(_relevant_hlo(inputs.hlo_files, events))
     return Profile(inputs, events, steps, modules, device_kind, device_desc, annotation, plane_stats, notes)
 
 
@@ -233,7 +246,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     if gpu and any(line.event_count for p in gpu for line in p.lines):
         kind = "gpu"
         for p in gpu:
-            ev = p.events(stats=OP_STATS)
+            ev = p.events(stats=OP_STATS, require=("hlo_op",))
             ev = ev[ev["hlo_op"].notna() & (ev["start_ps"] != AGGREGATE_START_PS)]
             ev = ev.assign(device=f"{host}/{p.name}")
             frames.append(ev)
@@ -243,8 +256,10 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         kind = "cpu"
         if cpu is None:
             raise InputError(f"{xs.path}: no /host:CPU or device plane: not a JAX/XLA profile")
-        ev = cpu.events(stats=OP_STATS)
-        ev = ev[ev["hlo_op"].notna() & (ev["start_ps"] != AGGREGATE_START_PS)]
+        both = cpu.events(stats=OP_STATS, require=("hlo_op", "step_num"))
+        step_events = both[both["step_num"].notna()]
+        ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
+        del both
         ordinal = ev["device_ordinal"].fillna(0).astype("int64")
         ev = ev.assign(device=pd.Categorical(host + "/cpu:" + ordinal.astype(str)))
         frames.append(ev)
@@ -261,7 +276,9 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         "start_ps": events["start_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
         "duration_ps": events["duration_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
     })
-    steps, ann = _steps_from_events(cpu.events(stats=("step_num",)) if cpu else pd.DataFrame(), host)
+    if kind != "cpu":
+        step_events = cpu.events(stats=("step_num",), require=("step_num",)) if cpu else pd.DataFrame()
+    steps, ann = _steps_from_events(step_events, host)
     return out, steps, kind, desc, ann, stats
 
 
@@ -308,7 +325,7 @@ def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     step = pd.array(np.full(len(events), pd.NA), "Int64")
     if not steps.empty:
         for host, st in steps.groupby("host", sort=False):
-            mask = (events["host"].astype(str) == str(host)).to_numpy()
+            mask = (events["host"] == host).to_numpy(dtype=bool, na_value=False)
             starts = st["start_ps"].to_numpy()
             ends = st["end_ps"].to_numpy()
             t = events.loc[mask, "start_ps"].to_numpy()

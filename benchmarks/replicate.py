@@ -1,0 +1,116 @@
+"""Build a large ``.xplane.pb`` by replicating a fixture's op events (the benchmark input).
+
+Usage::
+
+    python benchmarks/replicate.py [--events 5000000] [--fixture transformer] [-o benchmarks/data/big.xplane.pb]
+
+The op-event lines of ``/host:CPU`` (runtime threads) are copied K times, each copy on its own line id with its
+``timestamp_ns`` shifted past the previous copy, byte for byte otherwise; the ``python`` line's step
+annotations are copied too with ``step_num`` renumbered, so the result is a valid profile of K x the original
+steps that ``traceroof analyze`` reads like any other. The HLO dumps of the fixture still apply (same
+program ids). Output goes to ``benchmarks/data/`` (git-ignored): regenerate it, never commit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _varint(n: int) -> bytes:
+    n &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def _field(num: int, payload: bytes) -> bytes:
+    return _varint((num << 3) | 2) + _varint(len(payload)) + payload
+
+
+def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
+    """Write the replicated profile; returns (op events written, copies)."""
+    from parsers import _wirescan
+    from parsers.xspace import SCHEMA
+
+    data = src.read_bytes()
+    XP, XL = SCHEMA["XPlane"], SCHEMA["XLine"]
+    top = _wirescan.scan_fields(data, 0, len(data))
+    out = bytearray()
+    written = copies = 0
+    for f, wt, t, s, e, _ in top:
+        if f != 1:
+            out += data[t:e]
+            continue
+        fields = _wirescan.scan_fields(data, s, e)
+        hdr = XP()
+        hdr.ParseFromString(b"".join(data[ft:fe] for ff, _, ft, _, fe, _ in fields if ff != 3))
+        if hdr.name != "/host:CPU":
+            out += data[t:e]
+            continue
+        stat_id = {v.name: k for k, v in hdr.stat_metadata.items()}
+        lines = [(fs, fe) for ff, _, _, fs, fe, _ in fields if ff == 3]
+        op_lines, other = [], []
+        for fs, fe in lines:
+            lf = _wirescan.scan_fields(data, fs, fe)
+            xl = XL()
+            xl.ParseFromString(data[fs:fe])
+            (other if xl.name == "python" else op_lines).append((xl, lf, fs, fe))
+        per_copy = sum(len(xl.events) for xl, _, _, _ in op_lines)
+        copies = max(1, -(-target_events // max(per_copy, 1)))
+        end_ns = max((xl.timestamp_ns + max((ev.offset_ps + ev.duration_ps for ev in xl.events), default=0) // 1000
+                      for xl, _, _, _ in op_lines + other), default=0)
+        shift_ns = end_ns + 1000
+        steps_per_copy = 1 + max((int(st.int64_value or st.uint64_value) for xl, _, _, _ in other
+                                  for ev in xl.events for st in ev.stats
+                                  if st.metadata_id == stat_id.get("step_num")), default=-1)
+        plane = bytearray(b"".join(data[ft:fe] for ff, _, ft, _, fe, _ in fields if ff != 3))
+        for k in range(copies):
+            for xl, lf, fs, fe in op_lines:
+                head = XL(id=xl.id + k * 1_000_003 if k else xl.id, display_id=xl.display_id, name=xl.name,
+                          display_name=xl.display_name, timestamp_ns=xl.timestamp_ns + k * shift_ns,
+                          duration_ps=xl.duration_ps)
+                body = b"".join(data[lt:le] for lff, _, lt, _, le, _ in lf if lff == 4)
+                plane += _field(3, head.SerializeToString() + body)
+                written += len(xl.events)
+            for xl, _, _, _ in other:
+                copy = XL()
+                copy.CopyFrom(xl)
+                copy.id = xl.id + k * 1_000_003 if k else xl.id
+                copy.timestamp_ns = xl.timestamp_ns + k * shift_ns
+                for ev in copy.events:
+                    for st in ev.stats:
+                        if st.metadata_id == stat_id.get("step_num"):
+                            st.int64_value = int(st.int64_value or st.uint64_value) + k * steps_per_copy
+                plane += _field(3, copy.SerializeToString())
+        out += _field(1, bytes(plane))
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    dst.write_bytes(bytes(out))
+    return written, copies
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--events", type=int, default=5_000_000)
+    ap.add_argument("--fixture", default="transformer")
+    ap.add_argument("-o", "--output", default=None)
+    args = ap.parse_args(argv)
+    src = next((ROOT / "fixtures" / args.fixture / "logdir").rglob("*.xplane.pb"))
+    dst = Path(args.output or ROOT / "benchmarks" / "data" / f"{args.fixture}_x{args.events}" /
+               "plugins" / "profile" / "run" / "host.xplane.pb")
+    written, copies = replicate(src, dst, args.events)
+    print(f"{dst}: {written:,} op-line events ({copies} copies), {dst.stat().st_size:,} bytes")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

@@ -1,0 +1,47 @@
+"""Regenerate the example reports of every fixture: ``python reports/generate.py`` (from the project root).
+
+Each fixture gets ``reports/<fixture>.txt`` (terminal), ``.md`` (Markdown) and ``.json``. The reports judge
+the CPU fixtures against ``fixtures/fixture_host.toml`` (a ``traceroof calibrate`` of the machine that recorded
+them) so that they do not depend on the machine regenerating them. ``tests/test_reports.py`` fails when a
+committed report differs from what this script writes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ("transformer", "scan_mlp")
+CHIP = "fixtures/fixture_host.toml"
+
+
+def reports() -> dict[str, str]:
+    """File name -> content of every example report (paths relative to the project root)."""
+    from traceroof import analyze
+    from traceroof.report import render
+
+    out = {}
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        for name in FIXTURES:
+            a = analyze(f"fixtures/{name}", chip=CHIP)
+            out[f"{name}.txt"] = render(a, "terminal")
+            out[f"{name}.md"] = render(a, "markdown")
+            out[f"{name}.json"] = render(a, "json")
+    finally:
+        os.chdir(cwd)
+    return out
+
+
+def main() -> None:
+    for fname, text in reports().items():
+        (ROOT / "reports" / fname).write_text(text, encoding="utf-8")
+        print(f"wrote reports/{fname}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main()

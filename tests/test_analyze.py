@@ -1,0 +1,139 @@
+"""End to end: analyze() on the fixtures; per-step figures checked against independent numbers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from parsers.xspace import read_xspace
+from traceroof import analyze
+from traceroof.chips import get_chip
+from tests.conftest import FIXTURES, HOST_CHIP, facts, fixture_trace_json, fixture_xplane
+
+
+@pytest.fixture(scope="module")
+def transformer():
+    return analyze(FIXTURES / "transformer", chip=HOST_CHIP)
+
+
+@pytest.fixture(scope="module")
+def scan():
+    return analyze(FIXTURES / "scan_mlp", chip=HOST_CHIP)
+
+
+def test_every_op_event_joins(transformer, scan):
+    for a in (transformer, scan):
+        assert a.summary.join.events_joined == a.summary.join.events_total > 500
+        assert a.summary.notes == ()
+
+
+def test_steps_from_step_trace_annotations(transformer):
+    s = transformer.summary
+    assert s.step_annotation == "train" and s.steps_total == facts("transformer")["steps_profiled"]
+    assert s.steps_used == (1, 2, 3, 4) and s.warmup_steps == 1
+    # the step time is the mean of the marked "train" events, read independently here
+    ev = read_xspace(fixture_xplane("transformer")).plane("/host:CPU").events(stats=["step_num"])
+    train = ev[(ev["name"] == "train") & ev["step_num"].isin([1, 2, 3, 4])]
+    assert s.step_time_mean_s == pytest.approx(train["duration_ps"].mean() * 1e-12)
+
+
+def test_per_step_flops_equal_xla_cost_analysis(transformer):
+    # no loop in the transformer step: each step runs the module once
+    assert transformer.summary.flops_per_step == pytest.approx(facts("transformer")["xla_cost_analysis"]["flops"],
+                                                               rel=0.01)
+
+
+def test_scan_per_step_flops_equal_analytic_count(scan):
+    f = facts("scan_mlp")
+    assert scan.summary.flops_per_step == pytest.approx(f["analytic"]["matmul_flops_per_step"], rel=0.02)
+    # the body's ops were seen trip-count times per step in the profile itself
+    body = scan.ops[(scan.ops["hlo_op"] == "ynn_fusion") & scan.ops["step"].notna()]
+    assert len(body) / len(scan.summary.steps_used) == f["analytic"]["loop_trip_count"]
+    # while events are containers: not counted twice
+    whiles = scan.ops[scan.ops["opcode"] == "while"]
+    assert len(whiles) and not whiles["counted"].any()
+
+
+def test_layers_and_phases(transformer):
+    layers = transformer.layers
+    got = set(zip(layers["layer"], layers["phase"]))
+    for i in (0, 1):
+        for part in ("attention", "mlp"):
+            assert (f"layer_{i}/{part}", "forward") in got
+            assert (f"layer_{i}/{part}", "backward") in got
+    assert ("optimizer", "optimizer") in got
+    # layer FLOPs: the matmul count of the generator within 5 % (elementwise work on top)
+    analytic = facts("transformer")["analytic"]["matmul_flops_per_layer"]
+    per_layer = layers.groupby("layer")["flops_per_step"].sum()
+    for name, flops in analytic.items():
+        assert per_layer[name] == pytest.approx(flops, rel=0.05), name
+    # the rollup is a view of the op table
+    counted = transformer.ops[transformer.ops["counted"] & transformer.ops["step"].notna()]
+    assert layers["time_per_step_s"].sum() == pytest.approx(counted["measured_s"].sum() / 4)
+
+
+def test_depth_one_merges_attention_and_mlp():
+    a = analyze(FIXTURES / "transformer", chip=HOST_CHIP, depth=1)
+    assert {"layer_0", "layer_1", "head", "optimizer"} <= set(a.layers["layer"])
+
+
+def test_roofline_columns_consistent(transformer):
+    ops = transformer.ops[transformer.ops["joined"] & ~transformer.ops["opaque"]]
+    assert np.allclose(ops["expected_s"], np.maximum(ops["compute_s"], ops["memory_s"]))
+    assert np.allclose(ops["lost_s"], ops["measured_s"] - ops["expected_s"])
+    mm = ops[ops["category"] == "matmul"]
+    assert (mm["peak_key"] == "f32").all()
+    s = transformer.summary
+    assert s.mfu == pytest.approx(s.flops_per_step / s.step_time_mean_s / get_chip(HOST_CHIP).peak_for("f32")[0])
+
+
+def test_chip_projection_changes_expected_only(transformer):
+    h100 = analyze(FIXTURES / "transformer", chip="h100")
+    assert h100.summary.chip_id == "h100"
+    assert h100.summary.step_time_mean_s == transformer.summary.step_time_mean_s
+    assert h100.summary.flops_per_step == transformer.summary.flops_per_step
+    assert h100.summary.expected_per_step_s < transformer.summary.expected_per_step_s / 100
+
+
+def test_top_ops_sorted_by_lost_time(transformer):
+    top = transformer.top_ops
+    assert len(top) == 10
+    assert list(top["lost_per_step_s"]) == sorted(top["lost_per_step_s"], reverse=True)
+    assert {"opcode", "category", "shape", "bound"} <= set(top.columns)
+
+
+def test_trace_json_gives_the_same_op_times(transformer):
+    a = analyze(fixture_trace_json("transformer"), hlo=[FIXTURES / "transformer" / "hlo"], chip=HOST_CHIP)
+    assert a.summary.join.events_total == transformer.summary.join.events_total
+    assert a.summary.step_time_mean_s == pytest.approx(transformer.summary.step_time_mean_s, rel=1e-9)
+    assert a.summary.flops_per_step == pytest.approx(transformer.summary.flops_per_step)
+
+
+def test_no_hlo_gives_a_partial_report(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(fixture_xplane("scan_mlp").parent, run)
+    a = analyze(run, chip=HOST_CHIP)
+    assert a.summary.join.events_joined == 0
+    assert any("no HLO found" in n for n in a.summary.notes)
+    assert a.summary.step_time_mean_s > 0 and np.isnan(a.ops["expected_s"]).all()
+
+
+def test_cpu_profile_defaults_to_calibrated_host(monkeypatch, tmp_path):
+    import traceroof.chips as chips
+
+    cached = tmp_path / "host.toml"
+    cached.write_text(open(HOST_CHIP).read())
+    monkeypatch.setattr(chips, "host_cache_path", lambda: cached)
+    import traceroof.analysis as analysis
+
+    monkeypatch.setattr(analysis, "host_cache_path", lambda: cached)
+    a = analyze(FIXTURES / "scan_mlp")
+    assert a.summary.chip_name == "calibrated host" and "calibration" in a.summary.chip_note
+
+
+def test_modules_with_the_same_op_names_are_not_mixed(transformer):
+    # instruction names repeat across modules (copy.1 etc.): each event joins within its own program id
+    ops = transformer.ops[transformer.ops["joined"]]
+    assert ops.groupby("hlo_op", observed=True)["program_id"].nunique().max() == 1

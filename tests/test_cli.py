@@ -1,0 +1,117 @@
+"""The command line: formats, files, and every bad-input path (one line, exit status 2, no traceback)."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from traceroof.cli import main
+from tests.conftest import FIXTURES, HOST_CHIP, ROOT, fixture_trace_json, fixture_xplane
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_terminal_report_on_fixture():
+    r = run("analyze", "fixtures/transformer", "--chip", HOST_CHIP)
+    assert r.exit_code == 0, r.output
+    assert "layer_0/attention" in r.output and "Top 10 ops by lost time" in r.output
+    assert "MFU" in r.output and "1,070 of 1,070 op events" in r.output
+
+
+def test_json_csv_markdown_and_output_file(tmp_path):
+    r = run("analyze", "fixtures/scan_mlp", "--chip", HOST_CHIP, "--format", "json")
+    doc = json.loads(r.output)
+    assert doc["summary"]["steps_used"] == [1, 2, 3, 4]
+    assert {row["layer"] for row in doc["layers"]} >= {"layers/block", "optimizer"}
+    r = run("analyze", "fixtures/scan_mlp", "--chip", HOST_CHIP, "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(r.output)))
+    assert rows and "time_per_step_s" in rows[0] and "hbm_bytes_per_step" in rows[0]
+    out = tmp_path / "ops.csv"
+    r = run("analyze", "fixtures/scan_mlp", "--chip", HOST_CHIP, "--format", "csv", "--table", "ops", "-o", str(out))
+    assert r.exit_code == 0 and r.output == ""
+    ops = list(csv.DictReader(out.open()))
+    assert len(ops) == 650 and "expected_s" in ops[0]
+    r = run("analyze", "fixtures/scan_mlp", "--chip", HOST_CHIP, "--format", "markdown")
+    assert r.output.startswith("# traceroof") and "| layer | phase |" in r.output
+
+
+def test_chips_lists_every_chip_with_sources():
+    r = run("chips", "--sources")
+    assert r.exit_code == 0
+    for name in ("tpu_v7", "gb200", "mi355x", "v100"):
+        assert name in r.output
+    assert "no source" not in r.output
+
+
+def test_calibrate_writes_a_chip_file(tmp_path):
+    out = tmp_path / "me.toml"
+    r = CliRunner().invoke(main, ["calibrate", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    r = run("analyze", "fixtures/scan_mlp", "--chip", str(out))
+    assert r.exit_code == 0 and "calibrated host" in r.output
+
+
+def _corrupt_inputs(tmp: "Path") -> dict[str, list[str]]:
+    data = fixture_xplane("scan_mlp").read_bytes()
+    (tmp / "cut.xplane.pb").write_bytes(data[: len(data) // 3])
+    (tmp / "noise.xplane.pb").write_bytes(bytes(range(256)) * 64)
+    (tmp / "bad.trace.json.gz").write_bytes(gzip.compress(b"{}")[:-6])
+    (tmp / "bad.trace.json").write_text('{"traceEvents": [')
+    (tmp / "notes.csv").write_text("a,b\n")
+    (tmp / "empty").mkdir()
+    bad_hlo = tmp / "bad_hlo"
+    bad_hlo.mkdir()
+    (bad_hlo / "module_0001.x.cpu_after_optimizations.txt").write_text("HloModule x\nENTRY e {\n a = f32[2 p(\n")
+    return {
+        "missing path": ["analyze", str(tmp / "nope")],
+        "unknown format": ["analyze", str(tmp / "notes.csv")],
+        "empty directory": ["analyze", str(tmp / "empty")],
+        "truncated protobuf": ["analyze", str(tmp / "cut.xplane.pb"), "--chip", "h100"],
+        "corrupt protobuf": ["analyze", str(tmp / "noise.xplane.pb"), "--chip", "h100"],
+        "corrupt gzip": ["analyze", str(tmp / "bad.trace.json.gz"), "--chip", "h100"],
+        "truncated json": ["analyze", str(tmp / "bad.trace.json"), "--chip", "h100"],
+        "hlo not matching": ["analyze", str(fixture_xplane("transformer")), "--hlo",
+                             str(FIXTURES / "scan_mlp" / "hlo" / "module_0020.jit_train_step.cpu_after_optimizations.txt"),
+                             "--chip", "h100"],
+        "bad hlo text": ["analyze", str(fixture_xplane("scan_mlp")), "--hlo", str(bad_hlo), "--chip", "h100"],
+        "missing hlo": ["analyze", str(fixture_xplane("scan_mlp")), "--hlo", str(tmp / "nohlo"), "--chip", "h100"],
+        "unknown chip": ["analyze", "fixtures/scan_mlp", "--chip", "tpu_v9"],
+        "bad chip file": ["analyze", "fixtures/scan_mlp", "--chip", str(tmp / "notes.csv.toml")],
+    }
+
+
+@pytest.mark.parametrize("case", ["missing path", "unknown format", "empty directory", "truncated protobuf",
+                                  "corrupt protobuf", "corrupt gzip", "truncated json", "hlo not matching",
+                                  "bad hlo text", "missing hlo", "unknown chip", "bad chip file"])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, case):
+    args = _corrupt_inputs(tmp_path)[case]
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2, (case, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("traceroof: error: "), r.stderr
+    assert r.stdout == ""
+
+
+def test_inputs_are_not_modified(tmp_path):
+    run_dir = tmp_path / "fx"
+    shutil.copytree(FIXTURES / "scan_mlp", run_dir)
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert run("analyze", str(run_dir), "--chip", HOST_CHIP).exit_code == 0
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert before == after
+
+
+def test_trace_json_input_with_hlo():
+    r = run("analyze", str(fixture_trace_json("scan_mlp")), "--hlo", "fixtures/scan_mlp/hlo", "--chip", HOST_CHIP)
+    assert r.exit_code == 0 and "650 of 650 op events" in r.output

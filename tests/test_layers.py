@@ -1,0 +1,53 @@
+"""Scope paths, phases and the rollup arithmetic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from traceroof.layers import NO_SCOPE, TOP_LEVEL, layer_of, parse_scope, rollup
+
+
+@pytest.mark.parametrize("op_name, scope, phase", [
+    ("jit(sgd)/jvp(layer_0)/mlp/btd,df->btf/dot_general", "layer_0/mlp", "forward"),
+    ("jit(sgd)/transpose(jvp(layer_0))/mlp/btd,df->btf/dot_general", "layer_0/mlp", "backward"),
+    ("jit(sgd)/optimizer/sub", "optimizer", "optimizer"),
+    ("jit(train_step)/jit(main)/transpose(jvp(Transformer))/decoder/while/body/dynamic_update_slice",
+     "Transformer/decoder", "backward"),
+    ("jit(f)/jvp(layers)/while/body/closed_call/block/tanh", "layers/block", "forward"),
+    ("jit(f)/jvp()/reduce_sum", TOP_LEVEL, "forward"),
+    ("jit(sgd)/transpose(jvp())/mul;jit(sgd)/transpose(jvp())/broadcast_in_dim", TOP_LEVEL, "backward"),
+    ("broadcast.11", NO_SCOPE, "forward"),
+    ("", NO_SCOPE, "forward"),
+    ("jit(f)/model/checkpoint/rematted_computation/attn/dot_general", "model/attn", "forward"),
+])
+def test_parse_scope(op_name, scope, phase):
+    assert parse_scope(op_name) == (scope, phase)
+
+
+def test_layer_depth():
+    assert layer_of("layer_0/mlp/dense", 1) == "layer_0"
+    assert layer_of("layer_0/mlp/dense", 2) == "layer_0/mlp"
+    assert layer_of("layer_0", 3) == "layer_0"
+    assert layer_of(NO_SCOPE, 2) == NO_SCOPE
+
+
+def test_rollup_arithmetic():
+    ops = pd.DataFrame({
+        "layer": ["a", "a", "a", "b"], "phase": ["forward"] * 4, "hlo_op": ["x", "y", "x", "z"],
+        "device": ["d0"] * 4, "step": pd.array([1, 1, 2, 1], "Int64"), "counted": [True, True, True, True],
+        "measured_s": [2.0, 1.0, 2.0, 4.0], "expected_s": [1.0, 1.0, 1.0, np.nan],
+        "flops": [10.0, 0.0, 10.0, 0.0], "hbm_bytes": [0.0, 8.0, 0.0, 4.0],
+        "bound": ["compute", "memory", "compute", "opaque"], "lost_s": [1.0, 0.0, 1.0, np.nan],
+    })
+    r = rollup(ops, steps_used=2, step_time_s=5.0).set_index("layer")
+    assert r.loc["a", "time_per_step_s"] == 2.5
+    assert r.loc["a", "share_of_step"] == 0.5
+    assert r.loc["a", "flops_per_step"] == 10.0
+    assert r.loc["a", "expected_per_step_s"] == 1.5
+    assert r.loc["a", "efficiency"] == pytest.approx(1.5 / 2.5)
+    assert r.loc["a", "bound"] == "compute" and r.loc["a", "worst_op"] == "x"
+    assert r.loc["a", "lost_per_step_s"] == 1.0
+    assert r.loc["b", "bound"] == "opaque" and np.isnan(r.loc["b", "efficiency"])
+    assert list(r.index) == ["a", "b"]
