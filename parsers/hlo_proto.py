@@ -1,0 +1,320 @@
+"""``xla.HloProto`` decoder: the modules a profile embeds in its ``/host:metadata`` plane (and the
+``<module>(<id>).hlo_proto.pb`` files some tools write beside it), turned into the same module objects the HLO
+text parser makes.
+
+The schema subset (field numbers) is openxla/xla ``xla/service/hlo.proto`` and ``xla/xla_data.proto`` as listed
+in ``docs/reference/xplane-format.md`` §7.1, built at runtime (no ``protoc``). Unknown fields are skipped; ids
+are int64 (instruction ids exceed 2**32 in jax 0.10 protos). Attributes the cost model reads are rendered in
+HLO text syntax (``lhs_contracting_dims={1}``, ``dim_labels=b01f_01io->b01f``, ``window={size=3x3 ...}``,
+``calls=``, ``body=``/``condition=``...), so both sources feed one code path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from parsers.errors import HloParseError, InputError
+from parsers.hlo import Computation, HloModule, Instruction, Layout, Metadata, Shape, StackFrame
+
+# xla/xla_data.proto PrimitiveType
+PRIMITIVE_TYPES = {
+    1: "pred", 2: "s8", 3: "s16", 4: "s32", 5: "s64", 6: "u8", 7: "u16", 8: "u32", 9: "u64", 10: "f16",
+    11: "f32", 12: "f64", 13: "tuple", 14: "opaque", 15: "c64", 16: "bf16", 17: "token", 18: "c128",
+    19: "f8e5m2", 20: "f8e4m3fn", 21: "s4", 22: "u4", 23: "f8e4m3b11fnuz", 24: "f8e5m2fnuz", 25: "f8e4m3fnuz",
+    26: "s2", 27: "u2", 28: "f8e4m3", 29: "f8e3m4", 30: "s1", 31: "u1", 32: "f4e2m1fn", 33: "f8e8m0fnu",
+}
+
+_F = descriptor_pb2.FieldDescriptorProto
+_SPEC: dict[str, list[tuple]] = {
+    # message: (name, number, type, repeated, message type)
+    "HloProto": [("hlo_module", 1, "M", False, "HloModuleProto")],
+    "HloModuleProto": [("name", 1, "s", False), ("entry_computation_name", 2, "s", False),
+                       ("computations", 3, "M", True, "HloComputationProto"), ("id", 5, "i", False),
+                       ("entry_computation_id", 6, "i", False),
+                       ("stack_frame_index", 17, "M", False, "StackFrameIndexProto")],
+    "HloComputationProto": [("name", 1, "s", False), ("instructions", 2, "M", True, "HloInstructionProto"),
+                            ("id", 5, "i", False), ("root_id", 6, "i", False),
+                            ("is_fusion_computation", 7, "b", False), ("execution_thread", 8, "s", False)],
+    "HloInstructionProto": [
+        ("name", 1, "s", False), ("opcode", 2, "s", False), ("shape", 3, "M", False, "ShapeProto"),
+        ("metadata", 7, "M", False, "OpMetadata"), ("literal", 8, "M", False, "LiteralProto"),
+        ("parameter_number", 9, "i", False), ("fusion_kind", 11, "s", False), ("tuple_index", 13, "i", False),
+        ("dimensions", 14, "i", True), ("window", 15, "M", False, "Window"),
+        ("convolution_dimension_numbers", 16, "M", False, "ConvolutionDimensionNumbers"),
+        ("channel_id", 26, "i", False), ("custom_call_target", 28, "s", False),
+        ("dot_dimension_numbers", 30, "M", False, "DotDimensionNumbers"), ("id", 35, "i", False),
+        ("operand_ids", 36, "i", True), ("called_computation_ids", 38, "i", True),
+        ("backend_config", 43, "y", False), ("replica_groups", 49, "M", True, "ReplicaGroup"),
+        ("feature_group_count", 50, "i", False), ("source_target_pairs", 52, "M", True, "SourceTarget"),
+        ("batch_group_count", 58, "i", False), ("comparison_direction", 63, "s", False),
+        ("use_global_device_ids", 71, "b", False),
+        ("collective_device_list", 87, "M", False, "CollectiveDeviceListProto"),
+        ("iota_collective_device_list", 92, "M", False, "IotaReplicaGroupListProto"),
+    ],
+    "ShapeProto": [("element_type", 2, "i", False), ("dimensions", 3, "i", True),
+                   ("tuple_shapes", 4, "M", True, "ShapeProto"), ("layout", 5, "M", False, "LayoutProto"),
+                   ("is_dynamic_dimension", 6, "b", True)],
+    "LayoutProto": [("minor_to_major", 1, "i", True), ("tiles", 6, "M", True, "TileProto"),
+                    ("element_size_in_bits", 7, "i", False), ("memory_space", 8, "i", False)],
+    "TileProto": [("dimensions", 1, "i", True)],
+    "OpMetadata": [("op_type", 1, "s", False), ("op_name", 2, "s", False), ("source_file", 3, "s", False),
+                   ("source_line", 4, "i", False), ("deduplicated_name", 12, "s", False),
+                   ("stack_frame_id", 15, "i", False), ("scheduling_name", 16, "s", False)],
+    "LiteralProto": [("s32s", 4, "i32", True), ("s64s", 5, "i", True), ("u32s", 6, "u32", True),
+                     ("u64s", 7, "u", True)],
+    "Window": [("dimensions", 1, "M", True, "WindowDimension")],
+    "WindowDimension": [("size", 1, "i", False), ("stride", 2, "i", False), ("padding_low", 3, "i", False),
+                        ("padding_high", 4, "i", False), ("window_dilation", 5, "i", False),
+                        ("base_dilation", 6, "i", False), ("window_reversal", 7, "b", False)],
+    "ConvolutionDimensionNumbers": [
+        ("kernel_input_feature_dimension", 3, "i", False), ("kernel_output_feature_dimension", 4, "i", False),
+        ("kernel_spatial_dimensions", 6, "i", True), ("input_batch_dimension", 7, "i", False),
+        ("input_feature_dimension", 8, "i", False), ("output_batch_dimension", 9, "i", False),
+        ("output_feature_dimension", 10, "i", False), ("input_spatial_dimensions", 11, "i", True),
+        ("output_spatial_dimensions", 12, "i", True)],
+    "DotDimensionNumbers": [("lhs_contracting_dimensions", 1, "i", True), ("rhs_contracting_dimensions", 2, "i", True),
+                            ("lhs_batch_dimensions", 3, "i", True), ("rhs_batch_dimensions", 4, "i", True)],
+    "ReplicaGroup": [("replica_ids", 1, "i", True)],
+    "SourceTarget": [("source", 1, "i", False), ("target", 2, "i", False)],
+    "IotaReplicaGroupListProto": [("num_replica_groups", 1, "i", False), ("num_devices_per_group", 2, "i", False),
+                                  ("iota_reshape_dims", 3, "i", True), ("iota_transpose_perm", 4, "i32", True)],
+    "CollectiveDeviceListProto": [("replica_groups", 1, "M", True, "ReplicaGroup"),
+                                  ("iota_replica_group_list", 2, "M", False, "IotaReplicaGroupListProto")],
+    "StackFrameIndexProto": [("file_names", 1, "s", True), ("function_names", 2, "s", True),
+                             ("file_locations", 3, "M", True, "FileLocation"),
+                             ("stack_frames", 4, "M", True, "StackFrame")],
+    "FileLocation": [("file_name_id", 1, "i32", False), ("function_name_id", 2, "i32", False),
+                     ("line", 3, "i32", False)],
+    "StackFrame": [("file_location_id", 1, "i32", False), ("parent_frame_id", 2, "i32", False)],
+}
+_TYPES = {"s": _F.TYPE_STRING, "i": _F.TYPE_INT64, "i32": _F.TYPE_INT32, "u": _F.TYPE_UINT64,
+          "u32": _F.TYPE_UINT32, "b": _F.TYPE_BOOL, "y": _F.TYPE_BYTES, "M": _F.TYPE_MESSAGE}
+
+
+def _build() -> Any:
+    fd = descriptor_pb2.FileDescriptorProto(name="traceroof_hlo.proto", package="xla", syntax="proto3")
+    for msg, fields in _SPEC.items():
+        m = fd.message_type.add(name=msg)
+        for spec in fields:
+            name, num, t, repeated = spec[:4]
+            f = m.field.add(name=name, number=num, type=_TYPES[t],
+                            label=_F.LABEL_REPEATED if repeated else _F.LABEL_OPTIONAL)
+            if t == "M":
+                f.type_name = ".xla." + spec[4]
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fd)
+    return {n: message_factory.GetMessageClass(pool.FindMessageTypeByName("xla." + n))
+            for n in ("HloProto", "HloModuleProto")}
+
+
+_CLASSES = _build()
+HloProtoMessage = _CLASSES["HloProto"]
+
+
+def _shape(p: Any) -> Shape:
+    etype = PRIMITIVE_TYPES.get(p.element_type, f"type{p.element_type}")
+    if etype == "tuple":
+        return Shape("tuple", tuple_shapes=tuple(_shape(s) for s in p.tuple_shapes))
+    layout = None
+    if p.HasField("layout"):
+        lp = p.layout
+        layout = Layout(tuple(lp.minor_to_major), tuple(tuple(t.dimensions) for t in lp.tiles),
+                        lp.element_size_in_bits or None, lp.memory_space)
+    dyn = tuple(p.is_dynamic_dimension) or (False,) * len(p.dimensions)
+    return Shape(etype, tuple(p.dimensions), dyn, layout)
+
+
+def _ints(values: Any) -> str:
+    return "{" + ",".join(str(v) for v in values) + "}"
+
+
+def _dim_labels(d: Any, rank: int) -> str:
+    def labels(batch: int, feature: int, spatial: Any, b: str, f: str) -> str:
+        out = ["?"] * rank
+        out[batch], out[feature] = b, f
+        for i, s in enumerate(spatial):
+            out[s] = str(i)
+        return "".join(out)
+
+    return (labels(d.input_batch_dimension, d.input_feature_dimension, d.input_spatial_dimensions, "b", "f") + "_"
+            + labels(d.kernel_input_feature_dimension, d.kernel_output_feature_dimension, d.kernel_spatial_dimensions,
+                     "i", "o") + "->"
+            + labels(d.output_batch_dimension, d.output_feature_dimension, d.output_spatial_dimensions, "b", "f"))
+
+
+def _window(w: Any) -> str:
+    dims = list(w.dimensions)
+    parts = [f"size={'x'.join(str(d.size) for d in dims)}"]
+    if any(d.stride != 1 for d in dims):
+        parts.append(f"stride={'x'.join(str(d.stride or 1) for d in dims)}")
+    if any(d.padding_low or d.padding_high for d in dims):
+        parts.append(f"pad={'x'.join(f'{d.padding_low}_{d.padding_high}' for d in dims)}")
+    if any(d.base_dilation > 1 for d in dims):
+        parts.append(f"lhs_dilate={'x'.join(str(d.base_dilation or 1) for d in dims)}")
+    if any(d.window_dilation > 1 for d in dims):
+        parts.append(f"rhs_dilate={'x'.join(str(d.window_dilation or 1) for d in dims)}")
+    return "{" + " ".join(parts) + "}"
+
+
+def _replica_groups(p: Any) -> str | None:
+    iota = p.iota_collective_device_list if p.HasField("iota_collective_device_list") else (
+        p.collective_device_list.iota_replica_group_list
+        if p.HasField("collective_device_list") and p.collective_device_list.HasField("iota_replica_group_list")
+        else None)
+    if iota is not None:
+        text = f"[{iota.num_replica_groups},{iota.num_devices_per_group}]<={list(iota.iota_reshape_dims)}"
+        text = text.replace(" ", "")
+        if iota.iota_transpose_perm:
+            text += "T(" + ",".join(str(x) for x in iota.iota_transpose_perm) + ")"
+        return text
+    groups = list(p.replica_groups) or (list(p.collective_device_list.replica_groups)
+                                        if p.HasField("collective_device_list") else [])
+    if groups:
+        return "{" + ",".join(_ints(g.replica_ids) for g in groups) + "}"
+    return None
+
+
+def _attrs(p: Any, comp_names: dict[int, str]) -> tuple[dict[str, str], tuple[str, ...]]:
+    op = p.opcode
+    called = [comp_names.get(i, str(i)) for i in p.called_computation_ids]
+    a: dict[str, str] = {}
+    if op == "fusion":
+        a["kind"] = p.fusion_kind
+        if called:
+            a["calls"] = "%" + called[0]
+    elif op == "while" and len(called) >= 2:
+        a["body"], a["condition"] = "%" + called[0], "%" + called[1]  # XLA stores {body, condition}
+    elif op == "conditional":
+        a["branch_computations"] = "{" + ", ".join("%" + c for c in called) + "}"
+    elif op == "select-and-scatter" and len(called) >= 2:
+        a["select"], a["scatter"] = "%" + called[0], "%" + called[1]
+    elif op == "custom-call":
+        a["custom_call_target"] = json.dumps(p.custom_call_target)
+        if called:
+            a["called_computations"] = "{" + ", ".join("%" + c for c in called) + "}"
+    elif op in ("async-start", "async-update", "async-done") or op.endswith("-start"):
+        if called:
+            a["calls"] = "%" + called[0]
+    elif called:
+        a["to_apply"] = "%" + called[0]
+    if p.dimensions:
+        a["dimensions"] = _ints(p.dimensions)
+    if p.HasField("dot_dimension_numbers"):
+        d = p.dot_dimension_numbers
+        for key, vals in (("lhs_batch_dims", d.lhs_batch_dimensions), ("lhs_contracting_dims",
+                                                                         d.lhs_contracting_dimensions),
+                          ("rhs_batch_dims", d.rhs_batch_dimensions), ("rhs_contracting_dims",
+                                                                       d.rhs_contracting_dimensions)):
+            if vals or "contracting" in key:
+                a[key] = _ints(vals)
+    if p.HasField("window") and p.window.dimensions:
+        a["window"] = _window(p.window)
+    if p.HasField("convolution_dimension_numbers"):
+        a["dim_labels"] = _dim_labels(p.convolution_dimension_numbers, len(p.shape.dimensions))
+    if p.feature_group_count > 1:
+        a["feature_group_count"] = str(p.feature_group_count)
+    if p.batch_group_count > 1:
+        a["batch_group_count"] = str(p.batch_group_count)
+    if p.comparison_direction:
+        a["direction"] = p.comparison_direction
+    if op == "get-tuple-element":
+        a["index"] = str(p.tuple_index)
+    groups = _replica_groups(p)
+    if groups is not None:
+        a["replica_groups"] = groups
+    if p.channel_id:
+        a["channel_id"] = str(p.channel_id)
+    if p.use_global_device_ids:
+        a["use_global_device_ids"] = "true"
+    if p.source_target_pairs:
+        a["source_target_pairs"] = "{" + ",".join(f"{{{s.source},{s.target}}}" for s in p.source_target_pairs) + "}"
+    if p.backend_config:
+        a["backend_config"] = p.backend_config.decode("utf-8", "replace")
+    return a, tuple(called)
+
+
+def module_from_proto(data: bytes, source: str = "<HloProto>", program_id: int | None = None) -> HloModule:
+    """Decode a serialized ``xla.HloProto`` (or a bare ``HloModuleProto``) into an :class:`HloModule`.
+
+    :raises HloParseError: the bytes are not an HloProto.
+    """
+    msg = HloProtoMessage()
+    try:
+        msg.ParseFromString(data)
+    except Exception as e:  # protobuf DecodeError
+        raise HloParseError(f"{source}: not a valid xla.HloProto ({e})") from None
+    mod = msg.hlo_module
+    if not mod.computations:
+        alt = _CLASSES["HloModuleProto"]()
+        try:
+            alt.ParseFromString(data)
+        except Exception:
+            alt = None
+        if alt is None or not alt.computations:
+            raise HloParseError(f"{source}: HloProto without computations")
+        mod = alt
+    comp_names = {c.id: c.name for c in mod.computations}
+    frames: dict[int, StackFrame] = {}
+    sfi = mod.stack_frame_index
+    for i, fr in enumerate(sfi.stack_frames, start=1):
+        loc = sfi.file_locations[fr.file_location_id - 1] if 0 < fr.file_location_id <= len(sfi.file_locations) \
+            else None
+        frames[i] = StackFrame(
+            sfi.file_names[loc.file_name_id - 1] if loc and 0 < loc.file_name_id <= len(sfi.file_names) else "",
+            sfi.function_names[loc.function_name_id - 1]
+            if loc and 0 < loc.function_name_id <= len(sfi.function_names) else "",
+            loc.line if loc else 0, fr.parent_frame_id)
+    comps: dict[str, Computation] = {}
+    entry = mod.entry_computation_name or comp_names.get(mod.entry_computation_id, "")
+    for c in mod.computations:
+        names = {i.id: i.name for i in c.instructions}
+        shapes = {i.id: _shape(i.shape) for i in c.instructions}
+        insts = []
+        for p in c.instructions:
+            attrs, called = _attrs(p, comp_names)
+            bc: Any = None
+            if p.backend_config:
+                try:
+                    bc = json.loads(p.backend_config)
+                except ValueError:
+                    bc = p.backend_config.decode("utf-8", "replace")
+            md = p.metadata
+            literal = ""
+            if p.opcode == "parameter":
+                literal = str(p.parameter_number)
+            elif p.opcode == "constant" and p.HasField("literal"):
+                vals = list(p.literal.s32s) or list(p.literal.s64s) or list(p.literal.u32s) or list(p.literal.u64s)
+                if len(vals) == 1:
+                    literal = str(vals[0])
+            insts.append(Instruction(
+                name=p.name, opcode=p.opcode, shape=shapes[p.id],
+                operands=tuple(names.get(o, str(o)) for o in p.operand_ids),
+                operand_shapes=tuple(shapes.get(o) for o in p.operand_ids), attrs=attrs, called=called,
+                metadata=Metadata(md.op_type, md.op_name, md.source_file, md.source_line, md.stack_frame_id,
+                                  md.deduplicated_name, md.scheduling_name),
+                backend_config=bc, literal=literal, is_root=p.id == c.root_id,
+            ))
+        comps[c.name] = Computation(c.name, insts, c.name == entry, c.execution_thread)
+    if entry not in comps:
+        entry = list(comps)[-1]
+    m = re.search(r"\((\d+)\)", Path(source).name)
+    pid = program_id if program_id is not None else (int(m.group(1)) if m else (mod.id or None))
+    return HloModule(mod.name, comps, entry, {}, frames, pid, source)
+
+
+def read_hlo_proto_file(path: str | Path) -> HloModule:
+    """Read a ``<module>(<program_id>).hlo_proto.pb`` file.
+
+    :raises InputError: unreadable file. :raises HloParseError: not an HloProto.
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot read {p}: {e.strerror}") from None
+    return module_from_proto(data, str(p))
