@@ -109,15 +109,22 @@ def test_trace_json_gives_the_same_op_times(transformer):
     assert a.summary.flops_per_step == pytest.approx(transformer.summary.flops_per_step)
 
 
-def test_no_hlo_gives_a_partial_report(tmp_path):
-    import shutil
-
-    run = tmp_path / "run"
-    shutil.copytree(fixture_xplane("scan_mlp").parent, run)
-    a = analyze(run, chip=HOST_CHIP)
+def test_no_hlo_gives_a_partial_report():
+    a = analyze(fixture_trace_json("scan_mlp"), chip=HOST_CHIP)  # trace JSON carries no HLO
     assert a.summary.join.events_joined == 0
     assert any("no HLO found" in n for n in a.summary.notes)
     assert a.summary.step_time_mean_s > 0 and np.isnan(a.ops["expected_s"]).all()
+
+
+@pytest.mark.parametrize("name", ["transformer", "scan_mlp"])
+def test_embedded_hloproto_gives_the_same_report_as_text_dumps(name):
+    bare = analyze(fixture_xplane(name), chip=HOST_CHIP)  # a bare .xplane.pb: HLO from /host:metadata
+    dumps = analyze(FIXTURES / name, chip=HOST_CHIP)
+    assert bare.summary.join.events_joined == bare.summary.join.events_total
+    assert bare.summary.flops_per_step == dumps.summary.flops_per_step
+    assert bare.summary.hbm_bytes_per_step == dumps.summary.hbm_bytes_per_step
+    cols = ["layer", "phase", "flops_per_step", "hbm_bytes_per_step", "expected_per_step_s"]
+    assert bare.layers[cols].equals(dumps.layers[cols])
 
 
 def test_cpu_profile_defaults_to_calibrated_host(monkeypatch, tmp_path):

@@ -40,6 +40,7 @@ def test_rollup_arithmetic():
         "measured_s": [2.0, 1.0, 2.0, 4.0], "expected_s": [1.0, 1.0, 1.0, np.nan],
         "flops": [10.0, 0.0, 10.0, 0.0], "hbm_bytes": [0.0, 8.0, 0.0, 4.0],
         "bound": ["compute", "memory", "compute", "opaque"], "lost_s": [1.0, 0.0, 1.0, np.nan],
+        "opaque": [False, False, False, True],
     })
     r = rollup(ops, steps_used=2, step_time_s=5.0).set_index("layer")
     assert r.loc["a", "time_per_step_s"] == 2.5

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule, Instruction
-from traceroof.chips import Chip, ChipError, get_chip, host_cache_path, host_chip
+from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, layer_of, parse_scope, rollup
 from traceroof.profile import HloMismatchError, JoinReport, Profile, discover, load_profile, match_modules
@@ -46,6 +46,7 @@ class Summary:
     roofline_efficiency: float
     devices: int
     join: JoinReport
+    hlo_sources: dict[str, int] = field(default_factory=dict)
     flop_convention: str = FLOP_CONVENTION
     notes: tuple[str, ...] = ()
 
@@ -130,15 +131,22 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
                 comps_with_events.add((mi, comp.name))
     counted_u = np.array([not any((int(uniques[u]) >> 32, c) in comps_with_events for c in table.at[u, "called"])
                           for u in range(len(uniques))] or [True])
+    # GPU: an op execution may launch several kernels (N:M). Estimator: kernels per execution = the number of
+    # distinct kernel names seen for the op; each kernel row carries 1/k of the op's cost, so sums over rows
+    # count executions x cost. CPU and TPU events are one per op execution (k = 1).
+    kernel_codes = ev["kernel"].cat.codes.to_numpy() if "kernel" in ev else np.zeros(len(ev), np.int64)
+    per_exec = pd.Series(kernel_codes).groupby(keys).nunique().reindex(range(len(uniques)), fill_value=1)
+    k_u = np.maximum(per_exec.to_numpy(np.float64), 1.0)
     out = ev.copy()
     out["measured_s"] = ev["duration_ps"].to_numpy(np.float64) * 1e-12
     out["joined"] = joined_u[keys] if len(ev) else np.zeros(0, bool)
+    out["kernels_per_execution"] = k_u[keys] if len(ev) else np.zeros(0)
     for col in _ATTR_COLUMNS:
         if col == "called":
             continue
         vals = table[col].to_numpy()
         if col in ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes"):
-            out[col] = vals.astype(np.float64)[keys] if len(ev) else np.zeros(0)
+            out[col] = (vals.astype(np.float64) / k_u)[keys] if len(ev) else np.zeros(0)
         elif col == "opaque":
             out[col] = vals.astype(bool)[keys] if len(ev) else np.zeros(0, bool)
         else:
@@ -146,6 +154,11 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
             out[col] = pd.Categorical.from_codes(cat.codes[keys], categories=cat.categories) if len(ev) \
                 else pd.Categorical([])
     out["counted"] = counted_u[keys] if len(ev) else np.zeros(0, bool)
+    if "attributed" in ev and not ev["attributed"].all():
+        un = ~ev["attributed"].to_numpy(bool)
+        for col, label in (("category", "unattributed kernel"), ("scope", "(unattributed kernels)")):
+            out[col] = out[col].cat.add_categories([label]) if label not in out[col].cat.categories else out[col]
+            out.loc[un, col] = label
     layer_cat = pd.Categorical([layer_of(str(s), depth) for s in out["scope"].cat.categories])
     out["layer"] = pd.Categorical.from_codes(layer_cat.codes[out["scope"].cat.codes.to_numpy()],
                                              categories=layer_cat.categories) if len(ev) else pd.Categorical([])
@@ -171,8 +184,7 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
         c = host_chip()
         return c, (f"CPU profile judged against this machine's calibration ({host_cache_path()}; "
                    "`traceroof calibrate` re-measures it)")
-    raise ChipError(f"cannot tell the target chip of this {profile.device_kind.upper()} profile; pass --chip "
-                    "(see `traceroof chips`)")
+    return detect_chip(profile.plane_stats)
 
 
 def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] = (), chip: str | Chip | None = None,
@@ -195,15 +207,28 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     notes = list(profile.notes)
     target, chip_note = resolve_chip(profile, chip)
     ops, join = build_op_table(profile, depth, optimizer_pattern)
-    if hlo and join.events_joined == 0:
+    user = {str(f) for f in profile.inputs.user_hlo_files}
+    ran = set(zip(profile.events["module"].astype(str), profile.events["program_id"].fillna(-1).astype(int)))
+    ran_names = {name for name, _ in ran}
+    if user and not any(m.source in user and ((m.name, m.program_id) in ran or (m.name, -1) in ran or
+                                              (m.program_id is None and m.name in ran_names))
+                        for m in profile.modules):
         raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given "
                                f"(profile modules: {', '.join(join.unmatched_modules[:4]) or '?'}); "
                                "pass the after-optimization dumps of the profiled run")
     if not profile.modules:
-        notes.append("no HLO found: times only; pass --hlo DIR (an --xla_dump_to folder) for the roofline")
-    elif join.events_joined < join.events_total:
-        share = 1 - join.time_joined_ps / max(join.time_total_ps, 1)
-        notes.append(f"{join.events_total - join.events_joined:,} of {join.events_total:,} op events "
+        notes.append("no HLO found (no dumps, no HloProto in the profile): times only; pass --hlo DIR "
+                     "(an --xla_dump_to folder) for the roofline")
+    unattributed = ops[~ops["attributed"]] if "attributed" in ops else ops.iloc[:0]
+    if len(unattributed):
+        share = unattributed["duration_ps"].sum() / max(join.time_total_ps, 1)
+        kernels = ", ".join(sorted(unattributed["kernel"].astype(str).unique())[:3])
+        notes.append(f"{len(unattributed):,} kernel events ({share:.1%} of kernel time) carry no hlo_op: "
+                     f"unattributed kernel time ({kernels})")
+    missing = join.events_total - join.events_joined - len(unattributed)
+    if profile.modules and missing > 0:
+        share = 1 - (join.time_joined_ps + unattributed["duration_ps"].sum()) / max(join.time_total_ps, 1)
+        notes.append(f"{missing:,} of {join.events_total:,} op events "
                      f"({share:.1%} of op time) have no HLO"
                      + (f" (modules without HLO: {', '.join(join.unmatched_modules[:5])})"
                         if join.unmatched_modules else "")
@@ -249,7 +274,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
         expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
         roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=n_dev, join=join,
-        notes=tuple(notes),
+        hlo_sources=dict(profile.hlo_sources), notes=tuple(notes),
     )
     layers = rollup(ops, len(used), step_mean)
     return Analysis(summary, ops, layers, top_ops(counted, len(used) * n_dev, top), steps, depth,
@@ -258,15 +283,16 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
 
 def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
     """The ``n`` ops (module, HLO op) losing most time per step, with opcode, category, shapes and bound."""
-    cols = ["module", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step", "time_per_step_s",
+    cols = ["module", "program_id", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step", "time_per_step_s",
             "expected_per_step_s", "lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
     d = counted[counted["joined"]]
     if d.empty:
         return pd.DataFrame(columns=cols)
-    g = d.groupby(["module", "hlo_op"], observed=True, sort=False)
+    d = d.assign(program_id=d["program_id"].fillna(-1))
+    g = d.groupby(["module", "program_id", "hlo_op"], observed=True, sort=False)
     first = g.first()
     agg = pd.DataFrame({
-        "executions_per_step": g.size() / per,
+        "executions_per_step": g.size() / per / g["kernels_per_execution"].first(),
         "time_per_step_s": g["measured_s"].sum() / per,
         "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
         "lost_per_step_s": g["lost_s"].sum(min_count=1) / per,
@@ -276,6 +302,7 @@ def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
         agg[c] = first[c].astype(str)
     agg = agg.reset_index()
     agg["module"] = agg["module"].astype(str)
+    agg["program_id"] = agg["program_id"].astype("Int64").where(agg["program_id"] >= 0)
     agg["hlo_op"] = agg["hlo_op"].astype(str)
     agg = agg.sort_values(["lost_per_step_s", "time_per_step_s", "hlo_op"], ascending=[False, False, True],
                           kind="stable", na_position="last")

@@ -59,6 +59,7 @@ class Chip:
     figures: dict[str, Figure] = field(default_factory=dict)
     path: str = ""
     note: str = ""
+    detect: dict[str, Any] = field(default_factory=dict)
 
     def figure(self, key: str) -> Figure | None:
         return self.figures.get(key)
@@ -131,7 +132,7 @@ def load_chip_file(path: str | Path) -> Chip:
         raise ChipError(f"chip file {p} has no 'name'")
     return Chip(id=p.stem, name=str(data["name"]), vendor=str(data.get("vendor", "")),
                 kind=str(data.get("kind", "")), aliases=tuple(data.get("aliases", ())), figures=figures,
-                path=str(p), note=str(data.get("note", "")))
+                path=str(p), note=str(data.get("note", "")), detect=dict(data.get("detect", {})))
 
 
 def all_chips() -> list[Chip]:
@@ -169,6 +170,69 @@ def get_chip(name_or_path: str) -> Chip:
     ids = [c.id for c in chips if _norm(c.id) in close] or [c.id for c in chips]
     raise ChipError(f"unknown chip {name_or_path!r}; closest known: {', '.join(ids)} "
                     "(see `traceroof chips`, or pass a chip .toml file)")
+
+
+# -- detection from profile plane stats -------------------------------------------------------------------
+
+def _matches(chip: Chip, stats: dict[str, Any]) -> bool:
+    d = chip.detect
+    if not d:
+        return False
+    dtype = str(stats.get("device_type_string") or stats.get("device_type") or "")
+    if "device_type" in d:
+        return bool(dtype) and _norm(dtype) in {_norm(x) for x in d["device_type"]}
+    major, minor = stats.get("compute_cap_major"), stats.get("compute_cap_minor")
+    if major is None or f"{int(major)}.{int(minor or 0)}" not in d.get("compute_capability", []):
+        return False
+    vendor = stats.get("device_vendor")
+    if vendor and d.get("vendor") and _norm(str(vendor)) != _norm(d["vendor"]):
+        return False
+    mem = stats.get("memory_size")
+    if mem:
+        if "memory_bytes_min" in d and float(mem) < float(d["memory_bytes_min"]):
+            return False
+        if "memory_bytes_max" in d and float(mem) > float(d["memory_bytes_max"]):
+            return False
+    return True
+
+
+def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
+    """The chip a device plane describes, from its stats (``device_vendor``, ``compute_cap_major/minor``,
+    ``memory_size`` for GPUs; the device type string for TPUs), using each chip file's ``[detect]`` section.
+
+    Returns the chip and a note comparing what the profile itself claims (HBM bandwidth, peak FLOP/s) with the
+    database figures when they differ by more than 5 %.
+
+    :raises ChipError: no chip matches; the message names the closest chips and ``--chip``.
+    """
+    chips = all_chips()
+    found = [c for c in chips if _matches(c, stats)]
+    described = ", ".join(f"{k}={stats[k]}" for k in ("device_vendor", "compute_cap_major", "compute_cap_minor",
+                                                       "core_count", "memory_size", "device_type_string")
+                          if k in stats)
+    if not found:
+        major = stats.get("compute_cap_major")
+        close = [c.id for c in chips if any(str(cc).split(".")[0] == str(major)
+                                             for cc in c.detect.get("compute_capability", []))]
+        raise ChipError(f"unknown device ({described or 'no device stats'}); closest known chips: "
+                        f"{', '.join(close) or ', '.join(c.id for c in chips if c.kind != 'cpu')}; pass --chip")
+    chip = found[0]
+    notes = [f"detected from the profile ({described})"]
+    if len(found) > 1:
+        notes.append(f"also matches {', '.join(c.id for c in found[1:])}: pass --chip to choose")
+    claims = []
+    bw = stats.get("memory_bandwidth")
+    ours = chip.hbm_bandwidth_bytes_per_s
+    if bw and ours and abs(float(bw) / ours - 1) > 0.05:
+        claims.append(f"HBM {float(bw) / 1e12:.3g} TB/s (database {ours / 1e12:.3g} TB/s)")
+    peak = stats.get("peak_teraflops_per_second")
+    if peak:
+        best = max(chip.peak_flops_per_s.values(), default=0.0)
+        if best and abs(float(peak) * 1e12 / best - 1) > 0.05:
+            claims.append(f"peak {float(peak):.4g} TFLOP/s (database max {best / 1e12:.4g} TFLOP/s)")
+    if claims:
+        notes.append("the profile claims " + "; ".join(claims) + "; the database figures are used")
+    return chip, "; ".join(notes)
 
 
 # -- host calibration -------------------------------------------------------------------------------------

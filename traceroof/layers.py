@@ -113,7 +113,7 @@ def rollup(ops: pd.DataFrame, steps_used: int, step_time_s: float) -> pd.DataFra
         exp_sum = g.loc[has_exp, "expected_s"].sum() * k
         meas_exp = g.loc[has_exp, "measured_s"].sum() * k
         by_bound = g[has_exp].groupby("bound", observed=True)["expected_s"].sum()
-        per_op = g.groupby("hlo_op", observed=True)["lost_s"].sum()
+        per_op = g.groupby("hlo_op", observed=True)["lost_s"].sum(min_count=1)
         rows.append({
             "layer": layer, "phase": phase, "ops": g["hlo_op"].nunique(),
             "time_per_step_s": measured,
@@ -122,7 +122,7 @@ def rollup(ops: pd.DataFrame, steps_used: int, step_time_s: float) -> pd.DataFra
             "hbm_bytes_per_step": g["hbm_bytes"].sum() * k,
             "expected_per_step_s": exp_sum,
             "efficiency": exp_sum / meas_exp if meas_exp > 0 else np.nan,
-            "bound": str(by_bound.idxmax()) if len(by_bound) else "opaque",
+            "bound": str(by_bound.idxmax()) if len(by_bound) else ("opaque" if g["opaque"].any() else "unknown"),
             "lost_per_step_s": g["lost_s"].sum() * k,
             "worst_op": str(per_op.idxmax()) if per_op.notna().any() else "",
         })

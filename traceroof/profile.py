@@ -20,6 +20,7 @@ import pandas as pd
 
 from parsers.errors import FormatError, InputError, TraceroofError
 from parsers.hlo import HloModule
+from parsers.hlo_proto import module_from_proto, read_hlo_proto_file
 from parsers.hlo_text import parse_hlo_file
 from parsers.trace_json import read_trace_json
 from parsers.xspace import AGGREGATE_START_PS, read_xspace
@@ -43,6 +44,8 @@ class Inputs:
     kind: str
     hlo_files: tuple[Path, ...]
     description: str
+    hlo_proto_files: tuple[Path, ...] = ()
+    user_hlo_files: tuple[Path, ...] = ()
 
 
 def _is_xplane(p: Path) -> bool:
@@ -130,8 +133,11 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
         hlo_files += files
     if len(kinds) > 1:
         raise InputError("mixing .xplane.pb and trace JSON inputs is not supported; pass one kind")
+    user_files = tuple(f for h in hlo for f in _hlo_files(Path(h)))
+    sidecars = sorted({f for prof in profiles for f in prof.parent.glob("*.hlo_proto.pb")}
+                      | {f for d in described if Path(d).is_dir() for f in Path(d).rglob("*.hlo_proto.pb")})
     return Inputs(tuple(dict.fromkeys(profiles)), kinds.pop(), tuple(dict.fromkeys(hlo_files)),
-                  ", ".join(described))
+                  ", ".join(described), tuple(sidecars), user_files)
 
 
 @dataclass(eq=False)
@@ -153,6 +159,7 @@ class Profile:
     step_annotation: str
     plane_stats: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    hlo_sources: dict[str, int] = field(default_factory=dict)
 
 
 def load_hlo(files: Sequence[Path]) -> list[HloModule]:
@@ -187,6 +194,7 @@ def load_profile(inputs: Inputs) -> Profile:
     device_kind, device_desc, annotation = "cpu", "", ""
     plane_stats: dict[str, object] = {}
     starts = []
+    embedded: list[tuple[int | None, str, bytes, str]] = []
     if inputs.kind == "xplane":
         spaces = [read_xspace(p) for p in inputs.profiles]
         starts = [xs.profile_start_time_ns for xs in spaces]
@@ -194,6 +202,7 @@ def load_profile(inputs: Inputs) -> Profile:
         for xs, s in zip(spaces, starts):
             offset_ps = (s - base) * 1000 if (s is not None and base is not None) else 0
             ev, st, kind, desc, ann, stats = _xspace_events(xs)
+            embedded += _embedded_hlo(xs)
             ev["start_ps"] += offset_ps
             st["start_ps"] += offset_ps
             st["end_ps"] += offset_ps
@@ -221,7 +230,58 @@ def load_profile(inputs: Inputs) -> Profile:
                          "profile a jitted JAX/XLA program")
     events = _assign_steps(events, steps)
     modules = load_hlo(_relevant_hlo(inputs.hlo_files, events))
-    return Profile(inputs, events, steps, modules, device_kind, device_desc, annotation, plane_stats, notes)
+    sources = {"HLO text dumps": len(modules)}
+    extra = _profile_hlo(events, modules, embedded, inputs.hlo_proto_files)
+    sources["HloProtos embedded in the profile"] = sum(1 for _, how in extra if how == "embedded")
+    sources["HloProto files beside the profile"] = sum(1 for _, how in extra if how == "sidecar")
+    modules += [m for m, _ in extra]
+    return Profile(inputs, events, steps, modules, device_kind, device_desc, annotation, plane_stats, notes,
+                   {k: v for k, v in sources.items() if v})
+
+
+def _embedded_hlo(xs) -> list[tuple[int | None, str, bytes, str]]:
+    """(program id, module name, HloProto bytes, source) of every program in the ``/host:metadata`` plane."""
+    meta = xs.plane("/host:metadata")
+    out = []
+    if meta is None:
+        return out
+    for em in meta.event_metadata.values():
+        data = em.stats.get("Hlo Proto")
+        if not isinstance(data, (bytes, bytearray)):
+            continue
+        m = re.fullmatch(r"(.*)\((\d+)\)", em.name)
+        pid = em.stats.get("program_id")
+        pid = int(pid) if isinstance(pid, int) else (int(m.group(2)) if m else None)
+        out.append((pid, m.group(1) if m else em.name, bytes(data), f"{xs.path}:/host:metadata:{em.name}"))
+    return out
+
+
+def _profile_hlo(events: pd.DataFrame, have: Sequence[HloModule], embedded: list[tuple[int | None, str, bytes, str]],
+                 sidecars: Sequence[Path]) -> list[tuple[HloModule, str]]:
+    """Modules decoded from the profile's own HloProtos (embedded, then sidecar files) for the programs the
+    events ran and the text dumps do not cover. Matching is by program id (by name only without ids)."""
+    ids = set(int(x) for x in events["program_id"].dropna().unique())
+    names = set(events.loc[events["program_id"].isna(), "module"].astype(str).unique())
+    covered_ids = {m.program_id for m in have if m.program_id is not None}
+    covered_names = {m.name for m in have}
+    out: list[tuple[HloModule, str]] = []
+    candidates = [(pid, name, "embedded", lambda d=data, src=src, pid=pid: module_from_proto(d, src, pid))
+                  for pid, name, data, src in embedded]
+    for f in sidecars:
+        m = re.fullmatch(r"(.*)\((\d+)\)\.hlo_proto\.pb", f.name)
+        candidates.append((int(m.group(2)) if m else None, m.group(1) if m else f.name, "sidecar",
+                           lambda f=f: read_hlo_proto_file(f)))
+    for pid, name, how, load in candidates:
+        wanted = (pid is not None and pid in ids and pid not in covered_ids) or \
+                 (name in names and name not in covered_names)
+        if wanted:
+            module = load()
+            if pid is not None:
+                module.program_id = pid
+                covered_ids.add(pid)
+            covered_names.add(name)
+            out.append((module, how))
+    return out
 
 
 def _host_of(path: str) -> str:
@@ -245,13 +305,26 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
                           "analyze the XProf hlo_stats export or wait for TPU support")
     if gpu and any(line.event_count for p in gpu for line in p.lines):
         kind = "gpu"
+        active = []
         for p in gpu:
-            ev = p.events(stats=OP_STATS, require=("hlo_op",))
-            ev = ev[ev["hlo_op"].notna() & (ev["start_ps"] != AGGREGATE_START_PS)]
-            ev = ev.assign(device=f"{host}/{p.name}")
+            streams = [line for line in p.lines if line.name.startswith("Stream")]
+            if not streams:
+                continue
+            active.append(p)
+            ev = p.events(stats=OP_STATS, lines=streams)
+            ev = ev[ev["start_ps"] != AGGREGATE_START_PS]
+            attributed = ev["hlo_op"].notna().to_numpy()
+            kernel = ev["display_name"].astype(str)
+            ev = ev.assign(device=f"{host}/{p.name}", kernel=kernel.to_numpy(),
+                           hlo_op=np.where(attributed, ev["hlo_op"].astype(object), "(kernel) " + kernel),
+                           hlo_module=np.where(attributed, ev["hlo_module"].astype(object), ""),
+                           attributed=attributed)
             frames.append(ev)
-            stats.update({f"{p.name}:{k}": v for k, v in p.stats.items()})
-        desc = f"{len(gpu)} GPU plane(s): " + ", ".join(sorted({str(p.stats.get('device_vendor', '')) for p in gpu}))
+        if active:
+            stats.update(active[0].stats)
+        vendors = sorted({str(p.stats.get("device_vendor", "")) for p in active} - {""})
+        desc = (f"{len(active)} active GPU plane(s) of {len(gpu)}"
+                + (f" ({', '.join(vendors)})" if vendors else "") + "; kernels on Stream lines")
     else:
         kind = "cpu"
         if cpu is None:
@@ -267,6 +340,8 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         version = meta.stats.get("jax_version", "") if meta else ""
         desc = f"XLA:CPU host threads{f' (jax {version})' if version else ''}"
     events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if len(events) and "kernel" not in events:
+        events = events.assign(kernel="", attributed=True)
     out = pd.DataFrame({
         "host": pd.Categorical([host] * len(events)),
         "device": pd.Categorical(events["device"]) if len(events) else pd.Categorical([]),
@@ -275,6 +350,8 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         "hlo_op": events["hlo_op"].astype("category") if len(events) else pd.Categorical([]),
         "start_ps": events["start_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
         "duration_ps": events["duration_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
+        "kernel": pd.Categorical(events["kernel"]) if len(events) else pd.Categorical([]),
+        "attributed": events["attributed"].to_numpy(bool) if len(events) else np.zeros(0, bool),
     })
     if kind != "cpu":
         step_events = cpu.events(stats=("step_num",), require=("step_num",)) if cpu else pd.DataFrame()
@@ -314,6 +391,8 @@ def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]
         "hlo_op": ops["hlo_op"].astype(str).astype("category"),
         "start_ps": ops["start_ps"].to_numpy(np.int64),
         "duration_ps": ops["duration_ps"].to_numpy(np.int64),
+        "kernel": pd.Categorical([""] * len(ops)),
+        "attributed": np.ones(len(ops), bool),
     })
     step_ev = ev[ev["step_num"].notna()].copy()
     step_ev["step_num"] = pd.to_numeric(step_ev["step_num"].astype(object), errors="coerce")
@@ -380,7 +459,7 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule]) -> tuple[n
             idx = by_name[name][0]
         elif len(by_name.get(name, [])) > 1:
             ambiguous.add(name)
-        if idx < 0 and name not in ambiguous:
+        if idx < 0 and name and name not in ambiguous:
             unmatched.add(f"{name}({p})" if p >= 0 else name)
         chosen[u] = idx
     report = JoinReport(len(events), 0, int(events["duration_ps"].sum()), 0, tuple(sorted(unmatched)), 0,

@@ -63,7 +63,8 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
                        f"{fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)} "
                        f"÷ step time)"),
         ("joined", f"{j.events_joined:,} of {j.events_total:,} op events to HLO ({fmt_pct(joined_time)} "
-                   "of op time)"),
+                   "of op time); HLO from " + (", ".join(f"{k} ({v} modules)" for k, v in s.hlo_sources.items())
+                                               or "nowhere")),
         ("FLOPs", s.flop_convention),
     ]
     return lines
