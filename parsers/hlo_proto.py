@@ -133,9 +133,9 @@ def _ints(values: Any) -> str:
     return "{" + ",".join(str(v) for v in values) + "}"
 
 
-def _dim_labels(d: Any, rank: int) -> str:
+def _dim_labels(d: Any) -> str:
     def labels(batch: int, feature: int, spatial: Any, b: str, f: str) -> str:
-        out = ["?"] * rank
+        out = ["?"] * (2 + len(spatial))
         out[batch], out[feature] = b, f
         for i, s in enumerate(spatial):
             out[s] = str(i)
@@ -215,7 +215,7 @@ def _attrs(p: Any, comp_names: dict[int, str]) -> tuple[dict[str, str], tuple[st
     if p.HasField("window") and p.window.dimensions:
         a["window"] = _window(p.window)
     if p.HasField("convolution_dimension_numbers"):
-        a["dim_labels"] = _dim_labels(p.convolution_dimension_numbers, len(p.shape.dimensions))
+        a["dim_labels"] = _dim_labels(p.convolution_dimension_numbers)
     if p.feature_group_count > 1:
         a["feature_group_count"] = str(p.feature_group_count)
     if p.batch_group_count > 1:

@@ -276,28 +276,37 @@ class CostModel:
         width = math.prod(lhs.dims[d] for d in lhs_contracting if d < len(lhs.dims))
         return 2.0 * out.elements * width
 
-    def _conv_flops(self, inst: Instruction) -> float:
-        lhs, rhs = self.operand_shape(inst, 0), self.operand_shape(inst, 1)
+    def _conv_flops(self, inst: Instruction, target: str = "") -> float:
+        """Convolution FLOPs (HandleConvolution). For cuDNN custom-calls the operands depend on the direction:
+        forward (input, filter) -> output; backward input (output grad, filter) -> input grad; backward filter
+        (input, output grad) -> filter grad; the window and dim_labels are the forward convolution's, and the
+        FLOPs equal the forward convolution's."""
+        a, b = self.operand_shape(inst, 0), self.operand_shape(inst, 1)
+        result = inst.shape.leaves()[0]
+        if "BackwardInput" in target:
+            lhs, rhs, out = result, b, a
+        elif "BackwardFilter" in target:
+            lhs, rhs, out = a, result, b
+        else:
+            lhs, rhs, out = a, b, result
         labels = inst.attrs.get("dim_labels", "")
         m = re.fullmatch(r"([0-9a-z?]+)_([0-9a-z?]+)->([0-9a-z?]+)", labels)
-        if lhs is None or rhs is None or not m:
+        if lhs is None or rhs is None or out is None or not m:
             return 0.0
         in_l, k_l, out_l = m.groups()
-        out = inst.shape.leaves()[0]
+        if len(in_l) != len(lhs.dims) or len(k_l) != len(rhs.dims) or len(out_l) != len(out.dims):
+            return 0.0
         fgc = int(inst.attrs.get("feature_group_count", "1") or 1)
         bgc = int(inst.attrs.get("batch_group_count", "1") or 1)
         input_feature = lhs.dims[in_l.index("f")]
         output_feature = out.dims[out_l.index("f")]
         batch = lhs.dims[in_l.index("b")]
-        spatial = [c for c in in_l if c.isdigit()]
+        spatial = sorted(c for c in in_l if c.isdigit())
         window = _parse_window(inst.attrs.get("window", ""), len(spatial))
         positions = 1
-        for i, s in enumerate(sorted(spatial)):
-            in_size = lhs.dims[in_l.index(s)]
-            k_size = rhs.dims[k_l.index(s)]
-            out_size = out.dims[out_l.index(s)]
-            w = window[i]
-            positions *= _valid_positions(in_size, k_size, out_size, w)
+        for i, s in enumerate(spatial):
+            positions *= _valid_positions(lhs.dims[in_l.index(s)], rhs.dims[k_l.index(s)], out.dims[out_l.index(s)],
+                                          window[i])
         return 2.0 * (input_feature / fgc) * output_feature * (batch / bgc) * positions
 
     def _reduction_flops(self, inst: Instruction, out_elems: int) -> tuple[float, float]:
@@ -346,7 +355,11 @@ class CostModel:
             bb = tuple(b[j] - (o_all[j]) + o_first[j] for j in range(3))
             return OpCost(flops, 0.0, bb[0], bb[1], bb[2], note=f"GEMM {target}: 2*M*N*K from shapes")
         if CONV_CUSTOM_CALL.search(target):
-            return OpCost(0.0, 0.0, b[0], b[1], b[2], opaque=True, note=f"cuDNN conv {target}")
+            flops = self._conv_flops(inst, target)
+            o_all, o_first = _sizes(inst.shape), _leaf_sizes(inst.shape.leaves()[0])
+            bb = tuple(b[j] - o_all[j] + o_first[j] for j in range(3))
+            return OpCost(flops, 0.0, bb[0], bb[1], bb[2], opaque=flops == 0,
+                          note=f"cuDNN/MIOpen convolution {target}: convolution rule on its window and dim_labels")
         return OpCost(0.0, 0.0, b[0], b[1], b[2], opaque=True, note=f"opaque custom-call {target}")
 
     # -- fusions ----------------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ import pandas as pd
 
 NO_SCOPE = "(no scope)"
 TOP_LEVEL = "(top level)"
-DEFAULT_OPTIMIZER_PATTERN = r"optim|optax|apply_updates|adam|sgd|momentum"
+# a scope segment that names an optimizer update (whole segment, case-insensitive)
+DEFAULT_OPTIMIZER_PATTERN = (r"optimizer|optim|optax(_\w+)?|opt_update|apply_updates|apply_gradients|adam\w*|sgd|"
+                             r"momentum|lamb|lion|adafactor|rmsprop|shampoo")
 # segments JAX's transformations add to the name stack (loops, calls, remat), not user scopes
 STRUCTURAL_SEGMENTS = frozenset({"while", "body", "cond", "closed_call", "core_call", "remat", "checkpoint",
                                  "rematted_computation", "custom_jvp_call", "custom_vjp_call", "pjit", "scan"})
@@ -58,7 +60,7 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     ``jvp``/``transpose`` wrappers, dropping structural segments (``while``, ``body``, ``closed_call``,
     ``checkpoint``...) and einsum specs, and removing the last segment (the primitive). Phase: ``backward`` when a
     ``transpose(`` wraps any segment, ``optimizer`` when a scope matches ``optimizer_pattern``, else
-    ``forward``. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
+    ``forward``. ``optimizer_pattern`` must match a whole scope segment. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
     Merged names (``a;b``) use the first.
     """
     if not op_name:
@@ -76,9 +78,15 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
         if inner and not _EINSUM_SPEC.fullmatch(inner) and inner not in STRUCTURAL_SEGMENTS:
             scopes.append(inner)
     path = "/".join(scopes) or TOP_LEVEL
-    if any(re.search(optimizer_pattern, s, re.I) for s in scopes):
-        return path, "optimizer"
-    return path, "backward" if backward else "forward"
+    return path, phase_of(scopes, backward, optimizer_pattern)
+
+
+def phase_of(scopes: list[str], backward: bool, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> str:
+    """``optimizer`` when a scope matches ``optimizer_pattern``, else ``backward`` when ``backward`` or a scope
+    is TensorFlow's ``gradient_tape``, else ``forward``."""
+    if any(re.fullmatch(optimizer_pattern, s, re.I) for s in scopes):
+        return "optimizer"
+    return "backward" if backward or "gradient_tape" in scopes else "forward"
 
 
 def layer_of(scope: str, depth: int) -> str:

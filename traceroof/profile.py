@@ -299,6 +299,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     tpu = [p for p in device_planes if re.match(r"/device:TPU:\d+$", p.name)]
     cpu = xs.plane("/host:CPU")
     frames = []
+    fw_steps = None
     stats: dict[str, object] = {}
     if tpu:
         raise FormatError(f"{xs.path}: TPU device planes are not supported yet (XLA Ops lines); "
@@ -325,6 +326,11 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         vendors = sorted({str(p.stats.get("device_vendor", "")) for p in active} - {""})
         desc = (f"{len(active)} active GPU plane(s) of {len(gpu)}"
                 + (f" ({', '.join(vendors)})" if vendors else "") + "; kernels on Stream lines")
+        if not any(f["attributed"].any() for f in frames):
+            fw = _framework_ops(gpu, host)
+            if fw is not None:
+                frames, fw_steps = [fw[0]], fw[1]
+                desc += "; no XLA ops: TensorFlow/framework ops only"
     else:
         kind = "cpu"
         if cpu is None:
@@ -353,10 +359,50 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         "kernel": pd.Categorical(events["kernel"]) if len(events) else pd.Categorical([]),
         "attributed": events["attributed"].to_numpy(bool) if len(events) else np.zeros(0, bool),
     })
+    if len(events) and "framework_scope" in events:
+        out["framework_scope"] = pd.Categorical(events["framework_scope"])
+    if fw_steps is not None:
+        return out, fw_steps, kind, desc, "Steps", stats
     if kind != "cpu":
         step_events = cpu.events(stats=("step_num",), require=("step_num",)) if cpu else pd.DataFrame()
     steps, ann = _steps_from_events(step_events, host)
     return out, steps, kind, desc, ann, stats
+
+
+FRAMEWORK_OP_LINES = ("Framework Ops", "TensorFlow Ops")
+
+
+def _framework_ops(planes: Sequence, host: str) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """Framework-op events (``TensorFlow Ops`` / ``Framework Ops`` lines, e.g. a TensorFlow profile without XLA)
+    and the device ``Steps`` line, for a report per framework op and name scope without HLO."""
+    frames, steps = [], []
+    for p in planes:
+        lines = [line for line in p.lines if line.name in FRAMEWORK_OP_LINES]
+        if not lines:
+            continue
+        ev = p.events(lines=lines)
+        names = ev["name"].astype(str)
+        path = names.str.split(":").str[0]
+        frames.append(pd.DataFrame({
+            "device": f"{host}/{p.name}", "program_id": pd.array([pd.NA] * len(ev), "Int64"),
+            "hlo_module": "", "hlo_op": path.to_numpy(), "start_ps": ev["start_ps"].to_numpy(),
+            "duration_ps": ev["duration_ps"].to_numpy(), "kernel": "", "attributed": False,
+            "framework_scope": path.str.replace(r"(^|/)replica_\d+(?=/|$)", "", regex=True).str.lstrip("/")
+            .str.rsplit("/", n=1).str[0].to_numpy(),
+        }))
+        for line in p.lines:
+            if line.name == "Steps":
+                st = p.events(lines=[line])
+                num = pd.to_numeric(st["name"].astype(str), errors="coerce")
+                steps.append(pd.DataFrame({"host": host, "device": f"{host}/{p.name}", "step": pd.array(num, "Int64"),
+                                           "start_ps": st["start_ps"].to_numpy(np.int64),
+                                           "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
+    if not frames:
+        return None
+    st = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(
+        {"host": pd.Series([], dtype=object), "step": pd.array([], "Int64"), "start_ps": np.zeros(0, np.int64),
+         "end_ps": np.zeros(0, np.int64)})
+    return pd.concat(frames, ignore_index=True), st.dropna(subset=["step"]).reset_index(drop=True)
 
 
 def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
@@ -403,8 +449,10 @@ def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]
 def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     step = pd.array(np.full(len(events), pd.NA), "Int64")
     if not steps.empty:
-        for host, st in steps.groupby("host", sort=False):
-            mask = (events["host"] == host).to_numpy(dtype=bool, na_value=False)
+        by = "device" if "device" in steps and steps["device"].notna().all() else "host"
+        for key, st in steps.groupby(by, sort=False):
+            st = st.sort_values("start_ps", kind="stable")
+            mask = (events[by] == key).to_numpy(dtype=bool, na_value=False)
             starts = st["start_ps"].to_numpy()
             ends = st["end_ps"].to_numpy()
             t = events.loc[mask, "start_ps"].to_numpy()

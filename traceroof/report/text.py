@@ -57,8 +57,9 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
         ("steps", f"{len(used)} used of {s.steps_total} (\"{s.step_annotation or '-'}\" steps {span}; "
                   f"{s.warmup_steps} warm-up excluded); step time {fmt_time(s.step_time_mean_s)} "
                   f"± {fmt_time(s.step_time_std_s)}"),
-        ("work", f"{fmt_si(s.flops_per_step, 'FLOP')} and {fmt_si(s.hbm_bytes_per_step, 'B')} HBM per step "
-                 f"per device; op time {fmt_time(s.op_time_per_step_s)} per step"),
+        ("work", (f"{fmt_si(s.flops_per_step, 'FLOP')} and {fmt_si(s.hbm_bytes_per_step, 'B')} HBM per step "
+                  "per device" if s.join.events_joined else "no HLO cost (nothing joined)")
+         + f"; op time {fmt_time(s.op_time_per_step_s)} per step"),
         ("efficiency", f"MFU {fmt_pct(s.mfu)} of {s.mfu_peak_key or '-'} peak; roofline efficiency "
                        f"{fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)} "
                        f"÷ step time)"),
