@@ -12,8 +12,10 @@ import pandas as pd
 from parsers.hlo import HloModule, Instruction
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize
+from traceroof.findings import is_retiling, layout_findings
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, layer_of, parse_scope, phase_of, rollup
-from traceroof.profile import HloMismatchError, JoinReport, Profile, discover, load_profile, match_modules
+from traceroof.profile import HloMismatchError, Inputs, JoinReport, Profile, discover, load_profile, match_modules
+from traceroof.xprof import export_op_table, per_core_chip
 from traceroof.roofline import apply_roofline
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
@@ -67,7 +69,7 @@ class Analysis:
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
                  "source", "flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
-                 "cost_note", "called"]
+                 "cost_note", "called", "retiling"]
 
 
 def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[str, object]:
@@ -85,6 +87,7 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[
         "logical_bytes": cost.bytes_accessed, "padded_bytes": cost.padded_bytes, "hbm_bytes": cost.hbm_bytes,
         "opaque": cost.opaque, "cost_note": cost.note,
         "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),
+        "retiling": is_retiling(inst, model.operand_shape(inst, 0)),
     }
 
 
@@ -119,7 +122,7 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     blank = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "",
              "operand_shapes": "", "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0,
              "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0,
-             "opaque": False, "cost_note": "", "called": ()}
+             "opaque": False, "cost_note": "", "called": (), "retiling": False}
     table = pd.DataFrame([r if r is not None else blank for r in rows], columns=_ATTR_COLUMNS)
     # control ops (while/call/conditional): not counted when their bodies' ops show up as events
     comps_with_events: set[tuple[int, str]] = set()
@@ -144,13 +147,14 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     out["measured_s"] = ev["duration_ps"].to_numpy(np.float64) * 1e-12
     out["joined"] = joined_u[keys] if len(ev) else np.zeros(0, bool)
     out["kernels_per_execution"] = k_u[keys] if len(ev) else np.zeros(0)
+    out["executions"] = 1.0 / out["kernels_per_execution"] if len(ev) else np.zeros(0)
     for col in _ATTR_COLUMNS:
         if col == "called":
             continue
         vals = table[col].to_numpy()
         if col in ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes"):
             out[col] = (vals.astype(np.float64) / k_u)[keys] if len(ev) else np.zeros(0)
-        elif col == "opaque":
+        elif col in ("opaque", "retiling"):
             out[col] = vals.astype(bool)[keys] if len(ev) else np.zeros(0, bool)
         else:
             cat = pd.Categorical(vals)
@@ -212,7 +216,10 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
-    profile = load_profile(discover(paths, hlo))
+    inputs = discover(paths, hlo)
+    if inputs.kind == "xprof_hlo_stats":
+        return _analyze_export(inputs, chip, depth, top)
+    profile = load_profile(inputs)
     notes = list(profile.notes)
     target, chip_note = resolve_chip(profile, chip)
     ops, join = build_op_table(profile, depth, optimizer_pattern)
@@ -293,7 +300,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     )
     layers = rollup(ops, len(used), step_mean)
     return Analysis(summary, ops, layers, top_ops(counted, len(used) * n_dev, top), steps, depth,
-                    tuple(_findings(summary, counted, len(used) * n_dev, target.kind)))
+                    tuple(_findings(summary, counted, len(used) * n_dev, target.kind)
+                          + layout_findings(counted, len(used) * n_dev)))
 
 
 def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
@@ -309,7 +317,7 @@ def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
     g = d.groupby(["module", "program_id", "hlo_op"], observed=True, sort=False)
     first = g.first()
     agg = pd.DataFrame({
-        "executions_per_step": g.size() / per / g["kernels_per_execution"].first(),
+        "executions_per_step": g["executions"].sum() / per,
         "time_per_step_s": g["measured_s"].sum() / per,
         "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
         "lost_per_step_s": g["lost_s"].sum(min_count=1) / per,
@@ -337,7 +345,10 @@ def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") 
         t = opaque["measured_s"].sum() / per
         out.append(f"{t * 1e3:.3f} ms per step ({t / s.step_time_mean_s:.1%} of the step) in opaque custom-calls "
                    f"({', '.join(sorted(opaque['hlo_op'].astype(str).unique())[:4])}): measured, no expectation")
-    joined = counted[counted["joined"] & counted["expected_s"].notna()]
+    is_async = counted["opcode"].astype(str).str.contains(r"-start$|-done$|^async", regex=True) | \
+        counted["hlo_op"].astype(str).str.startswith("async")
+    # async windows (-start/-done) wait for transfers: compute/memory efficiency does not apply (cost-model §7)
+    joined = counted[counted["joined"] & counted["expected_s"].notna() & ~is_async]
     if len(joined):
         g = joined.groupby(["module", "hlo_op"], observed=True)[["expected_s", "measured_s"]].sum()
         fast = g[g["expected_s"] > 1.5 * g["measured_s"]]
@@ -347,3 +358,59 @@ def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") 
                    else "the cost model or the chip figures overstate these ops' work")
             out.append(f"{len(fast)} op(s) ran more than 1.5x faster than their roofline ({names}): {why}")
     return out
+
+
+def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int) -> Analysis:
+    """Analysis of an XProf HLO Op Stats export (rows aggregated over occurrences, cores and steps)."""
+    path = inputs.profiles[0]
+    ops, ctx, notes = export_op_table(path, depth)
+    if isinstance(chip, Chip):
+        target, note = chip, ""
+    elif chip:
+        target, note = get_chip(chip), ""
+    else:
+        target, note = detect_chip({"device_type_string": ctx.device_type})
+    if target.kind == "tpu":
+        target, core_note = per_core_chip(target, ctx)
+        note = "; ".join(x for x in (note, core_note) if x)
+    ops = apply_roofline(ops, target)
+    steps = [t for t in ctx.step_times_s if t > 0]
+    cores = max(ctx.device_core_count, 1)
+    total_s = float(ops["measured_s"].sum())
+    if steps:
+        full = [t for t in steps if t >= 0.5 * max(steps)]
+        step_mean = float(np.mean(full))
+        step_std = float(np.std(full, ddof=1)) if len(full) > 1 else 0.0
+        eff_steps = sum(steps) / step_mean
+    else:
+        step_mean, step_std, eff_steps = total_s / cores, 0.0, 1.0
+        notes.append("no overview_page export beside the HLO Op Stats: the whole capture is one step")
+    if len(steps) != len(ctx.step_times_s) or (steps and len(full) < len(steps)):
+        notes.append(f"{len(steps)} steps in the overview, {len(steps) - len(full)} partial: per-step figures "
+                     f"divide totals by {eff_steps:.3g} effective steps x {cores} cores")
+    per = eff_steps * cores
+    counted = ops[ops["counted"]]
+    flops = float(counted["flops"].sum()) / per
+    expected = float(counted["expected_s"].sum()) / per
+    mm = counted[counted["category"] == "matmul"]
+    main_dtype = str(mm.groupby("dtype", observed=True)["flops"].sum().idxmax()) if len(mm) else "bf16"
+    peak, peak_key = target.peak_for(main_dtype)
+    n = len(ops)
+    join = JoinReport(n, n, int(ops["duration_ps"].sum()), int(ops["duration_ps"].sum()), (), 0, ())
+    notes.append("rows are XProf's aggregates: FLOPs and HBM bytes are libtpu's measured per-op counts "
+                 "(model_flop_rate x time, hbm_bw x time); shapes and padding come from each row's HLO text")
+    summary = Summary(
+        input=str(path), device=f"{ctx.device_type or 'unknown device'} ({cores} TensorCores), XProf HLO Op Stats "
+                                f"export", chip_id=target.id, chip_name=target.name, chip_note=note,
+        peak_flops_per_s=target.peak_flops_per_s, hbm_bandwidth_bytes_per_s=target.hbm_bandwidth_bytes_per_s,
+        step_annotation="XProf overview steps", steps_total=len(ctx.step_times_s),
+        steps_used=tuple(range(len(steps))) or (0,), warmup_steps=0, step_time_mean_s=step_mean,
+        step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=float(counted["hbm_bytes"].sum()) / per,
+        expected_per_step_s=expected, op_time_per_step_s=float(counted["measured_s"].sum()) / per,
+        mfu=flops / step_mean / peak if peak and step_mean > 0 else float("nan"), mfu_peak_key=peak_key,
+        roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=cores, join=join,
+        hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
+    )
+    layers = rollup(ops, per, step_mean)
+    return Analysis(summary, ops, layers, top_ops(counted, per, top), pd.DataFrame(), depth,
+                    tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)))

@@ -28,9 +28,9 @@ def _split_path(op_name: str) -> list[str]:
     """Split on '/' outside parentheses."""
     parts, depth, cur = [], 0, []
     for ch in op_name:
-        if ch == "(":
+        if ch in "([":
             depth += 1
-        elif ch == ")":
+        elif ch in ")]":
             depth -= 1
         if ch == "/" and depth == 0:
             parts.append("".join(cur))
@@ -60,7 +60,8 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     ``jvp``/``transpose`` wrappers, dropping structural segments (``while``, ``body``, ``closed_call``,
     ``checkpoint``...) and einsum specs, and removing the last segment (the primitive). Phase: ``backward`` when a
     ``transpose(`` wraps any segment, ``optimizer`` when a scope matches ``optimizer_pattern``, else
-    ``forward``. ``optimizer_pattern`` must match a whole scope segment. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
+    ``forward``; ``remat`` for the forward recomputed in a backward pass (``checkpoint/rematted_computation``).
+    ``optimizer_pattern`` must match a whole scope segment. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
     Merged names (``a;b``) use the first.
     """
     if not op_name:
@@ -78,7 +79,10 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
         if inner and not _EINSUM_SPEC.fullmatch(inner) and inner not in STRUCTURAL_SEGMENTS:
             scopes.append(inner)
     path = "/".join(scopes) or TOP_LEVEL
-    return path, phase_of(scopes, backward, optimizer_pattern)
+    phase = phase_of(scopes, backward, optimizer_pattern)
+    if phase == "backward" and "rematted_computation" in segs:
+        return path, "remat"  # forward recomputed inside the backward pass (jax.checkpoint)
+    return path, phase
 
 
 def phase_of(scopes: list[str], backward: bool, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> str:
@@ -96,7 +100,7 @@ def layer_of(scope: str, depth: int) -> str:
     return "/".join(scope.split("/")[:depth])
 
 
-PHASE_ORDER = {"forward": 0, "backward": 1, "optimizer": 2}
+PHASE_ORDER = {"forward": 0, "remat": 1, "backward": 2, "optimizer": 3}
 
 
 def rollup(ops: pd.DataFrame, steps_used: int, step_time_s: float) -> pd.DataFrame:

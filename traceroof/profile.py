@@ -23,6 +23,7 @@ from parsers.hlo import HloModule
 from parsers.hlo_proto import module_from_proto, read_hlo_proto_file
 from parsers.hlo_text import parse_hlo_file
 from parsers.trace_json import read_trace_json
+from parsers.xprof_export import is_hlo_stats
 from parsers.xspace import AGGREGATE_START_PS, read_xspace
 
 XPLANE_SUFFIXES = (".xplane.pb", ".xspace.pb", ".xplane.pb.gz")
@@ -96,7 +97,10 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
         if not p.exists():
             raise InputError(f"{p} does not exist; pass a .xplane.pb, a run directory or a TensorBoard logdir")
         if p.is_file():
-            if _is_xplane(p):
+            if is_hlo_stats(p) and p.name.endswith((".json", ".json.gz", ".csv", ".csv.gz")):
+                profiles.append(p)
+                kinds.add("xprof_hlo_stats")
+            elif _is_xplane(p):
                 profiles.append(p)
                 kinds.add("xplane")
             elif _is_trace_json(p):
@@ -108,6 +112,10 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
             continue
         found, kind = _profiles_in_run(p)
         run = p
+        if not found:
+            stats = sorted(f for f in p.iterdir() if f.is_file() and is_hlo_stats(f))
+            if stats:
+                found, kind = stats[:1], "xprof_hlo_stats"
         if not found:
             roots = [p, *sorted(d for d in p.iterdir() if d.is_dir())]
             runs = [r for root in roots for r in _run_dirs(root)]

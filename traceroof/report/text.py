@@ -97,11 +97,19 @@ def top_table(a: Analysis) -> pd.DataFrame:
     })
 
 
+MAX_CELL = 64  # terminal cells longer than this are shortened in the middle (Markdown/JSON/CSV keep them)
+
+
+def _short(v: object) -> str:
+    s = str(v)
+    return s if len(s) <= MAX_CELL else s[: MAX_CELL // 2 - 1] + "…" + s[-(MAX_CELL // 2) :]
+
+
 def _text_table(df: pd.DataFrame) -> str:
     if df.empty:
         return "(none)"
     cols = list(df.columns)
-    cells = [[str(v) for v in row] for row in df.itertuples(index=False)]
+    cells = [[_short(v) for v in row] for row in df.itertuples(index=False)]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
     left = {"layer", "phase", "worst op", "op", "opcode", "category", "bound", "shape", "operands"}
     def line(vals: list[str]) -> str:
