@@ -161,6 +161,12 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
             out[col] = pd.Categorical.from_codes(cat.codes[keys], categories=cat.categories) if len(ev) \
                 else pd.Categorical([])
     out["counted"] = counted_u[keys] if len(ev) else np.zeros(0, bool)
+    if "profile_flops" in ev:  # TPU: libtpu's own per-op FLOPs and bytes win where present; ours kept beside
+        out["traceroof_flops"] = out["flops"]
+        out["traceroof_hbm_bytes"] = out["hbm_bytes"]
+        pf, pb = ev["profile_flops"].to_numpy(np.float64), ev["profile_bytes_accessed"].to_numpy(np.float64)
+        out["flops"] = np.where(np.isnan(pf), out["flops"], pf)
+        out["hbm_bytes"] = np.where(np.isnan(pb), out["hbm_bytes"], pb)
     if "framework_scope" in ev:  # framework ops without HLO: scope and phase from the framework op path
         scopes = ev["framework_scope"].astype(str)
         out["scope"] = pd.Categorical(scopes)
@@ -224,6 +230,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     target, chip_note = resolve_chip(profile, chip)
     ops, join = build_op_table(profile, depth, optimizer_pattern)
     framework = "framework_scope" in ops
+    if "traceroof_flops" in ops:
+        notes += _cost_disagreements(ops)
     user = {str(f) for f in profile.inputs.user_hlo_files}
     ran = set(zip(profile.events["module"].astype(str), profile.events["program_id"].fillna(-1).astype(int)))
     ran_names = {name for name, _ in ran}
@@ -414,3 +422,18 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     layers = rollup(ops, per, step_mean)
     return Analysis(summary, ops, layers, top_ops(counted, per, top), pd.DataFrame(), depth,
                     tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)))
+
+
+def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
+    """Where libtpu's per-op FLOPs (profile stats) and traceroof's own count differ by more than 10 %."""
+    d = ops[ops["joined"] & ops["profile_flops"].notna()]
+    if d.empty:
+        return []
+    g = d.groupby(["module", "hlo_op"], observed=True)[["profile_flops", "traceroof_flops"]].first()
+    diff = g[(g["profile_flops"] - g["traceroof_flops"]).abs() > 0.1 * g[["profile_flops", "traceroof_flops"]].max(axis=1)]
+    if diff.empty:
+        return [f"libtpu's per-op FLOPs agree with traceroof's count within 10 % on all {len(g)} ops"]
+    names = ", ".join(f"{op} (profile {r.profile_flops:.3g}, ours {r.traceroof_flops:.3g})"
+                      for (_, op), r in diff.head(3).iterrows())
+    return [f"libtpu's per-op FLOPs (used) differ from traceroof's count by > 10 % on {len(diff)} of {len(g)} "
+            f"ops: {names}"]

@@ -227,9 +227,12 @@ def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
         claims.append(f"HBM {float(bw) / 1e12:.3g} TB/s (database {ours / 1e12:.3g} TB/s)")
     peak = stats.get("peak_teraflops_per_second")
     if peak:
-        best = max(chip.peak_flops_per_s.values(), default=0.0)
+        best, key = chip.peak_for("bf16")
         if best and abs(float(peak) * 1e12 / best - 1) > 0.05:
-            claims.append(f"peak {float(peak):.4g} TFLOP/s (database max {best / 1e12:.4g} TFLOP/s)")
+            claims.append(f"peak {float(peak):.4g} TFLOP/s (database {key} {best / 1e12:.4g} TFLOP/s)")
+    hbm = stats.get("peak_hbm_bw_gigabytes_per_second")
+    if hbm and ours and abs(float(hbm) * 1e9 / ours - 1) > 0.05:
+        claims.append(f"HBM {float(hbm):.4g} GB/s (database {ours / 1e9:.4g} GB/s)")
     if claims:
         notes.append("the profile claims " + "; ".join(claims) + "; the database figures are used")
     return chip, "; ".join(notes)

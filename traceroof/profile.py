@@ -309,10 +309,12 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     frames = []
     fw_steps = None
     stats: dict[str, object] = {}
-    if tpu:
-        raise FormatError(f"{xs.path}: TPU device planes are not supported yet (XLA Ops lines); "
-                          "analyze the XProf hlo_stats export or wait for TPU support")
-    if gpu and any(line.event_count for p in gpu for line in p.lines):
+    if tpu and any(line.name == "XLA Ops" and line.event_count for p in tpu for line in p.lines):
+        kind = "tpu"
+        frames, fw_steps = _tpu_ops(tpu, host, xs)
+        stats.update(next(p.stats for p in tpu if any(line.name == "XLA Ops" for line in p.lines)))
+        desc = f"{len(frames)} TPU core plane(s) with XLA Ops"
+    elif gpu and any(line.event_count for p in gpu for line in p.lines):
         kind = "gpu"
         active = []
         for p in gpu:
@@ -369,12 +371,64 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     })
     if len(events) and "framework_scope" in events:
         out["framework_scope"] = pd.Categorical(events["framework_scope"])
-    if fw_steps is not None:
-        return out, fw_steps, kind, desc, "Steps", stats
+    for st in TPU_COST_STATS:
+        if len(events) and f"profile_{st}" in events:
+            out[f"profile_{st}"] = events[f"profile_{st}"].to_numpy(np.float64)
+    if fw_steps is not None and len(fw_steps):
+        return out, fw_steps.reset_index(drop=True), kind, desc, "Steps", stats
     if kind != "cpu":
         step_events = cpu.events(stats=("step_num",), require=("step_num",)) if cpu else pd.DataFrame()
     steps, ann = _steps_from_events(step_events, host)
     return out, steps, kind, desc, ann, stats
+
+
+TPU_COST_STATS = ("flops", "model_flops", "bytes_accessed")
+
+
+def _tpu_ops(planes: Sequence, host: str, xs) -> tuple[list[pd.DataFrame], pd.DataFrame]:
+    """Op events of TPU core planes: the ``XLA Ops`` line (one event per HLO op execution; the event metadata's
+    display name is the instruction, its stats ``program_id`` and libtpu's ``flops`` / ``bytes_accessed``), the
+    module from the enclosing ``XLA Modules`` event (``<module>(<program_id>)``), steps from the ``Steps`` line.
+    Layout after openxla/xprof ``xprof/convert/xplane_to_op_stats.cc`` (docs/reference/xplane-format.md §5-6)."""
+    frames, steps = [], []
+    for p in planes:
+        ops_lines = [line for line in p.lines if line.name == "XLA Ops"]
+        if not ops_lines:
+            continue
+        ev = p.events(lines=ops_lines, stats=("program_id", *TPU_COST_STATS))
+        ev = ev[ev["start_ps"] != AGGREGATE_START_PS]
+        mods = p.events(lines=[line for line in p.lines if line.name == "XLA Modules"])
+        module = np.full(len(ev), "", dtype=object)
+        pid = ev["program_id"].to_numpy(dtype="float64", na_value=np.nan)
+        if len(mods):
+            mods = mods.sort_values("start_ps", kind="stable")
+            starts, ends = mods["start_ps"].to_numpy(), (mods["start_ps"] + mods["duration_ps"]).to_numpy()
+            idx = np.searchsorted(starts, ev["start_ps"].to_numpy(), side="right") - 1
+            inside = (idx >= 0) & (ev["start_ps"].to_numpy() < ends[np.maximum(idx, 0)])
+            names = mods["name"].astype(str).to_numpy()
+            for i in np.flatnonzero(inside):
+                m = re.fullmatch(r"(.*)\((\d+)\)", names[idx[i]])
+                module[i] = m.group(1) if m else names[idx[i]]
+                if m and np.isnan(pid[i]):
+                    pid[i] = int(m.group(2))
+        frame = pd.DataFrame({
+            "device": f"{host}/{p.name}", "program_id": pd.array(np.where(np.isnan(pid), np.nan, pid), "Float64")
+            .astype("Int64"), "hlo_module": module, "hlo_op": ev["display_name"].astype(str).to_numpy(),
+            "start_ps": ev["start_ps"].to_numpy(), "duration_ps": ev["duration_ps"].to_numpy(), "kernel": "",
+            "attributed": True,
+        })
+        for st in TPU_COST_STATS:
+            frame[f"profile_{st}"] = pd.to_numeric(ev[st].astype(object), errors="coerce").to_numpy(np.float64)
+        frames.append(frame)
+        for line in p.lines:
+            if line.name == "Steps":
+                st = p.events(lines=[line])
+                num = pd.to_numeric(st["name"].astype(str), errors="coerce")
+                steps.append(pd.DataFrame({"host": host, "device": f"{host}/{p.name}", "step": pd.array(num, "Int64"),
+                                           "start_ps": st["start_ps"].to_numpy(np.int64),
+                                           "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
+    st = pd.concat(steps, ignore_index=True).dropna(subset=["step"]) if steps else None
+    return frames, st
 
 
 FRAMEWORK_OP_LINES = ("Framework Ops", "TensorFlow Ops")
