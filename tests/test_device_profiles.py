@@ -212,3 +212,18 @@ def test_tpu_export_csv_equals_json(tmp_path):
     b = analyze(third_party("xprof_tpu_v5_goldens/data_tpu-training_hlo_stats_tpu_training.json.gz"), chip="tpu_v5p")
     assert a.ops["flops"].sum() == pytest.approx(b.ops["flops"].sum())
     assert a.ops["measured_s"].sum() == pytest.approx(b.ops["measured_s"].sum())
+
+
+def test_transformer_engine_fused_attention_flops():
+    a = analyze(third_party("tracelens_gfx95x/te_fused_attn.xplane.pb"))
+    assert a.summary.chip_id == "mi355x"
+    fa = a.ops[a.ops["opcode"] == "custom-call"]
+    fa = fa[fa["hlo_op"].astype(str).str.startswith("te_fused_attn")]
+    assert len(fa) and not fa["opaque"].any()
+    # B=2, H=16, Sq=Skv=2048, Dqk=Dv=128 (the op's backend_config), causal mask: half the score matrix
+    fwd = 2 * 2 * 16 * 2048 * 2048 * (128 + 128) / 2
+    per_exec = (fa["flops"] * fa["kernels_per_execution"]).groupby(fa["hlo_op"].astype(str)).first()
+    for name, flops in per_exec.items():
+        assert flops == pytest.approx(fwd * (2.5 if "backward" in name else 1.0)), name
+    runs = a.top_ops.set_index("hlo_op")["executions_per_step"]
+    assert all(runs[n] == 5 for n in per_exec.index if n in runs.index)  # helper kernels run twice: not counted

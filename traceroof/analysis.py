@@ -134,13 +134,15 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
                 comps_with_events.add((mi, comp.name))
     counted_u = np.array([not any((int(uniques[u]) >> 32, c) in comps_with_events for c in table.at[u, "called"])
                           for u in range(len(uniques))] or [True])
-    # GPU: an op execution may launch several kernels (N:M), and kernels of one op differ between runs.
-    # Estimator: executions of an op = the count of its most frequent kernel name (each kernel of an execution
-    # runs once in it); each kernel row carries executions / rows of the op's cost, so sums over rows count
-    # executions x cost. CPU and TPU events are one per op execution (weight 1).
+    # GPU: an op execution may launch several kernels (N:M); helper kernels (fills, copies) may run twice in
+    # one execution and autotuning kernels only once in the run. Estimator: executions of an op = the most
+    # common launch count among its kernel names (ties: the larger). Each kernel row carries executions / rows
+    # of the op's cost, so sums over rows count executions x cost. CPU and TPU events: one per execution.
     kernel_codes = ev["kernel"].cat.codes.to_numpy() if "kernel" in ev else np.zeros(len(ev), np.int64)
-    counts = pd.DataFrame({"k": keys, "kernel": kernel_codes}).value_counts()
-    executions = counts.groupby(level="k").max().reindex(range(len(uniques)), fill_value=1).to_numpy(np.float64)
+    counts = pd.DataFrame({"k": keys, "kernel": kernel_codes}).value_counts().rename("n").reset_index()
+    freq = counts.groupby(["k", "n"]).size().rename("names").reset_index()
+    mode = freq.sort_values(["k", "names", "n"], ascending=[True, False, False]).drop_duplicates("k")
+    executions = mode.set_index("k")["n"].reindex(range(len(uniques)), fill_value=1).to_numpy(np.float64)
     rows_u = np.bincount(keys, minlength=len(uniques)).astype(np.float64)
     k_u = np.maximum(rows_u / np.maximum(executions, 1.0), 1.0)
     out = ev.copy()

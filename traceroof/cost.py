@@ -36,6 +36,7 @@ ZERO_COST_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "do
 CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
 GEMM_CUSTOM_CALL = re.compile(r"^__cublas\$(gemm|lt\$matmul.*)$|^__hipblaslt\$|^__rocblas\$gemm")
 CONV_CUSTOM_CALL = re.compile(r"^__cudnn\$conv")
+FUSED_ATTENTION_CALL = re.compile(r"^te_fused_attn_(forward|backward)")
 COLLECTIVE_OPCODES = frozenset({
     "all-reduce", "all-reduce-start", "all-gather", "all-gather-start", "reduce-scatter", "all-to-all",
     "ragged-all-to-all", "collective-permute", "collective-permute-start", "collective-broadcast",
@@ -354,6 +355,8 @@ class CostModel:
             # output bytes exclude the workspace (tuple element 1)
             bb = tuple(b[j] - (o_all[j]) + o_first[j] for j in range(3))
             return OpCost(flops, 0.0, bb[0], bb[1], bb[2], note=f"GEMM {target}: 2*M*N*K from shapes")
+        if FUSED_ATTENTION_CALL.search(target):
+            return self._fused_attention_cost(inst, target, b)
         if CONV_CUSTOM_CALL.search(target):
             flops = self._conv_flops(inst, target)
             o_all, o_first = _sizes(inst.shape), _leaf_sizes(inst.shape.leaves()[0])
@@ -361,6 +364,27 @@ class CostModel:
             return OpCost(flops, 0.0, bb[0], bb[1], bb[2], opaque=flops == 0,
                           note=f"cuDNN/MIOpen convolution {target}: convolution rule on its window and dim_labels")
         return OpCost(0.0, 0.0, b[0], b[1], b[2], opaque=True, note=f"opaque custom-call {target}")
+
+    def _fused_attention_cost(self, inst: Instruction, target: str, b: tuple[float, float, float]) -> OpCost:
+        """Transformer Engine fused attention (``te_fused_attn_{forward,backward}_ffi``), from the sizes in its
+        backend_config: forward = 2·B·H·Sq·Skv·(Dqk + Dv) (QKᵀ and PV), halved for causal masks (TE
+        NVTE_Mask_Type 2-5); backward = 2.5 x forward (five matmuls against two; FlashAttention-2, Dao 2023,
+        §4 FLOP accounting). Opaque when the sizes are missing."""
+        cfg = inst.backend_config if isinstance(inst.backend_config, str) else str(inst.backend_config or "")
+        kv = {k: float(v) for k, v in re.findall(r"(\w+) = (-?[\d.]+(?:e[+-]?\d+)?)", cfg)}
+        need = ("input_batch", "attn_heads", "q_max_seqlen", "kv_max_seqlen", "qk_head_dim")
+        if not all(k in kv for k in need):
+            return OpCost(0.0, 0.0, b[0], b[1], b[2], opaque=True, note=f"fused attention {target}: sizes unknown")
+        dv = kv.get("v_head_dim", kv["qk_head_dim"])
+        fwd = 2 * kv["input_batch"] * kv["attn_heads"] * kv["q_max_seqlen"] * kv["kv_max_seqlen"] * \
+            (kv["qk_head_dim"] + dv)
+        causal = int(kv.get("mask_type", 0)) in (2, 3, 4, 5)
+        if causal:
+            fwd /= 2
+        flops = fwd * (2.5 if "backward" in target else 1.0)
+        return OpCost(flops, 0.0, b[0], b[1], b[2],
+                      note=f"fused attention {target}: 2*B*H*Sq*Skv*(Dqk+Dv)" + (", causal /2" if causal else "")
+                      + (", backward x2.5" if "backward" in target else ""))
 
     # -- fusions ----------------------------------------------------------------------------------------
     def _fusion_cost(self, inst: Instruction) -> OpCost:
@@ -503,7 +527,7 @@ def categorize(model: CostModel, inst: Instruction) -> tuple[str, str]:
         return "matmul", lhs.element_type if lhs is not None else out_type
     if op == "custom-call":
         target = inst.attrs.get("custom_call_target", "").strip('"')
-        if GEMM_CUSTOM_CALL.search(target) or CONV_CUSTOM_CALL.search(target):
+        if GEMM_CUSTOM_CALL.search(target) or CONV_CUSTOM_CALL.search(target) or FUSED_ATTENTION_CALL.search(target):
             lhs = model.operand_shape(inst, 0)
             return "matmul", lhs.element_type if lhs is not None else out_type
         return "custom-call", out_type
