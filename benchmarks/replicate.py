@@ -47,7 +47,7 @@ def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
     top = _wirescan.scan_fields(data, 0, len(data))
     out = bytearray()
     written = copies = 0
-    for f, wt, t, s, e, _ in top:
+    for f, _, t, s, e, _ in top:
         if f != 1:
             out += data[t:e]
             continue
@@ -75,7 +75,7 @@ def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
                                   if st.metadata_id == stat_id.get("step_num")), default=-1)
         plane = bytearray(b"".join(data[ft:fe] for ff, _, ft, _, fe, _ in fields if ff != 3))
         for k in range(copies):
-            for xl, lf, fs, fe in op_lines:
+            for xl, lf, _, _ in op_lines:
                 head = XL(id=xl.id + k * 1_000_003 if k else xl.id, display_id=xl.display_id, name=xl.name,
                           display_name=xl.display_name, timestamp_ns=xl.timestamp_ns + k * shift_ns,
                           duration_ps=xl.duration_ps)

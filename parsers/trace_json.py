@@ -61,6 +61,26 @@ class TraceJson:
         return df
 
 
+def load_json(path: Path) -> Any:
+    """JSON from a plain or gzip-compressed file.
+
+    :raises InputError: the file cannot be opened. :raises FormatError: corrupt gzip or invalid JSON.
+    """
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise InputError(f"cannot open {path}: {e.strerror}") from None
+    if raw[:2] == b"\x1f\x8b":
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise FormatError(f"{path}: gzip data is corrupt or truncated ({e}); export the file again") from None
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FormatError(f"{path}: not valid JSON ({e}); the file is corrupt or truncated") from None
+
+
 def read_trace_json(path: str | Path) -> TraceJson:
     """Read a (gzip-compressed or plain) trace JSON file.
 
@@ -68,19 +88,7 @@ def read_trace_json(path: str | Path) -> TraceJson:
     :raises FormatError: corrupt gzip, invalid JSON, or JSON without ``traceEvents``.
     """
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise InputError(f"cannot open {p}: {e.strerror}") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise FormatError(f"{p}: gzip data is corrupt or truncated ({e}); export the trace again") from None
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{p}: not valid JSON ({e}); the trace file is corrupt or truncated") from None
+    data = load_json(p)
     events = data.get("traceEvents") if isinstance(data, dict) else data if isinstance(data, list) else None
     if not isinstance(events, list):
         raise FormatError(f"{p}: JSON without 'traceEvents': not a TensorBoard/Perfetto trace")

@@ -13,15 +13,14 @@ from __future__ import annotations
 import csv
 import gzip
 import io
-import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from parsers.errors import FormatError, InputError
+from parsers.errors import FormatError
+from parsers.trace_json import load_json
 
 HLO_STATS_LABELS = {
     "Rank": "rank", "Program id": "program_id", "HLO op category": "category", "HLO op name": "hlo_op_name",
@@ -45,29 +44,13 @@ class DataTable:
     properties: dict[str, Any] = field(default_factory=dict)
 
 
-def _load_json(path: Path) -> Any:
-    try:
-        raw = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"cannot open {path}: {e.strerror}") from None
-    if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise FormatError(f"{path}: gzip data is corrupt or truncated ({e}); export it again") from None
-    try:
-        return json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise FormatError(f"{path}: not valid JSON ({e}); export it again") from None
-
-
 def read_data_tables(path: str | Path) -> list[DataTable]:
     """All DataTables of an XProf JSON export (a single table or a list).
 
     :raises FormatError: invalid JSON or gzip, or JSON that holds no DataTable.
     """
     p = Path(path)
-    data = _load_json(p)
+    data = load_json(p)
     tables = data if isinstance(data, list) else [data]
     out = []
     for t in tables:

@@ -403,7 +403,7 @@ def read_xspace(path: str | Path) -> XSpace:
     planes: list[Plane] = []
     try:
         header.ParseFromString(_wirescan.split_fields(buf, 0, size, 1)[0])
-        for f, wt, t, s, e, _ in top:
+        for f, wt, _, s, e, _ in top:
             if f != 1:
                 continue
             if wt != 2:
@@ -413,7 +413,7 @@ def read_xspace(path: str | Path) -> XSpace:
             xp.ParseFromString(_wirescan.split_fields(buf, s, e, 3)[0])
             stat_names = {k: v.name for k, v in xp.stat_metadata.items()}
             lines = []
-            for ff, fwt, _, fs, fe, _ in fields:
+            for ff, _, _, fs, fe, _ in fields:
                 if ff != 3:
                     continue
                 head, count = _wirescan.split_fields(buf, fs, fe, 4)

@@ -144,3 +144,44 @@ def test_modules_with_the_same_op_names_are_not_mixed(transformer):
     # instruction names repeat across modules (copy.1 etc.): each event joins within its own program id
     ops = transformer.ops[transformer.ops["joined"]]
     assert ops.groupby("hlo_op", observed=True)["program_id"].nunique().max() == 1
+
+
+def test_several_hosts_in_one_run_are_all_read(tmp_path):
+    import shutil
+
+    run = tmp_path / "logdir" / "plugins" / "profile" / "2026_01_01_00_00_00"
+    run.mkdir(parents=True)
+    src = fixture_xplane("scan_mlp")
+    shutil.copy(src, run / "host_a.xplane.pb")
+    shutil.copy(src, run / "host_b.xplane.pb")
+    one = analyze(src, chip=HOST_CHIP)
+    two = analyze(tmp_path / "logdir", chip=HOST_CHIP)
+    assert set(two.ops["host"].astype(str)) == {"vm"} or two.ops["device"].nunique() == 2
+    assert two.summary.join.events_total == 2 * one.summary.join.events_total
+    assert two.summary.flops_per_step == pytest.approx(one.summary.flops_per_step)  # per device
+
+
+def test_logdir_reads_the_latest_run(tmp_path):
+    import shutil
+
+    old = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    new = tmp_path / "plugins" / "profile" / "2026_02_01_00_00_00"
+    old.mkdir(parents=True)
+    new.mkdir(parents=True)
+    (old / "h.xplane.pb").write_bytes(b"garbage")
+    shutil.copy(fixture_xplane("scan_mlp"), new / "h.xplane.pb")
+    a = analyze(tmp_path, chip=HOST_CHIP)
+    assert a.summary.input.endswith("2026_02_01_00_00_00")
+
+
+def test_unknown_opcodes_are_reported_not_fatal(tmp_path):
+    import shutil
+
+    fx = tmp_path / "fx"
+    shutil.copytree(FIXTURES / "scan_mlp", fx)
+    dump = next((fx / "hlo").glob("*jit_train_step*"))
+    text = dump.read_text().replace("= f32[256,512]{1,0} copy(", "= f32[256,512]{1,0} my-future-copy(", 1)
+    dump.write_text(text)
+    a = analyze(fx, chip=HOST_CHIP)
+    assert any("my-future-copy" in n for n in a.summary.notes)
+    assert a.summary.join.events_joined == a.summary.join.events_total

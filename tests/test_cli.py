@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -61,7 +62,7 @@ def test_calibrate_writes_a_chip_file(tmp_path):
     assert r.exit_code == 0 and "calibrated host" in r.output
 
 
-def _corrupt_inputs(tmp: "Path") -> dict[str, list[str]]:
+def _corrupt_inputs(tmp: Path) -> dict[str, list[str]]:
     data = fixture_xplane("scan_mlp").read_bytes()
     (tmp / "cut.xplane.pb").write_bytes(data[: len(data) // 3])
     (tmp / "noise.xplane.pb").write_bytes(bytes(range(256)) * 64)

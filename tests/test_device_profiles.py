@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 import re
 
 import pytest
@@ -16,7 +15,7 @@ from parsers.xspace import parse_full, read_xspace
 from traceroof import analyze
 from traceroof.chips import ChipError, detect_chip
 from traceroof.cost import CostModel
-from tests.conftest import THIRD_PARTY, third_party
+from tests.conftest import third_party
 
 AMD = ["tracelens_mi300x/jax08_gemm.xplane.pb", "tracelens_mi300x/jax08_attention.xplane.pb",
        "tracelens_mi300x/jax08_conv.xplane.pb", "tracelens_mi300x/jax08_elementwise.xplane.pb",

@@ -9,7 +9,8 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from parsers.hlo import HloModule, Instruction
+from parsers.hlo import Instruction
+from parsers.hlo_text import is_known_opcode
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize
 from traceroof.findings import is_retiling, layout_findings
@@ -232,6 +233,10 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     target, chip_note = resolve_chip(profile, chip)
     ops, join = build_op_table(profile, depth, optimizer_pattern)
     framework = "framework_scope" in ops
+    unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
+                      if not is_known_opcode(i.opcode)})
+    if unknown:
+        notes.append(f"opcodes unknown to traceroof kept with no FLOPs (bytes counted): {', '.join(unknown[:8])}")
     if "traceroof_flops" in ops:
         notes += _cost_disagreements(ops)
     user = {str(f) for f in profile.inputs.user_hlo_files}

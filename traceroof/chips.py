@@ -290,7 +290,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
         for key, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
             a = jax.device_put(jnp.ones((matmul_n, matmul_n), dt), cpu0)
             mm = jax.jit(lambda a: a @ a)
-            matmul[key] = 2 * matmul_n**3 / best(lambda: mm(a).block_until_ready())
+            matmul[key] = 2 * matmul_n**3 / best(lambda mm=mm, a=a: mm(a).block_until_ready())
         chain = 32
 
         def fma_chain(x: Any) -> Any:
@@ -305,7 +305,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
     except ImportError:
         for key, np_dtype in (("f32", "float32"), ("f64", "float64")):
             a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n)).astype(np_dtype)
-            matmul[key] = 2 * matmul_n**3 / best(lambda: a @ a)
+            matmul[key] = 2 * matmul_n**3 / best(lambda a=a: a @ a)
         xs = np.ones(1 << 14, np.float32)
         ys = np.empty_like(xs)
         vec = xs.size / best(lambda: np.add(xs, xs, out=ys))

@@ -466,7 +466,7 @@ class CostModel:
         """Cost of one module execution: Σ cost x executions. ``loops_once`` reproduces XLA's own accounting
         (while bodies counted once) for comparison with ``compiled.cost_analysis()``."""
         total = OpCost()
-        for comp, inst, k in self.executed_instructions():
+        for _, inst, k in self.executed_instructions():
             total = total + self.cost(inst).scaled(1.0 if loops_once and k > 0 else k)
         return total
 

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from parsers.errors import FormatError, InputError, TraceroofError
+from parsers.errors import InputError, TraceroofError
 from parsers.hlo import HloModule
 from parsers.hlo_proto import module_from_proto, read_hlo_proto_file
 from parsers.hlo_text import parse_hlo_file
@@ -301,7 +301,7 @@ def _host_of(path: str) -> str:
 
 
 def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]:
-    host = xs.host
+    host = _host_of(xs.path)  # the file name: unique per host in a run directory
     device_planes = [p for p in xs.planes if p.name.startswith("/device:")]
     gpu = [p for p in device_planes if re.match(r"/device:GPU:\d+$", p.name)]
     tpu = [p for p in device_planes if re.match(r"/device:TPU:\d+$", p.name)]
@@ -385,6 +385,19 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
 TPU_COST_STATS = ("flops", "model_flops", "bytes_accessed")
 
 
+def _device_steps(plane, host: str) -> list[pd.DataFrame]:
+    """Steps of a device plane's ``Steps`` line (events named by step number), one row per step."""
+    out = []
+    for line in plane.lines:
+        if line.name == "Steps":
+            st = plane.events(lines=[line])
+            num = pd.to_numeric(st["name"].astype(str), errors="coerce")
+            out.append(pd.DataFrame({"host": host, "device": f"{host}/{plane.name}", "step": pd.array(num, "Int64"),
+                                     "start_ps": st["start_ps"].to_numpy(np.int64),
+                                     "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
+    return out
+
+
 def _tpu_ops(planes: Sequence, host: str, xs) -> tuple[list[pd.DataFrame], pd.DataFrame]:
     """Op events of TPU core planes: the ``XLA Ops`` line (one event per HLO op execution; the event metadata's
     display name is the instruction, its stats ``program_id`` and libtpu's ``flops`` / ``bytes_accessed``), the
@@ -420,13 +433,7 @@ def _tpu_ops(planes: Sequence, host: str, xs) -> tuple[list[pd.DataFrame], pd.Da
         for st in TPU_COST_STATS:
             frame[f"profile_{st}"] = pd.to_numeric(ev[st].astype(object), errors="coerce").to_numpy(np.float64)
         frames.append(frame)
-        for line in p.lines:
-            if line.name == "Steps":
-                st = p.events(lines=[line])
-                num = pd.to_numeric(st["name"].astype(str), errors="coerce")
-                steps.append(pd.DataFrame({"host": host, "device": f"{host}/{p.name}", "step": pd.array(num, "Int64"),
-                                           "start_ps": st["start_ps"].to_numpy(np.int64),
-                                           "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
+        steps += _device_steps(p, host)
     st = pd.concat(steps, ignore_index=True).dropna(subset=["step"]) if steps else None
     return frames, st
 
@@ -452,13 +459,7 @@ def _framework_ops(planes: Sequence, host: str) -> tuple[pd.DataFrame, pd.DataFr
             "framework_scope": path.str.replace(r"(^|/)replica_\d+(?=/|$)", "", regex=True).str.lstrip("/")
             .str.rsplit("/", n=1).str[0].to_numpy(),
         }))
-        for line in p.lines:
-            if line.name == "Steps":
-                st = p.events(lines=[line])
-                num = pd.to_numeric(st["name"].astype(str), errors="coerce")
-                steps.append(pd.DataFrame({"host": host, "device": f"{host}/{p.name}", "step": pd.array(num, "Int64"),
-                                           "start_ps": st["start_ps"].to_numpy(np.int64),
-                                           "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
+        steps += _device_steps(p, host)
     if not frames:
         return None
     st = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(

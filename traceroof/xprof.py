@@ -20,7 +20,7 @@ from parsers.errors import HloParseError
 from parsers.hlo_text import parse_hlo_text
 from parsers.xprof_export import ExportContext, read_export_context, read_hlo_stats
 from traceroof.chips import Chip, Figure
-from traceroof.cost import CostModel, _sizes
+from traceroof.cost import _sizes
 from traceroof.findings import is_retiling
 from traceroof.layers import layer_of, parse_scope
 
@@ -80,7 +80,6 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
             try:
                 (m,) = parse_hlo_text("HloModule export\nENTRY e {\n" + expr + "\n}\n", source=f"{p.name} row")
                 inst = m.entry.instructions[0]
-                model = CostModel(m)
             except (HloParseError, ValueError, IndexError):
                 unparsed += 1
         total_s = float(r.get("total_time") or 0.0) * 1e-6
