@@ -99,9 +99,11 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     Columns: the profile's (``host``, ``device``, ``program_id``, ``module``, ``hlo_op``, ``start_ps``,
     ``duration_ps``, ``step``), ``measured_s``, ``joined`` (an instruction was found), the instruction's
     ``opcode``, ``category``, ``fusion_kind``, ``dtype``, ``shape``, ``operand_shapes``, ``scope``, ``layer``,
-    ``phase``, ``source``, per-execution ``flops``, ``transcendentals``, ``logical_bytes``, ``padded_bytes``,
-    ``hbm_bytes``, ``opaque``, ``cost_note``, and ``counted`` (False for control ops such as ``while`` whose
-    bodies' ops are events of their own, so time is not counted twice).
+    ``phase``, ``source``, ``flops``, ``transcendentals``, ``logical_bytes``, ``padded_bytes``, ``hbm_bytes``
+    (the row's share of its op's per-execution cost), ``opaque``, ``cost_note``, ``retiling`` (a layout-changing
+    copy), ``kernels_per_execution`` and ``executions`` (GPU N:M estimate; 1 elsewhere), and ``counted`` (False
+    for control ops such as ``while`` whose bodies' ops are events of their own, so time is not counted twice).
+    TPU rows add ``traceroof_flops`` / ``traceroof_hbm_bytes`` (our count) beside libtpu's numbers, which win.
     """
     ev = profile.events
     modules = profile.modules
@@ -274,11 +276,10 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
 
     steps = profile.steps
     if steps.empty:
-        span = int(ops["start_ps"].max() + ops["duration_ps"].max() - ops["start_ps"].min()) if len(ops) else 0
+        first = int(ops["start_ps"].min()) if len(ops) else 0
+        last = int((ops["start_ps"] + ops["duration_ps"]).max()) if len(ops) else 0
         ops["step"] = pd.array(np.zeros(len(ops), np.int64), "Int64")
-        steps = pd.DataFrame({"host": [""], "step": pd.array([0], "Int64"),
-                              "start_ps": [int(ops["start_ps"].min()) if len(ops) else 0],
-                              "end_ps": [int(ops["start_ps"].min()) + span if len(ops) else 0]})
+        steps = pd.DataFrame({"host": [""], "step": pd.array([0], "Int64"), "start_ps": [first], "end_ps": [last]})
         notes.append("no steps marked (jax.profiler.StepTraceAnnotation): the whole profile is one step")
         warmup_steps = 0
     all_steps = sorted(set(int(s) for s in steps["step"].dropna()))
@@ -321,8 +322,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
 
 def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
     """The ``n`` ops (module, HLO op) losing most time per step, with opcode, category, shapes and bound."""
-    cols = ["module", "program_id", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step", "time_per_step_s",
-            "expected_per_step_s", "lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
+    cols = ["module", "program_id", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step",
+            "time_per_step_s", "expected_per_step_s", "lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
     d = counted[counted["joined"]]
     if d.empty:  # nothing joined to HLO: rank by measured time instead
         d = counted

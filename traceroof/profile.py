@@ -70,12 +70,14 @@ def _profiles_in_run(run: Path) -> tuple[list[Path], str]:
     return jsons, "trace_json"
 
 
-def _hlo_files(path: Path) -> list[Path]:
+def _hlo_files(path: Path, explicit: bool = True) -> list[Path]:
+    """HLO text files under ``path``: after-optimization dumps; for an explicit ``--hlo`` folder without them,
+    any ``.txt`` / ``.hlo`` file (a folder found beside a profile is searched for dumps only)."""
     if path.is_file():
         return [path]
     files = sorted(p for p in path.rglob("*after_optimizations*.txt") if "buffer-assignment" not in p.name
                    and "memory-usage" not in p.name)
-    if not files:
+    if not files and explicit:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(HLO_SUFFIXES)
                        and "plugins" not in p.parts)
     return files
@@ -130,7 +132,7 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
         profiles += found
         kinds.add(kind)
         described.append(str(run))
-        hlo_files += [f for f in _hlo_files(p) if f not in found and "plugins" not in f.relative_to(p).parts]
+        hlo_files += [f for f in _hlo_files(p, explicit=False) if "plugins" not in f.relative_to(p).parts]
     for h in hlo:
         hp = Path(h)
         if not hp.exists():
