@@ -1,5 +1,5 @@
 """XProf tool exports: HLO Op Stats as the DataTable JSON the TensorBoard profile UI serves (optionally gzipped)
-or as the CSV it downloads, plus the overview page and roofline model tables beside them.
+or as the CSV it downloads, Op Profile trees, plus the overview page and roofline model tables beside them.
 
 DataTable JSON (Google Charts): ``{"cols": [{"id", "label", "type"}], "rows": [{"c": [{"v": ...}]}], "p": {...}}``,
 or a list of such tables (overview page). Column ids of ``hlo_stats`` as served by xprof (openxla/xprof
@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import gzip
 import io
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,13 +67,57 @@ def read_data_tables(path: str | Path) -> list[DataTable]:
 
 
 def is_hlo_stats(path: str | Path) -> bool:
-    """True when a file looks like an HLO Op Stats export (by name, else by its columns)."""
-    p = Path(path)
-    return "hlo_stats" in p.name or "hlo_op_stats" in p.name.lower()
+    """True when a file's name says it is an HLO Op Stats or Op Profile export."""
+    name = Path(path).name.lower()
+    return "hlo_stats" in name or "hlo_op_stats" in name or "op_profile" in name
+
+
+def op_profile_rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """HLO-op rows of an Op Profile export (``byProgram`` tree: program -> category -> op, with
+    "<op> and its duplicate(s)" groups whose children carry their own metrics) in HLO Op Stats column ids.
+
+    Op Profile metrics are totals over occurrences: ``rawTime`` (ps, self time), ``rawFlops``,
+    ``rawBytesAccessedArray`` (index 0: HBM), ``occurrences``; ``xla`` holds ``expression``, ``category`` and
+    ``provenance`` (the framework op path).
+    """
+    rows: list[dict[str, Any]] = []
+
+    def walk(node: dict[str, Any], program: str) -> None:
+        for child in node.get("children", []) or []:
+            m = child.get("metrics", {}) or {}
+            name = str(child.get("name", ""))
+            if "xla" not in child:
+                walk(child, program if program else name)
+                continue
+            if not m.get("occurrences"):
+                continue
+            kids = [k for k in child.get("children", []) or []
+                    if "xla" in k and (k.get("metrics", {}) or {}).get("occurrences")]
+            if kids:  # "<op> and its duplicate(s)": the children are the ops
+                walk(child, program)
+                continue
+            x = child["xla"]
+            t_ps = float(m.get("rawTime", 0.0))
+            t_s = t_ps * 1e-12
+            hbm = (m.get("rawBytesAccessedArray") or [0.0])[0]
+            pid = re.search(r"\((\d+)\)$", program)
+            rows.append({
+                "program_id": pid.group(1) if pid else "", "category": x.get("category", ""),
+                "hlo_op_name": name, "hlo_op_expression": x.get("expression", ""),
+                "tf_op_name": x.get("provenance", ""), "occurrences": float(m.get("occurrences", 0)),
+                "total_time": t_ps * 1e-6, "total_self_time": t_ps * 1e-6,
+                "model_flop_rate": float(m.get("rawFlops", 0.0)) / t_s / 1e9 if t_s > 0 else 0.0,
+                "hbm_bw": float(hbm) / t_s / 2**30 if t_s > 0 else 0.0,
+                "source_info": ((x.get("sourceInfo") or {}).get("fileName") or ""),
+            })
+
+    walk(data.get("byProgram", {}), "")
+    return rows
 
 
 def read_hlo_stats(path: str | Path) -> pd.DataFrame:
-    """HLO Op Stats rows as a DataFrame with XProf's column ids (JSON or CSV export).
+    """HLO Op Stats rows as a DataFrame with XProf's column ids (JSON or CSV export; an Op Profile export is
+    converted to the same columns).
 
     :raises FormatError: the file lacks the columns an HLO Op Stats export has.
     """
@@ -88,9 +133,13 @@ def read_hlo_stats(path: str | Path) -> pd.DataFrame:
             raise FormatError(f"{p}: not a readable CSV ({e})") from None
         df = pd.DataFrame(rows)
     else:
-        tables = read_data_tables(p)
-        table = next((t for t in tables if "hlo_op_name" in t.columns), tables[0])
-        df = pd.DataFrame(list(table.rows), columns=list(table.columns))
+        data = load_json(p)
+        if isinstance(data, dict) and "byProgram" in data:
+            df = pd.DataFrame(op_profile_rows(data))
+        else:
+            tables = read_data_tables(p)
+            table = next((t for t in tables if "hlo_op_name" in t.columns), tables[0])
+            df = pd.DataFrame(list(table.rows), columns=list(table.columns))
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise FormatError(f"{p}: not an XProf HLO Op Stats export (missing columns {', '.join(missing)})")

@@ -226,3 +226,13 @@ def test_transformer_engine_fused_attention_flops():
         assert flops == pytest.approx(fwd * (2.5 if "backward" in name else 1.0)), name
     runs = a.top_ops.set_index("hlo_op")["executions_per_step"]
     assert all(runs[n] == 5 for n in per_exec.index if n in runs.index)  # helper kernels run twice: not counted
+
+
+def test_tpu_op_profile_export_agrees_with_hlo_stats():
+    stats = analyze(third_party("xprof_tpu_v5_goldens"), depth=4)
+    tree = analyze(third_party("xprof_tpu_v5_goldens/data_tpu-training_op_profile_tpu_training.json.gz"), depth=4)
+    assert tree.summary.flops_per_step == pytest.approx(stats.summary.flops_per_step, rel=1e-9)
+    assert tree.summary.op_time_per_step_s == pytest.approx(stats.summary.op_time_per_step_s, rel=1e-9)
+    a = tree.layers.set_index(["layer", "phase"])["time_per_step_s"]
+    b = stats.layers.set_index(["layer", "phase"])["time_per_step_s"]
+    assert a.sort_index().round(12).equals(b.sort_index().round(12))

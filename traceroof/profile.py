@@ -115,7 +115,8 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
         found, kind = _profiles_in_run(p)
         run = p
         if not found:
-            stats = sorted(f for f in p.iterdir() if f.is_file() and is_hlo_stats(f))
+            stats = sorted((f for f in p.iterdir() if f.is_file() and is_hlo_stats(f)),
+                           key=lambda f: ("op_profile" in f.name, f.name))  # HLO Op Stats first
             if stats:
                 found, kind = stats[:1], "xprof_hlo_stats"
         if not found:
