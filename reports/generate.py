@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FIXTURES = ("transformer", "scan_mlp")
+FIXTURES = ("transformer", "scan_mlp", "sharded_mlp")
 CHIP = "fixtures/fixture_host.toml"
 
 

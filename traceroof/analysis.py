@@ -9,15 +9,18 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from parsers.hlo import Instruction
-from parsers.hlo_text import is_known_opcode
+from parsers.errors import InputError
+from parsers.hlo import HloModule, Instruction
+from parsers.hlo_text import async_pairs, is_known_opcode
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip
+from traceroof.collectives import bus_bandwidth, classify, default_topology, expected_time, parse_topology
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize
 from traceroof.findings import is_retiling, layout_findings
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, layer_of, parse_scope, phase_of, rollup
+from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import HloMismatchError, Inputs, JoinReport, Profile, discover, load_profile, match_modules
-from traceroof.xprof import export_op_table, per_core_chip
 from traceroof.roofline import apply_roofline
+from traceroof.xprof import export_op_table, per_core_chip
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
                    "executed work incl. rematerialisation, while bodies x trip count)")
@@ -49,6 +52,7 @@ class Summary:
     roofline_efficiency: float
     devices: int
     join: JoinReport
+    exposed_comm_per_step_s: float = 0.0
     hlo_sources: dict[str, int] = field(default_factory=dict)
     flop_convention: str = FLOP_CONVENTION
     notes: tuple[str, ...] = ()
@@ -57,7 +61,8 @@ class Summary:
 @dataclass(frozen=True, eq=False)
 class Analysis:
     """Everything a report shows. ``ops`` is the op table (one row per op execution); ``layers`` the
-    per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps."""
+    per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps;
+    ``collectives`` one row per collective op (see :func:`collectives_table`); ``topology`` the topology used."""
 
     summary: Summary
     ops: pd.DataFrame
@@ -66,16 +71,21 @@ class Analysis:
     steps: pd.DataFrame
     depth: int = 2
     findings: tuple[str, ...] = field(default_factory=tuple)
+    collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
+    topology: str = ""
 
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
                  "source", "flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
-                 "cost_note", "called", "retiling"]
+                 "cost_note", "called", "retiling", "collective"]
 
 
 def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[str, object]:
     cost = model.cost(inst)
     category, dtype = categorize(model, inst)
+    coll = classify(model, inst)
+    if coll is not None:
+        category = "collective"
     scope, phase = parse_scope(inst.metadata.op_name, optimizer_pattern)
     operand_shapes = []
     for i in range(len(inst.operands)):
@@ -89,6 +99,7 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[
         "opaque": cost.opaque, "cost_note": cost.note,
         "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),
         "retiling": is_retiling(inst, model.operand_shape(inst, 0)),
+        "collective": coll,
     }
 
 
@@ -125,7 +136,7 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     blank = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "",
              "operand_shapes": "", "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0,
              "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0,
-             "opaque": False, "cost_note": "", "called": (), "retiling": False}
+             "opaque": False, "cost_note": "", "called": (), "retiling": False, "collective": None}
     table = pd.DataFrame([r if r is not None else blank for r in rows], columns=_ATTR_COLUMNS)
     # control ops (while/call/conditional): not counted when their bodies' ops show up as events
     comps_with_events: set[tuple[int, str]] = set()
@@ -153,8 +164,12 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     out["joined"] = joined_u[keys] if len(ev) else np.zeros(0, bool)
     out["kernels_per_execution"] = k_u[keys] if len(ev) else np.zeros(0)
     out["executions"] = 1.0 / out["kernels_per_execution"] if len(ev) else np.zeros(0)
+    collectives = list(table["collective"])
+    coll_id = np.array([i if c is not None else -1 for i, c in enumerate(collectives)] or [-1], dtype=np.int64)
+    out["collective_id"] = coll_id[keys] if len(ev) else np.zeros(0, np.int64)
+    out.attrs["collectives"] = collectives
     for col in _ATTR_COLUMNS:
-        if col == "called":
+        if col in ("called", "collective"):
             continue
         vals = table[col].to_numpy()
         if col in ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes"):
@@ -213,7 +228,7 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
 
 def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] = (), chip: str | Chip | None = None,
             depth: int = 2, warmup_steps: int = 1, top: int = 10,
-            optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> Analysis:
+            optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None) -> Analysis:
     """Analyze a profile: op table, roofline on ``chip``, per-layer rollup, top ops by lost time.
 
     :param paths: ``.xplane.pb`` / trace JSON files, run directories or logdirs (one capture; all hosts).
@@ -223,6 +238,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     :param depth: named-scope segments that make a layer (``layer_0/mlp`` at depth 2).
     :param warmup_steps: marked steps excluded from the start of the profile.
     :param top: number of ops in ``top_ops``.
+    :param topology: ``4x4x4`` (TPU slice) or ``8x2`` (GPUs per node x nodes); default from the chip and the
+        device count.
     :raises TraceroofError: bad input (see :mod:`parsers.errors`), unknown chip, HLO that does not match.
     """
     if isinstance(paths, (str, Path)):
@@ -272,7 +289,21 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
                      + (f" (ambiguous module names: {', '.join(join.ambiguous_modules)})"
                         if join.ambiguous_modules else "")
                      + "; pass --hlo DIR with those modules' dumps")
+    collectives = ops.attrs.get("collectives", [])
+    n_devices = max([_module_devices(m) for m in profile.modules] + [int(ops["device"].nunique())])
+    try:
+        topo = parse_topology(topology, target) if topology else default_topology(target, n_devices)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    estimates = {i: expected_time(c, target, topo) for i, c in enumerate(collectives) if c is not None}
+    comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
+    cid = ops["collective_id"].to_numpy()
+    ops["comm_s"] = comm[np.where(cid >= 0, cid, len(collectives))] / ops["kernels_per_execution"].to_numpy()
+    if any(c is not None for c in collectives) and topo.kind == "host":
+        notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "
+                     "traffic only")
     ops = apply_roofline(ops, target)
+    ops = exposed_communication(ops, _async_pairs(profile.modules))
 
     steps = profile.steps
     if steps.empty:
@@ -299,6 +330,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     hbm = float(counted["hbm_bytes"].sum()) * k
     expected = float(counted["expected_s"].sum()) * k
     op_time = float(counted["measured_s"].sum()) * k
+    exposed_comm = float(counted["comm_exposed_s"].sum()) * k
     mm = counted[counted["category"] == "matmul"]
     main_dtype = str(mm.groupby("dtype", observed=True)["flops"].sum().idxmax()) if len(mm) else "f32"
     peak, peak_key = target.peak_for(main_dtype)
@@ -311,13 +343,17 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
         expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
         roofline_efficiency=expected / step_mean if step_mean > 0 and join.events_joined else float("nan"),
-        devices=n_dev, join=join,
+        devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
         hlo_sources=dict(profile.hlo_sources), notes=tuple(notes),
     )
     layers = rollup(ops, len(used), step_mean)
-    return Analysis(summary, ops, layers, top_ops(counted, len(used) * n_dev, top), steps, depth,
-                    tuple(_findings(summary, counted, len(used) * n_dev, target.kind)
-                          + layout_findings(counted, len(used) * n_dev)))
+    per = len(used) * n_dev
+    skew = arrival_skew(ops)
+    coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
+    return Analysis(summary, ops, layers, top_ops(counted, per, top), steps, depth,
+                    tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)
+                          + communication_findings(coll_table, skew, summary, len(used))),
+                    coll_table, topo.describe())
 
 
 def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
@@ -445,3 +481,83 @@ def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
                       for (_, op), r in diff.head(3).iterrows())
     return [f"libtpu's per-op FLOPs (used) differ from traceroof's count by > 10 % on {len(diff)} of {len(g)} "
             f"ops: {names}"]
+
+
+def _module_devices(m: HloModule) -> int:
+    a = m.attrs
+    return max(int(a.get("num_partitions", "1") or 1), 1) * max(int(a.get("replica_count", "1") or 1), 1)
+
+
+def _async_pairs(modules: list[HloModule]) -> dict[tuple[int | None, str], str]:
+    """(program id, ``-done`` op) -> its ``-start`` op, over every computation of every module."""
+    out: dict[tuple[int | None, str], str] = {}
+    for m in modules:
+        for comp in m.computations.values():
+            for done, start in async_pairs(comp).items():
+                out[(m.program_id, done)] = start
+    return out
+
+
+def collectives_table(counted: pd.DataFrame, collectives: list, estimates: dict, per: float, skew: pd.DataFrame,
+                      steps: int) -> pd.DataFrame:
+    """One row per collective op (per step, per device): ``kind``, ``form``, ``dtype``, ``bytes_in``,
+    ``bytes_out``, ``group_size``, ``num_groups``, ``mode``, ``axes``, ``link``, ``executions_per_step``,
+    ``expected_per_step_s``, ``time_per_step_s``, ``bus_bandwidth_bytes_per_s`` (achieved, nccl-tests
+    convention), ``link_peak_bytes_per_s``, ``exposed_per_step_s``, ``exposed_share`` (of its window) and
+    ``arrival_skew_s`` (mean over executions, across devices)."""
+    cols = ["module", "hlo_op", "kind", "form", "dtype", "bytes_in", "bytes_out", "group_size", "num_groups",
+            "mode", "axes", "link", "executions_per_step", "expected_per_step_s", "time_per_step_s",
+            "bus_bandwidth_bytes_per_s", "link_peak_bytes_per_s", "exposed_per_step_s", "exposed_share",
+            "arrival_skew_s"]
+    d = counted[counted["collective_id"] >= 0]
+    if d.empty:
+        return pd.DataFrame(columns=cols)
+    rows = []
+    mean_skew = skew.groupby("hlo_op")["skew_s"].mean() if len(skew) else pd.Series(dtype=float)
+    for (module, op), g in d.groupby(["module", "hlo_op"], observed=True, sort=False):
+        c = collectives[int(g["collective_id"].iloc[0])]
+        est = estimates.get(int(g["collective_id"].iloc[0]))
+        execs = g["executions"].sum() / per
+        t = g["measured_s"].sum() / per
+        window = g["comm_window_s"].sum() / per
+        exposed = g["comm_exposed_s"].sum() / per
+        mean_t = g["comm_window_s"].sum() / max(g["executions"].sum(), 1e-12)
+        rows.append({
+            "module": str(module), "hlo_op": str(op), "kind": c.kind, "form": c.form, "dtype": c.element_type,
+            "bytes_in": c.bytes_in, "bytes_out": c.bytes_out, "group_size": c.group_size,
+            "num_groups": c.num_groups, "mode": c.mode, "axes": est.axes if est else "",
+            "link": est.link if est else "", "executions_per_step": execs,
+            "expected_per_step_s": est.time_s * execs if est else np.nan, "time_per_step_s": t,
+            "bus_bandwidth_bytes_per_s": bus_bandwidth(c, mean_t) if c.form != "done" else np.nan,
+            "link_peak_bytes_per_s": est.link_peak_bytes_per_s if est else np.nan,
+            "exposed_per_step_s": exposed, "exposed_share": exposed / window if window > 0 else np.nan,
+            "arrival_skew_s": float(mean_skew.get(str(op), np.nan)),
+        })
+    out = pd.DataFrame(rows, columns=cols)
+    return out.sort_values(["exposed_per_step_s", "hlo_op"], ascending=[False, True], kind="stable") \
+        .reset_index(drop=True)
+
+
+def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, steps: int) -> list[str]:
+    """The largest exposed collectives with what would hide them, and the device that makes others wait."""
+    out = []
+    if len(table) and s.step_time_mean_s > 0:
+        top = table[table["exposed_per_step_s"] > 0.02 * s.step_time_mean_s].head(3)
+        for r in top.itertuples(index=False):
+            advice = {"all-gather": "prefetch it a layer ahead (FSDP overlap) or let XLA schedule it async",
+                      "reduce-scatter": "overlap it with the next layer's backward (async collective)",
+                      "all-reduce": "split it into reduce-scatter + all-gather that overlap compute, or shard "
+                                    "the operand so it shrinks",
+                      "all-to-all": "overlap dispatch with expert compute (chunk the all-to-all)"}.get(
+                r.kind, "make it asynchronous so compute can overlap it")
+            out.append(f"{r.hlo_op} ({r.kind}, {r.bytes_out / 1e6:.3g} MB, group {r.group_size}) is exposed "
+                       f"{r.exposed_per_step_s * 1e3:.3f} ms per step ({r.exposed_share:.0%} of its window): "
+                       f"{advice}")
+    if len(skew) and steps:
+        last = skew["last_device"].value_counts()
+        dev, n = last.index[0], int(last.iloc[0])
+        wait = skew["wait_s"].sum() / steps
+        if n / len(skew) > 0.5 and wait > 0.01 * s.step_time_mean_s:
+            out.append(f"{dev} arrives last at {n / len(skew):.0%} of collective executions; the other devices "
+                       f"wait {wait * 1e3:.3f} ms per step in total for it (straggler)")
+    return out

@@ -60,17 +60,19 @@ def main() -> None:
               help="Marked steps excluded at the start.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(0), help="Ops listed by lost time.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="terminal", show_default=True)
-@click.option("--table", type=click.Choice(("layers", "top-ops", "ops")), default="layers", show_default=True,
-              help="Table written by --format csv.")
+@click.option("--table", type=click.Choice(("layers", "top-ops", "collectives", "ops")), default="layers",
+              show_default=True, help="Table written by --format csv.")
+@click.option("--topology", help="TPU slice like 4x4x4 (2x16x16 for 2 slices over DCN), or GPUs per node x "
+                                 "nodes like 8x2; default from the chip and the device count.")
 @click.option("-o", "--output", help="Write the report to this file instead of stdout.")
 @_guarded
 def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: int, warmup_steps: int,
-            top: int, fmt: str, table: str, output: str | None) -> None:
+            top: int, fmt: str, table: str, topology: str | None, output: str | None) -> None:
     """Per-layer roofline report of a profile (.xplane.pb, run directory, logdir or trace JSON)."""
     from traceroof.analysis import analyze as run
     from traceroof.report import render
 
-    a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top)
+    a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology)
     _write(render(a, fmt, table), output)
 
 

@@ -109,10 +109,11 @@ def rollup(ops: pd.DataFrame, steps_used: int, step_time_s: float) -> pd.DataFra
     Columns: ``layer``, ``phase``, ``ops`` (distinct HLO ops), ``time_per_step_s``, ``share_of_step`` (of the
     mean step time), ``flops_per_step``, ``hbm_bytes_per_step``, ``expected_per_step_s``, ``efficiency``
     (expected ÷ measured over ops with an expectation), ``bound`` (the bound holding most expected time),
-    ``lost_per_step_s``, ``worst_op`` (the op losing most time). Sorted by time, largest first.
+    ``lost_per_step_s``, ``exposed_comm_per_step_s`` (collective time no other op covered), ``worst_op`` (the op
+    losing most time). Sorted by time, largest first.
     """
     cols = ["layer", "phase", "ops", "time_per_step_s", "share_of_step", "flops_per_step", "hbm_bytes_per_step",
-            "expected_per_step_s", "efficiency", "bound", "lost_per_step_s", "worst_op"]
+            "expected_per_step_s", "efficiency", "bound", "lost_per_step_s", "exposed_comm_per_step_s", "worst_op"]
     d = ops[ops["counted"] & ops["step"].notna()]
     if d.empty or steps_used <= 0:
         return pd.DataFrame(columns=cols)
@@ -136,6 +137,7 @@ def rollup(ops: pd.DataFrame, steps_used: int, step_time_s: float) -> pd.DataFra
             "efficiency": exp_sum / meas_exp if meas_exp > 0 else np.nan,
             "bound": str(by_bound.idxmax()) if len(by_bound) else ("opaque" if g["opaque"].any() else "unknown"),
             "lost_per_step_s": g["lost_s"].sum() * k,
+            "exposed_comm_per_step_s": g["comm_exposed_s"].sum() * k if "comm_exposed_s" in g else 0.0,
             "worst_op": str(per_op.idxmax()) if per_op.notna().any() else "",
         })
     out = pd.DataFrame(rows, columns=cols)

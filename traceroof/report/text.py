@@ -60,6 +60,9 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
         ("work", (f"{fmt_si(s.flops_per_step, 'FLOP')} and {fmt_si(s.hbm_bytes_per_step, 'B')} HBM per step "
                   "per device" if s.join.events_joined else "no HLO cost (nothing joined)")
          + f"; op time {fmt_time(s.op_time_per_step_s)} per step"),
+        ("comm", f"exposed communication {fmt_time(s.exposed_comm_per_step_s)} per step "
+                 f"({fmt_pct(s.exposed_comm_per_step_s / s.step_time_mean_s if s.step_time_mean_s else float('nan'))}"
+                 f" of the step); topology {a.topology or '-'}"),
         ("efficiency", f"MFU {fmt_pct(s.mfu)} of {s.mfu_peak_key or '-'} peak; roofline efficiency "
                        f"{fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)} "
                        f"÷ step time)"),
@@ -81,7 +84,23 @@ def layers_table(a: Analysis) -> pd.DataFrame:
         "HBM B/step": d["hbm_bytes_per_step"].map(lambda x: fmt_si(x, "")),
         "expected": d["expected_per_step_s"].map(fmt_time), "efficiency": d["efficiency"].map(fmt_pct),
         "bound": d["bound"].astype(str), "lost/step": d["lost_per_step_s"].map(fmt_time),
+        "exposed comm": d["exposed_comm_per_step_s"].map(lambda x: fmt_time(x) if x else "-"),
         "worst op": d["worst_op"].astype(str),
+    })
+
+
+def collectives_table(a: Analysis) -> pd.DataFrame:
+    """The collectives table with formatted cells."""
+    d = a.collectives
+    return pd.DataFrame({
+        "op": d["hlo_op"], "kind": d["kind"], "form": d["form"], "bytes out": d["bytes_out"].map(lambda x: fmt_si(x, "B")),
+        "group": d["group_size"].astype(str) + " x " + d["num_groups"].astype(str), "mode": d["mode"],
+        "axes": d["axes"], "link": d["link"], "runs/step": d["executions_per_step"].map(lambda x: f"{x:g}"),
+        "time/step": d["time_per_step_s"].map(fmt_time), "expected": d["expected_per_step_s"].map(fmt_time),
+        "bus BW": d["bus_bandwidth_bytes_per_s"].map(lambda x: fmt_si(x, "B/s")),
+        "link peak": d["link_peak_bytes_per_s"].map(lambda x: fmt_si(x, "B/s")),
+        "exposed": d["exposed_per_step_s"].map(fmt_time), "exposed %": d["exposed_share"].map(fmt_pct),
+        "skew": d["arrival_skew_s"].map(fmt_time),
     })
 
 
@@ -111,7 +130,8 @@ def _text_table(df: pd.DataFrame) -> str:
     cols = list(df.columns)
     cells = [[_short(v) for v in row] for row in df.itertuples(index=False)]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    left = {"layer", "phase", "worst op", "op", "opcode", "category", "bound", "shape", "operands"}
+    left = {"layer", "phase", "worst op", "op", "opcode", "category", "bound", "shape", "operands", "kind", "form",
+            "mode", "axes", "link"}
     def line(vals: list[str]) -> str:
         return "  ".join(v.ljust(w) if c in left else v.rjust(w) for v, w, c in zip(vals, widths, cols)).rstrip()
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
@@ -134,6 +154,8 @@ def render_terminal(a: Analysis) -> str:
     out += [f"{k.ljust(width)}  {v}" for k, v in header_lines(a)]
     out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", _text_table(layers_table(a))]
     out += ["", f"Top {len(a.top_ops)} ops by lost time", _text_table(top_table(a))]
+    if len(a.collectives):
+        out += ["", "Collectives (per step, per device)", _text_table(collectives_table(a))]
     if a.findings:
         out += ["", "Findings"] + [f"- {f}" for f in a.findings]
     if a.summary.notes:
@@ -147,6 +169,8 @@ def render_markdown(a: Analysis) -> str:
     out += [f"- **{k or ' '}**: {v.replace('|', '/')}" for k, v in header_lines(a)]
     out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", _md_table(layers_table(a))]
     out += ["", f"## Top {len(a.top_ops)} ops by lost time", "", _md_table(top_table(a))]
+    if len(a.collectives):
+        out += ["", "## Collectives (per step, per device)", "", _md_table(collectives_table(a))]
     if a.findings:
         out += ["", "## Findings", ""] + [f"- {f}" for f in a.findings]
     if a.summary.notes:
