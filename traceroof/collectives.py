@@ -90,17 +90,19 @@ def classify(model: CostModel, inst: Instruction, num_devices: int | None = None
         target, base = wrapped.root, _base_kind(wrapped.root.opcode)[0]
         form = inst.opcode.split("-")[1]
     elif inst.opcode == "fusion":
+        # TPU names collective fusions after what they do (an all-gather may be built from
+        # dynamic-update-slice into zeros + all-reduce): the called computation's name wins over its ops
         inner = _find_collective(model, inst)
-        if inner is None:
-            name = next((c for c in inst.called if c.startswith(("all-reduce-scatter", "all-gather", "all-reduce",
-                                                                    "reduce-scatter", "all-to-all",
-                                                                    "collective-permute"))), None)
-            if name is None:
-                return None
+        name = next((c for c in inst.called if c.startswith(("all-reduce-scatter", "all-gather", "all-reduce",
+                                                                "reduce-scatter", "all-to-all",
+                                                                "collective-permute"))), None)
+        if name is not None:
             base = "reduce-scatter" if name.startswith("all-reduce-scatter") else re.sub(r"\.\d+.*$", "", name)
-            target = inst
-        else:
+            target = inner if inner is not None else inst
+        elif inner is not None:
             target, base = inner, _base_kind(inner.opcode)[0]
+        else:
+            return None
         form = "fusion"
     if base not in KINDS:
         return None

@@ -1,0 +1,246 @@
+"""Collectives: classification on real HLO, topology mapping, expected time against worked values computed here
+from first principles (How to Scale Your Model §3, §12 via docs/reference/hardware-and-rooflines.md), exposed
+communication and stragglers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from parsers.hlo_text import parse_hlo_file, parse_hlo_text
+from traceroof import analyze
+from traceroof.chips import get_chip
+from traceroof.collectives import (Collective, Topology, bus_bandwidth, classify, default_topology, expected_time,
+                                   parse_topology)
+from traceroof.cost import CostModel
+from traceroof.overlap import arrival_skew, exposed_communication
+from tests.conftest import FIXTURES, HOST_CHIP, third_party
+
+US = 1e-6
+
+
+def coll(kind, bytes_in, bytes_out, groups, form="sync"):
+    return Collective(kind, form, "bf16", bytes_in, bytes_out, len(groups[0]), len(groups), "global ids",
+                      tuple(tuple(g) for g in groups))
+
+
+# -- expected time: worked values ----------------------------------------------------------------------------
+
+def test_tpu_v5e_full_axis_wraps_bidirectional_ring():
+    chip = get_chip("v5e")
+    topo = parse_topology("16x16", chip)
+    assert topo.wraparound == (True, True)
+    local = 1 << 20
+    c = coll("all-gather", local, 16 * local, [list(range(16))])  # one row of the torus: the x axis
+    est = expected_time(c, chip, topo)
+    v = 16 * local
+    assert est.bandwidth_s == pytest.approx(v / (2 * 4.5e10))  # V / W_bidi, W_bidi = 2 x 45 GB/s
+    assert est.latency_s == pytest.approx(16 / 2 * US)  # 1 us per hop, N/2 hops
+    assert est.time_s == est.bandwidth_s and est.link == "ICI" and est.axes == "x16"
+
+
+def test_tpu_v5e_partial_axis_is_a_line():
+    chip = get_chip("v5e")
+    topo = parse_topology("4x4", chip)
+    assert topo.wraparound == (False, False)
+    c = coll("all-gather", 1 << 20, 4 << 20, [[0, 1, 2, 3]])
+    est = expected_time(c, chip, topo)
+    assert est.bandwidth_s == pytest.approx((4 << 20) * 3 / 4 / 4.5e10)  # V (N-1)/N / W_one-way
+    assert "no wraparound" in est.link
+
+
+def test_latency_bound_small_message():
+    chip = get_chip("v5e")
+    topo = parse_topology("16x16", chip)
+    c = coll("all-gather", 100, 1600, [list(range(16))])
+    est = expected_time(c, chip, topo)
+    assert est.bandwidth_s < 1e-7 and est.time_s == pytest.approx(8 * US)
+
+
+def test_tpu_v5p_all_reduce_over_two_axes():
+    chip = get_chip("v5p")
+    topo = parse_topology("4x4x4", chip)
+    assert topo.wraparound == (True, True, True)
+    group = [x + 4 * y for y in range(4) for x in range(4)]  # the z = 0 plane: x and y axes
+    v = 64 << 20
+    c = coll("all-reduce", v, v, [group])
+    est = expected_time(c, chip, topo)
+    assert est.axes == "x4,y4"
+    assert est.bandwidth_s == pytest.approx(2 * v / (2 * 9e10 * 2))  # 2V / (W_bidi x 2 axes)
+    assert est.latency_s == pytest.approx(2 * (4 / 2 + 4 / 2) * US)
+
+
+def test_tpu_v6e_all_to_all_quarter_of_all_gather():
+    chip = get_chip("v6e")
+    topo = parse_topology("16x16", chip)
+    local = 8 << 20
+    c = coll("all-to-all", local, local, [list(range(16))])
+    est = expected_time(c, chip, topo)
+    assert est.bandwidth_s == pytest.approx(16 * local / (4 * 2 * 9e10))  # V / (4 W_bidi), V = input x N
+
+
+def test_tpu_dcn_between_slices():
+    chip = get_chip("v5p")
+    topo = parse_topology("2x4x4x4", chip)
+    assert topo.slices == 2 and topo.devices == 128
+    v = 256 << 20
+    c = coll("all-reduce", v, v, [[0, 64]])
+    est = expected_time(c, chip, topo)
+    assert est.link == "DCN"
+    assert est.time_s == pytest.approx(2 * v / 2 / (6.25e9 * 64))  # 2V/(M W_dcn) with M = 64 chips per slice
+
+
+def test_h100_node_all_reduce_and_all_to_all():
+    chip = get_chip("h100")
+    topo = default_topology(chip, 8)
+    assert topo.shape == (8, 1)
+    v = 1 << 30
+    ar = expected_time(coll("all-reduce", v, v, [list(range(8))]), chip, topo)
+    assert ar.link == "NVLink" and ar.time_s == pytest.approx(2 * v * 7 / (8 * 4.5e11))
+    a2a = expected_time(coll("all-to-all", v // 8, v // 8, [list(range(8))]), chip, topo)
+    assert a2a.time_s == pytest.approx(v * 7 / (64 * 4.5e11))  # V (N-1) / (N^2 W)
+
+
+def test_h100_two_nodes_all_gather_crosses_infiniband():
+    chip = get_chip("h100")
+    topo = parse_topology("8x2", chip)
+    v = 1 << 30
+    est = expected_time(coll("all-gather", v // 16, v, [list(range(16))]), chip, topo)
+    assert est.link == "InfiniBand"
+    node = 8 * 5e10  # 8 x 400 Gb/s NICs per node
+    assert est.time_s == pytest.approx(v * max(7 / (8 * 4.5e11), 1 / (2 * node)))
+    small = expected_time(coll("all-gather", 8, 128, [list(range(16))]), chip, topo)
+    assert small.time_s == pytest.approx(5 * US)  # launch-latency floor
+
+
+def test_bus_bandwidth_follows_nccl_tests():
+    c = coll("all-reduce", 1 << 30, 1 << 30, [list(range(8))])
+    assert bus_bandwidth(c, 1.0) == pytest.approx((1 << 30) * 2 * 7 / 8)
+
+
+# -- classification on real HLO --------------------------------------------------------------------------------
+
+def test_async_all_to_all_start_payload_excludes_context():
+    (m,) = parse_hlo_file(third_party("xla_hlo_samples/async_all_to_all_start_context_u32.xla_test.hlo"))
+    model = CostModel(m)
+    start = next(i for i in m.entry.instructions if i.opcode == "all-to-all-start")
+    c = classify(model, start)
+    assert c.kind == "all-to-all" and c.form == "start"
+    out = start.shape.tuple_shapes[1]
+    assert c.bytes_out == out.byte_size()  # the output element only, not the u32[] context scalars
+    done = next(i for i in m.entry.instructions if i.opcode == "all-to-all-done")
+    assert classify(model, done).form == "done"
+
+
+def test_tpu_collective_fusion_is_recognised():
+    (m,) = parse_hlo_file(third_party("xla_hlo_samples/tpu_style_collective_fusion_kcustom_allgather.xla_test.hlo"))
+    model = CostModel(m)
+    found = [classify(model, i) for c in m.computations.values() for i in c.instructions if i.opcode == "fusion"]
+    assert any(c is not None and c.kind == "all-gather" and c.form == "fusion" for c in found)
+
+
+def test_group_modes_and_permute_pairs():
+    (m,) = parse_hlo_text("""HloModule c, num_partitions=4
+add { a = f32[] parameter(0)
+      b = f32[] parameter(1)
+      ROOT s = f32[] add(a, b) }
+ENTRY e {
+  x = f32[8]{0} parameter(0)
+  ar = f32[8]{0} all-reduce(x), replica_groups={{0,1}}, to_apply=add
+  arp = f32[8]{0} all-reduce(x), channel_id=1, replica_groups={{0,1}}, to_apply=add
+  a2a = f32[8]{0} all-to-all(x), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+  cp = f32[8]{0} collective-permute(x), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  rs = f32[4]{0} reduce-scatter(x), channel_id=4, replica_groups=[2,2]<=[4], use_global_device_ids=true, dimensions={0}, to_apply=add
+  ROOT t = (f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[4]{0}) tuple(ar, arp, a2a, cp, rs)
+}""")
+    model = CostModel(m)
+    got = {i.name: classify(model, i) for i in m.entry.instructions}
+    assert got["ar"].mode == "cross-replica" and got["ar"].group_size == 2
+    assert got["arp"].mode == "cross-replica-and-partition" and got["arp"].group_size == 2 * 4
+    assert got["a2a"].mode == "cross-partition" and got["a2a"].group_size == 4
+    assert got["cp"].kind == "collective-permute" and got["cp"].source_target_pairs[0] == (0, 1)
+    assert got["rs"].mode == "global ids" and got["rs"].groups == ((0, 1), (2, 3)) and got["rs"].full_bytes == 32
+    assert got["t"] is None and got["x"] is None
+
+
+# -- the sharded fixture: 8 virtual devices, 4 x 2 mesh ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sharded():
+    return analyze(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
+
+
+def test_sharded_fixture_collectives(sharded):
+    t = sharded.collectives.set_index("hlo_op")
+    assert set(t["kind"]) >= {"all-gather", "all-reduce", "all-to-all"}
+    ag = t.loc["all-gather"]
+    assert ag["group_size"] == 4 and ag["num_groups"] == 2 and ag["mode"] == "global ids"  # FSDP over "data"
+    assert ag["bytes_out"] == 256 * 256 * 4 and ag["bytes_in"] == 64 * 256 * 4
+    a2a = t.loc["all-to-all"]
+    assert a2a["group_size"] == 2 and a2a["num_groups"] == 4 and a2a["mode"] == "cross-partition"  # "model"
+    assert sharded.summary.devices == 8
+    assert ((t["exposed_per_step_s"] >= 0) & (t["exposed_per_step_s"] <= t["time_per_step_s"] + 1e-12)).all()
+    assert sharded.summary.exposed_comm_per_step_s == pytest.approx(t["exposed_per_step_s"].sum())
+    assert "exposed_comm_per_step_s" in sharded.layers
+
+
+def test_sharded_fixture_on_tpu_and_gpu_topologies():
+    v5e = analyze(FIXTURES / "sharded_mlp", chip="v5e")
+    t = v5e.collectives.set_index("hlo_op")
+    # iota groups [2,4]<=[4,2]T(1,0) = {0,2,4,6},{1,3,5,7}: on a 2 x 4 slice (x fastest) that is the y axis
+    assert v5e.topology.startswith("2x4") and t.loc["all-gather", "axes"] == "y4"
+    assert t.loc["all-to-all", "axes"] == "x2"
+    v = 256 * 256 * 4
+    assert t.loc["all-gather", "expected_per_step_s"] == pytest.approx(max(v * 3 / 4 / 4.5e10, 3 * US))
+    h100 = analyze(FIXTURES / "sharded_mlp", chip="h100")
+    assert (h100.collectives["link"] == "NVLink").all()
+    two_nodes = analyze(FIXTURES / "sharded_mlp", chip="h100", topology="4x2")
+    t2 = two_nodes.collectives.set_index("hlo_op")
+    assert t2.loc["all-gather", "link"] == "InfiniBand" and t2.loc["all-to-all", "link"] == "NVLink"
+
+
+def test_mi300x_eight_gpu_profile_topology():
+    a = analyze(third_party("tracelens_mi300x/jax08_conv.xplane.pb"))
+    assert a.topology == "1 node(s) x 8 GPUs" and a.summary.devices == 8 and a.collectives.empty
+
+
+# -- overlap and stragglers on timelines built here --------------------------------------------------------------
+
+def _ops(rows):
+    df = pd.DataFrame(rows, columns=["device", "program_id", "hlo_op", "start_ps", "duration_ps", "category", "step"])
+    df["counted"] = True
+    df["program_id"] = pd.array(df["program_id"], "Int64")
+    df["step"] = pd.array(df["step"], "Int64")
+    return df
+
+
+def test_exposed_communication_sync_and_async():
+    ops = _ops([
+        ("d0", 1, "fusion.1", 0, 400, "matmul", 0),
+        ("d0", 1, "all-gather.1", 200, 600, "collective", 0),  # [200, 800): fusion covers [200, 400)
+        ("d0", 1, "all-reduce-start", 1000, 10, "collective", 0),
+        ("d0", 1, "fusion.2", 1010, 300, "matmul", 0),
+        ("d0", 1, "all-reduce-done", 1400, 100, "collective", 0),  # window [1000, 1500): covered 300
+    ])
+    out = exposed_communication(ops, {(1, "all-reduce-done"): "all-reduce-start"})
+    r = out.set_index("hlo_op")
+    assert r.loc["all-gather.1", "comm_window_s"] == pytest.approx(600e-12)
+    assert r.loc["all-gather.1", "comm_exposed_s"] == pytest.approx(400e-12)
+    assert r.loc["all-reduce-start", "comm_window_s"] == 0
+    assert r.loc["all-reduce-done", "comm_window_s"] == pytest.approx(500e-12)
+    assert r.loc["all-reduce-done", "comm_hidden_s"] == pytest.approx(300e-12)
+    assert r.loc["fusion.1", "comm_exposed_s"] == 0
+
+
+def test_arrival_skew_names_the_late_device():
+    rows = []
+    for step in range(3):
+        for occ in range(2):
+            base = step * 10_000 + occ * 1000
+            for d, delay in (("d0", 0), ("d1", 50), ("d2", 400)):
+                rows.append((d, 1, "all-reduce", base + delay, 100, "collective", step))
+    skew = arrival_skew(_ops(rows))
+    assert len(skew) == 6 and (skew["last_device"] == "d2").all()
+    assert skew["skew_s"].iloc[0] == pytest.approx(400e-12)
+    assert skew["wait_s"].iloc[0] == pytest.approx((400 + 350) * 1e-12)
