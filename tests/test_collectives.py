@@ -4,14 +4,13 @@ communication and stragglers."""
 
 from __future__ import annotations
 
-import numpy as np
 import pandas as pd
 import pytest
 
 from parsers.hlo_text import parse_hlo_file, parse_hlo_text
 from traceroof import analyze
 from traceroof.chips import get_chip
-from traceroof.collectives import (Collective, Topology, bus_bandwidth, classify, default_topology, expected_time,
+from traceroof.collectives import (Collective, bus_bandwidth, classify, default_topology, expected_time,
                                    parse_topology)
 from traceroof.cost import CostModel
 from traceroof.overlap import arrival_skew, exposed_communication
@@ -244,3 +243,14 @@ def test_arrival_skew_names_the_late_device():
     assert len(skew) == 6 and (skew["last_device"] == "d2").all()
     assert skew["skew_s"].iloc[0] == pytest.approx(400e-12)
     assert skew["wait_s"].iloc[0] == pytest.approx((400 + 350) * 1e-12)
+
+
+def test_library_collective_custom_calls_are_classified_without_a_made_up_cost():
+    (m,) = parse_hlo_file(third_party("xla_hlo_samples/neuron_llama_layer_tp8.pre_backend.hlo"))
+    model = CostModel(m)
+    calls = [i for c in m.computations.values() for i in c.instructions if i.opcode == "custom-call"]
+    found = [classify(model, i) for i in calls]
+    assert found and all(c is not None and c.form == "custom-call" for c in found)
+    assert all(expected_time(c, get_chip("h100"), default_topology(get_chip("h100"), 8)) is None for c in found)
+    ar = [classify(model, i) for c in m.computations.values() for i in c.instructions if i.opcode == "all-reduce"]
+    assert ar and all(c.kind == "all-reduce" and c.group_size == 8 for c in ar)

@@ -236,3 +236,15 @@ def test_tpu_op_profile_export_agrees_with_hlo_stats():
     a = tree.layers.set_index(["layer", "phase"])["time_per_step_s"]
     b = stats.layers.set_index(["layer", "phase"])["time_per_step_s"]
     assert a.sort_index().round(12).equals(b.sort_index().round(12))
+
+
+def test_tpu_export_collectives_get_an_ici_expectation():
+    a = analyze(third_party("xprof_tpu_v5_goldens"), depth=4)
+    t = a.collectives
+    assert set(t["kind"]) >= {"all-gather", "all-reduce", "all-to-all", "reduce-scatter"}
+    ag = t[(t["kind"] == "all-gather") & (t["bytes_out"] == 8388608)].iloc[0]
+    assert ag["group_size"] == 4 and ag["link"].startswith("ICI")
+    # 4 v5p chips as 1 x 2 x 2 without wraparound: V (N-1)/N / (W_one-way x 2 axes), per execution
+    v = 8388608
+    per_exec = ag["expected_per_step_s"] / ag["executions_per_step"]
+    assert per_exec == pytest.approx(max(v * 3 / 4 / (9e10 * 2), 2e-6))

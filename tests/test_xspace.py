@@ -25,7 +25,8 @@ def _check_against_protobuf(path) -> int:
         assert plane.stat_names == names
         assert {k: v.name for k, v in ref.event_metadata.items()} == {k: m.name for k, m in plane.event_metadata.items()}
         assert plane.stats == {names.get(s.metadata_id, str(s.metadata_id)): stat_value(s, names) for s in ref.stats}
-        df = plane.events(stats=sorted(set(names.values())), merge_metadata_stats=False)
+        used = {names[st.metadata_id] for line in ref.lines for ev in line.events for st in ev.stats}
+        df = plane.events(stats=sorted(used), merge_metadata_stats=False)
         rows = df.to_dict("list")
         i = 0
         for line in ref.lines:

@@ -246,7 +246,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         paths = [paths]
     inputs = discover(paths, hlo)
     if inputs.kind == "xprof_hlo_stats":
-        return _analyze_export(inputs, chip, depth, top)
+        return _analyze_export(inputs, chip, depth, top, topology)
     profile = load_profile(inputs)
     notes = list(profile.notes)
     target, chip_note = resolve_chip(profile, chip)
@@ -412,7 +412,8 @@ def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") 
     return out
 
 
-def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int) -> Analysis:
+def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int,
+                    topology: str | None = None) -> Analysis:
     """Analysis of an XProf HLO Op Stats export (rows aggregated over occurrences, cores and steps)."""
     path = inputs.profiles[0]
     ops, ctx, notes = export_op_table(path, depth)
@@ -422,10 +423,21 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         target, note = get_chip(chip), ""
     else:
         target, note = detect_chip({"device_type_string": ctx.device_type})
+    chip_ici = target
     if target.kind == "tpu":
         target, core_note = per_core_chip(target, ctx)
         note = "; ".join(x for x in (note, core_note) if x)
+    # collectives: expected time on the chip's links; replica-group ids are the program's devices
+    collectives = ops.attrs.get("collectives", [])
+    ids = [d for c in collectives if c is not None for g in c.groups for d in g]
+    topo = parse_topology(topology, chip_ici) if topology else default_topology(chip_ici, max(ids, default=0) + 1)
+    estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
+    per_exec = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
+    cid = ops["collective_id"].to_numpy()
+    ops["comm_s"] = per_exec[np.where(cid >= 0, cid, len(collectives))] * ops["executions"].to_numpy()
     ops = apply_roofline(ops, target)
+    for col in ("comm_window_s", "comm_hidden_s", "comm_exposed_s"):
+        ops[col] = np.nan  # an export has no timeline: overlap cannot be measured
     steps = [t for t in ctx.step_times_s if t > 0]
     cores = max(ctx.device_core_count, 1)
     total_s = float(ops["measured_s"].sum())
@@ -464,8 +476,10 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
     )
     layers = rollup(ops, per, step_mean)
+    coll_table = collectives_table(ops[ops["counted"]], collectives, estimates, per, pd.DataFrame(), 0)
     return Analysis(summary, ops, layers, top_ops(counted, per, top), pd.DataFrame(), depth,
-                    tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)))
+                    tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)),
+                    coll_table, topo.describe() + " (chips of the program's replica groups)")
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
@@ -519,9 +533,10 @@ def collectives_table(counted: pd.DataFrame, collectives: list, estimates: dict,
         est = estimates.get(int(g["collective_id"].iloc[0]))
         execs = g["executions"].sum() / per
         t = g["measured_s"].sum() / per
-        window = g["comm_window_s"].sum() / per
-        exposed = g["comm_exposed_s"].sum() / per
-        mean_t = g["comm_window_s"].sum() / max(g["executions"].sum(), 1e-12)
+        window = g["comm_window_s"].sum(min_count=1) / per
+        exposed = g["comm_exposed_s"].sum(min_count=1) / per
+        mean_t = (g["comm_window_s"].sum(min_count=1) if g["comm_window_s"].notna().any() else
+                  g["measured_s"].sum()) / max(g["executions"].sum(), 1e-12)
         rows.append({
             "module": str(module), "hlo_op": str(op), "kind": c.kind, "form": c.form, "dtype": c.element_type,
             "bytes_in": c.bytes_in, "bytes_out": c.bytes_out, "group_size": c.group_size,
@@ -530,7 +545,7 @@ def collectives_table(counted: pd.DataFrame, collectives: list, estimates: dict,
             "expected_per_step_s": est.time_s * execs if est else np.nan, "time_per_step_s": t,
             "bus_bandwidth_bytes_per_s": bus_bandwidth(c, mean_t) if c.form != "done" else np.nan,
             "link_peak_bytes_per_s": est.link_peak_bytes_per_s if est else np.nan,
-            "exposed_per_step_s": exposed, "exposed_share": exposed / window if window > 0 else np.nan,
+            "exposed_per_step_s": exposed, "exposed_share": exposed / window if window and window > 0 else np.nan,
             "arrival_skew_s": float(mean_skew.get(str(op), np.nan)),
         })
     out = pd.DataFrame(rows, columns=cols)

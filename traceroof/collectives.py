@@ -104,6 +104,16 @@ def classify(model: CostModel, inst: Instruction, num_devices: int | None = None
         else:
             return None
         form = "fusion"
+    if inst.opcode == "custom-call":
+        target_name = inst.attrs.get("custom_call_target", "").strip('"')
+        lib = _library_kind(target_name)
+        if lib is None:
+            return None
+        ins = [model.operand_shape(inst, i) for i in range(len(inst.operands))]
+        b_in = sum(leaf.byte_size() for s in ins if s is not None for leaf in _payload(s))
+        b_out = sum(leaf.byte_size() for leaf in _payload(inst.shape))
+        return Collective(lib, "custom-call", inst.shape.leaves()[0].element_type if inst.shape.leaves() else "",
+                          b_in, b_out, 0, 0, f"library call {target_name}", ())
     if base not in KINDS:
         return None
     if form == "done":
@@ -134,6 +144,21 @@ def classify(model: CostModel, inst: Instruction, num_devices: int | None = None
     if mode == "cross-replica-and-partition":
         size *= max(int(model.module.attrs.get("num_partitions", "1") or 1), 1)
     return Collective(base, form, etype, bytes_in, bytes_out, size, len(groups), mode, groups, pairs)
+
+
+LIBRARY_COLLECTIVES = (  # custom-call targets of communication libraries (hlo-text.md §9.5), by name
+    (re.compile(r"all.?reduce", re.I), "all-reduce"), (re.compile(r"all.?gather", re.I), "all-gather"),
+    (re.compile(r"reduce.?scatter", re.I), "reduce-scatter"), (re.compile(r"all.?to.?all", re.I), "all-to-all"),
+    (re.compile(r"collective.?permute|send.?recv", re.I), "collective-permute"),
+    (re.compile(r"TransferWithStaticRing|nccl|rccl|nvshmem|pfft", re.I), "library collective"),
+)
+
+
+def _library_kind(target: str) -> str | None:
+    for pattern, kind in LIBRARY_COLLECTIVES:
+        if pattern.search(target):
+            return kind
+    return None
 
 
 def _num_devices(model: CostModel) -> int:

@@ -20,7 +20,8 @@ from parsers.errors import HloParseError
 from parsers.hlo_text import parse_hlo_text
 from parsers.xprof_export import ExportContext, read_export_context, read_hlo_stats
 from traceroof.chips import Chip, Figure
-from traceroof.cost import _sizes
+from traceroof.collectives import classify
+from traceroof.cost import CostModel, _sizes
 from traceroof.findings import is_retiling
 from traceroof.layers import layer_of, parse_scope
 
@@ -76,10 +77,12 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
     for r in df.to_dict("records"):
         expr = str(r.get("hlo_op_expression") or "")
         inst = None
+        coll = None
         if expr:
             try:
                 (m,) = parse_hlo_text("HloModule export\nENTRY e {\n" + expr + "\n}\n", source=f"{p.name} row")
                 inst = m.entry.instructions[0]
+                coll = classify(CostModel(m), inst)
             except (HloParseError, ValueError, IndexError):
                 unparsed += 1
         total_s = float(r.get("total_time") or 0.0) * 1e-6
@@ -102,7 +105,7 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
         scope, phase = parse_scope(tf_op)
         flops = float(r.get("model_flop_rate") or 0.0) * 1e9 * total_s
         hbm = float(r.get("hbm_bw") or 0.0) * 2**30 * total_s
-        category = _category(xcat, opcode)
+        category = "collective" if coll is not None else _category(xcat, opcode)
         rows.append({
             "host": "", "device": "xprof export", "program_id": r.get("program_id"), "module": "",
             "hlo_op": str(r.get("hlo_op_name")), "start_ps": 0, "duration_ps": int(round(self_s * 1e12)),
@@ -119,10 +122,14 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
             "xprof_bound_by": str(r.get("bound_by") or ""),
             "remat": str(r.get("hlo_rematerialization") or "") == "Yes",
             "retiling": inst is not None and is_retiling(inst, inst.operand_shapes[0] if inst.operand_shapes else None),
+            "collective": coll,
         })
     if unparsed:
         notes.append(f"{unparsed} exported ops have HLO text this parser could not read: no shapes for them")
+    collectives = [r.pop("collective") for r in rows]
     ops = pd.DataFrame(rows)
+    ops["collective_id"] = np.array([i if c is not None else -1 for i, c in enumerate(collectives)], np.int64)
+    ops.attrs["collectives"] = collectives
     for col in ("opcode", "category", "dtype", "scope", "phase", "layer", "module", "hlo_op", "device", "host"):
         ops[col] = ops[col].astype("category")
     ops["step"] = pd.array(ops["step"], "Int64")
