@@ -53,6 +53,7 @@ class Summary:
     devices: int
     join: JoinReport
     exposed_comm_per_step_s: float = 0.0
+    step_times_s: tuple[float, ...] = ()
     hlo_sources: dict[str, int] = field(default_factory=dict)
     flop_convention: str = FLOP_CONVENTION
     notes: tuple[str, ...] = ()
@@ -73,6 +74,17 @@ class Analysis:
     findings: tuple[str, ...] = field(default_factory=tuple)
     collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
     topology: str = ""
+
+    @property
+    def op_stats(self) -> pd.DataFrame:
+        """Per-step figures of every distinct op, keyed by what it is, not what it is called (see
+        :func:`op_stats`): the table ``traceroof diff`` matches on."""
+        per = max(len(self.summary.steps_used), 1) * max(self.summary.devices, 1)
+        if self.summary.step_annotation == "XProf overview steps":
+            per = max(sum(self.summary.step_times_s) / self.summary.step_time_mean_s, 1.0) * \
+                max(self.summary.devices, 1) if self.summary.step_times_s else max(self.summary.devices, 1)
+        counted = self.ops[self.ops["counted"] & self.ops["step"].notna()]
+        return op_stats(counted, per)
 
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
@@ -344,6 +356,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
         roofline_efficiency=expected / step_mean if step_mean > 0 and join.events_joined else float("nan"),
         devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
+        step_times_s=tuple(float(x) for x in durations),
         hlo_sources=dict(profile.hlo_sources), notes=tuple(notes),
     )
     layers = rollup(ops, len(used), step_mean)
@@ -473,6 +486,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         expected_per_step_s=expected, op_time_per_step_s=float(counted["measured_s"].sum()) / per,
         mfu=flops / step_mean / peak if peak and step_mean > 0 else float("nan"), mfu_peak_key=peak_key,
         roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=cores, join=join,
+        step_times_s=tuple(full) if steps else (),
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
     )
     layers = rollup(ops, per, step_mean)
@@ -576,3 +590,31 @@ def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, 
             out.append(f"{dev} arrives last at {n / len(skew):.0%} of collective executions; the other devices "
                        f"wait {wait * 1e3:.3f} ms per step in total for it (straggler)")
     return out
+
+
+OP_KEY = ["layer", "phase", "scope", "opcode", "category", "dtype", "shape", "operand_shapes"]
+
+
+def op_stats(counted: pd.DataFrame, per: float) -> pd.DataFrame:
+    """Counted op rows aggregated per op identity (``OP_KEY``: scope, phase, opcode, category, dtype and shapes;
+    not the HLO name, which changes between compilations), per step and device: ``executions_per_step``,
+    ``time_per_step_s``, ``expected_per_step_s``, ``flops_per_step``, ``hbm_bytes_per_step``,
+    ``exposed_comm_per_step_s``, and ``hlo_ops`` (the names, for reading)."""
+    cols = OP_KEY + ["executions_per_step", "time_per_step_s", "expected_per_step_s", "flops_per_step",
+                     "hbm_bytes_per_step", "exposed_comm_per_step_s", "hlo_ops"]
+    if counted.empty:
+        return pd.DataFrame(columns=cols)
+    d = counted.assign(**{c: counted[c].astype(str) for c in OP_KEY})
+    exposed = d["comm_exposed_s"] if "comm_exposed_s" in d else pd.Series(0.0, index=d.index)
+    d = d.assign(_exposed=exposed.fillna(0.0))
+    g = d.groupby(OP_KEY, sort=True)
+    out = pd.DataFrame({
+        "executions_per_step": g["executions"].sum() / per,
+        "time_per_step_s": g["measured_s"].sum() / per,
+        "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
+        "flops_per_step": g["flops"].sum() / per,
+        "hbm_bytes_per_step": g["hbm_bytes"].sum() / per,
+        "exposed_comm_per_step_s": g["_exposed"].sum() / per,
+        "hlo_ops": g["hlo_op"].agg(lambda x: ",".join(sorted(set(map(str, x)))[:4])),
+    }).reset_index()
+    return out[cols]

@@ -60,7 +60,7 @@ def main() -> None:
               help="Marked steps excluded at the start.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(0), help="Ops listed by lost time.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="terminal", show_default=True)
-@click.option("--table", type=click.Choice(("layers", "top-ops", "collectives", "ops")), default="layers",
+@click.option("--table", type=click.Choice(("layers", "top-ops", "collectives", "op-stats", "ops")), default="layers",
               show_default=True, help="Table written by --format csv.")
 @click.option("--topology", help="TPU slice like 4x4x4 (2x16x16 for 2 slices over DCN), or GPUs per node x "
                                  "nodes like 8x2; default from the chip and the device count.")
@@ -74,6 +74,43 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 
     a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology)
     _write(render(a, fmt, table), output)
+
+
+@main.command()
+@click.argument("base")
+@click.argument("new")
+@click.option("--hlo-base", multiple=True, help="HLO dumps of the base profile (repeatable).")
+@click.option("--hlo-new", multiple=True, help="HLO dumps of the new profile (repeatable).")
+@click.option("--chip", help="Target chip for both sides.")
+@click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 32))
+@click.option("--warmup-steps", default=1, show_default=True, type=click.IntRange(0))
+@click.option("--fail-above", "fail_above", type=float, help="Exit 1 when step time (or --layer) regresses by more "
+                                                             "than this percent, beyond noise.")
+@click.option("--layer", help="Gate on this layer's time (all phases) instead of the step time.")
+@click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json")), default="terminal",
+              show_default=True)
+@click.option("-o", "--output", help="Write the comparison to this file instead of stdout.")
+def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], chip: str | None, depth: int,
+         warmup_steps: int, fail_above: float | None, layer: str | None, fmt: str, output: str | None) -> None:
+    """Compare two profiles (or a saved JSON report and a profile); exit 1 on a regression beyond --fail-above."""
+    from traceroof.diff import diff as compare, gate, load_side
+    from traceroof.report.diff import render_diff_json, render_diff_text
+
+    try:
+        b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base)
+        n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new)
+        result = compare(b, n)
+        failed, why = gate(result, fail_above, layer)
+        text = render_diff_json(result, failed, why) if fmt == "json" else \
+            render_diff_text(result, why if fail_above is not None else "", markdown=fmt == "markdown")
+        _write(text, output)
+    except TraceroofError as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except OSError as e:
+        _fail(f"{e.filename or ''}: {e.strerror}" if e.strerror else str(e))
+    if failed:
+        click.echo(f"traceroof: regression: {why}", err=True)
+        sys.exit(1)
 
 
 @main.command()

@@ -12,7 +12,7 @@ import pandas as pd
 
 from traceroof.analysis import Analysis
 
-TABLES = ("layers", "top-ops", "collectives", "ops")
+TABLES = ("layers", "top-ops", "collectives", "op-stats", "ops")
 
 
 def _clean(v: Any) -> Any:
@@ -32,13 +32,15 @@ def _clean(v: Any) -> Any:
 
 
 def table(a: Analysis, name: str) -> pd.DataFrame:
-    """One of the analysis tables by name: ``layers``, ``top-ops``, ``collectives`` or ``ops`` (the op table)."""
+    """One of the analysis tables by name: ``layers``, ``top-ops``, ``collectives``, ``op-stats`` or ``ops``."""
     if name == "layers":
         return a.layers
     if name == "top-ops":
         return a.top_ops
     if name == "collectives":
         return a.collectives
+    if name == "op-stats":
+        return a.op_stats
     if name == "ops":
         return a.ops.drop(columns=[c for c in ("collective_id",) if c in a.ops])
     raise ValueError(f"unknown table {name!r}; one of {', '.join(TABLES)}")
@@ -51,8 +53,9 @@ def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
-def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "collectives")) -> str:
-    """JSON: ``summary`` (units in key names), the chosen tables as lists of records, ``findings``."""
+def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "collectives", "op-stats")) -> str:
+    """JSON: ``summary`` (units in key names), the chosen tables as lists of records, ``findings``. With
+    ``op-stats`` the report is a complete ``traceroof diff`` baseline."""
     summary = _clean(dataclasses.asdict(a.summary))
     doc: dict[str, Any] = {"summary": summary, "depth": a.depth, "topology": a.topology}
     for t in tables:

@@ -1,0 +1,106 @@
+"""traceroof diff: the same model recorded twice is no regression; a 2x wider MLP is located in the MLP layers
+with the FLOPs ratio the change implies; JSON baselines; renamed scopes; the gate's exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from traceroof import analyze
+from traceroof.diff import diff, gate, load_side, side_from_analysis
+from tests.conftest import FIXTURES, HOST_CHIP, ROOT, facts
+
+
+@pytest.fixture(scope="module")
+def sides():
+    return {name: load_side(FIXTURES / name, chip=HOST_CHIP) for name in ("diff_base", "diff_rerun", "diff_wide")}
+
+
+def test_same_model_twice_is_not_a_regression(sides):
+    r = diff(sides["diff_base"], sides["diff_rerun"])
+    assert r.unmatched.empty and (r.ops["matched_by"] == "identity").all()
+    assert (r.ops["flops_per_step_delta"] == 0).all()
+    assert r.step.noise, r.contributors[0]
+    assert gate(r, 5.0) == (False, f"step time {r.step.delta_pct * 100:+.1f}% (within noise)")
+
+
+def test_wider_mlp_regression_is_located_in_the_mlp(sides):
+    r = diff(sides["diff_base"], sides["diff_wide"])
+    assert not r.step.noise and r.step.delta_s > 0
+    failed, why = gate(r, 5.0)
+    assert failed and "step time" in why
+    ratio = facts("diff_wide")["config"]["d_ff"] / facts("diff_base")["config"]["d_ff"]
+    layers = r.layers.set_index(["layer", "phase"])
+    for block in ("block_0", "block_1"):
+        for phase in ("forward", "backward"):
+            row = layers.loc[(f"{block}/mlp", phase)]
+            assert row["flops_ratio"] == pytest.approx(ratio, rel=0.01)
+            assert row["time_per_step_s_delta"] > 0
+    # the norm layers' work does not change
+    for block in ("block_0", "block_1"):
+        assert layers.loc[(f"{block}/norm", "forward"), "flops_ratio"] == pytest.approx(1.0)
+    top = r.layers.head(4)
+    assert set(top["layer"]) == {"block_0/mlp", "block_1/mlp"}
+    assert all("mlp" in c for c in r.contributors[1:4])
+    assert gate(r, 5.0, layer="block_0/mlp")[0]
+    assert not gate(r, 200.0, layer="block_0/norm")[0]
+
+
+def test_json_report_is_a_baseline(tmp_path):
+    from traceroof.report import render
+
+    a = analyze(FIXTURES / "diff_base", chip=HOST_CHIP)
+    f = tmp_path / "base.json"
+    f.write_text(render(a, "json"))
+    from_json = diff(load_side(f), load_side(FIXTURES / "diff_wide", chip=HOST_CHIP))
+    from_profile = diff(side_from_analysis(a, "base"), load_side(FIXTURES / "diff_wide", chip=HOST_CHIP))
+    cols = ["layer", "phase", "time_per_step_s_delta", "flops_ratio"]
+    assert from_json.layers[cols].round(12).equals(from_profile.layers[cols].round(12))
+    assert from_json.step.delta_s == pytest.approx(from_profile.step.delta_s)
+    assert len(from_json.ops) == len(from_profile.ops)
+
+
+def test_renamed_scope_is_matched_by_shape(sides):
+    base = sides["diff_base"]
+    renamed = base.op_stats.copy()
+    for col in ("layer", "scope"):
+        renamed[col] = renamed[col].astype(str).str.replace("block_1/norm", "block_1/rmsnorm")
+    new = type(base)(**{**base.__dict__, "op_stats": renamed})
+    r = diff(base, new)
+    moved = r.ops[r.ops["matched_by"] == "shape (scope renamed)"]
+    assert len(moved) and r.unmatched.empty
+
+
+def test_other_chip_changes_expectations_not_times(sides):
+    h100 = load_side(FIXTURES / "diff_base", chip="h100")
+    r = diff(sides["diff_base"], h100)
+    assert r.step.delta_s == 0 and r.step.noise
+    assert (r.layers["time_per_step_s_delta"] == 0).all()
+    assert (r.layers["expected_per_step_s_delta"] < 0).all()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "traceroof.cli", "diff", *args], capture_output=True, text=True,
+                          cwd=ROOT)
+
+
+def test_cli_exit_codes_and_json(tmp_path):
+    ok = _cli("fixtures/diff_base", "fixtures/diff_rerun", "--chip", HOST_CHIP, "--fail-above", "5",
+              "--format", "json")
+    assert ok.returncode == 0, ok.stderr
+    doc = json.loads(ok.stdout)
+    assert doc["gate"]["failed"] is False and doc["step"]["noise"] is True
+    bad = _cli("fixtures/diff_base", "fixtures/diff_wide", "--chip", HOST_CHIP, "--fail-above", "5")
+    assert bad.returncode == 1 and "regression" in bad.stderr and "block_" in bad.stdout
+    missing = _cli("fixtures/diff_base", str(tmp_path / "nope"), "--chip", HOST_CHIP)
+    assert missing.returncode == 2 and missing.stderr.startswith("traceroof: error:")
+    junk = tmp_path / "junk.json"
+    junk.write_text('{"a": 1}')
+    wrong = _cli(str(junk), "fixtures/diff_base", "--chip", HOST_CHIP)
+    assert wrong.returncode == 2 and "op_stats" in wrong.stderr and "Traceback" not in wrong.stderr
+    nolayer = _cli("fixtures/diff_base", "fixtures/diff_wide", "--chip", HOST_CHIP, "--fail-above", "5",
+                   "--layer", "nope")
+    assert nolayer.returncode == 2

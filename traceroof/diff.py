@@ -1,0 +1,222 @@
+"""``traceroof diff``: structural comparison of two profiles, with a noise-aware regression gate.
+
+Ops are matched by what they are (``OP_KEY``: layer and scope path, phase, opcode, category, dtype, operand and
+result shapes), never by HLO name, which changes between compilations. What is left is matched in two more
+passes where the looser key is unique on both sides: without the scope (a renamed scope), then without the
+shapes (a resized op in the same place); the rest are reported as added or removed. The step-time change is called noise when it is within two standard errors of the difference
+of the two step-time means (per-step spread of both profiles).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from parsers.errors import FormatError, InputError
+from traceroof.analysis import OP_KEY, Analysis, analyze
+
+NOISE_SIGMAS = 2.0
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of a diff: what an analysis (or its saved JSON report) says per step."""
+
+    label: str
+    chip: str
+    step_times_s: tuple[float, ...]
+    step_time_mean_s: float
+    flops_per_step: float
+    exposed_comm_per_step_s: float
+    layers: pd.DataFrame
+    op_stats: pd.DataFrame
+
+
+def side_from_analysis(a: Analysis, label: str) -> Side:
+    s = a.summary
+    return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
+                a.layers, a.op_stats)
+
+
+def side_from_json(path: Path) -> Side:
+    """A side from ``traceroof analyze --format json`` output.
+
+    :raises FormatError: the JSON is not a traceroof report with ``op_stats``.
+    """
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{path}: not a readable JSON report ({e})") from None
+    if not isinstance(doc, dict) or "summary" not in doc or "op_stats" not in doc or "layers" not in doc:
+        raise FormatError(f"{path}: not a traceroof JSON report with op_stats; write one with "
+                          "`traceroof analyze ... --format json -o base.json`")
+    s = doc["summary"]
+    return Side(str(path), s.get("chip_id", ""), tuple(s.get("step_times_s") or ()),
+                float(s.get("step_time_mean_s") or float("nan")), float(s.get("flops_per_step") or 0.0),
+                float(s.get("exposed_comm_per_step_s") or 0.0), pd.DataFrame(doc["layers"]),
+                pd.DataFrame(doc["op_stats"]))
+
+
+def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
+              warmup_steps: int = 1, label: str = "") -> Side:
+    """Analyze a profile (anything ``analyze`` accepts) or read a saved JSON report."""
+    p = Path(path)
+    if p.is_file() and p.suffix == ".json" and not p.name.endswith((".trace.json",)) and "hlo_stats" not in p.name:
+        return side_from_json(p)
+    return side_from_analysis(analyze(p, hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps),
+                              label or str(p))
+
+
+@dataclass(frozen=True)
+class StepDelta:
+    """Step time of both sides (means), the change, its standard error and whether it is within noise."""
+
+    base_s: float
+    new_s: float
+    delta_s: float
+    delta_pct: float
+    standard_error_s: float
+    noise: bool
+
+
+@dataclass(frozen=True, eq=False)
+class DiffResult:
+    """``step``: the step-time change; ``layers``: per (layer, phase) deltas; ``ops``: matched ops with deltas;
+    ``unmatched``: ops only one side has (``side`` = ``added`` / ``removed``); ``contributors``: lines naming
+    the largest contributors to the change."""
+
+    base: Side
+    new: Side
+    step: StepDelta
+    layers: pd.DataFrame
+    ops: pd.DataFrame
+    unmatched: pd.DataFrame
+    contributors: tuple[str, ...]
+
+
+def step_delta(base: Side, new: Side) -> StepDelta:
+    def se(times: tuple[float, ...]) -> float:
+        return float(np.std(times, ddof=1) / math.sqrt(len(times))) if len(times) > 1 else 0.0
+
+    d = new.step_time_mean_s - base.step_time_mean_s
+    err = math.hypot(se(base.step_times_s), se(new.step_times_s))
+    return StepDelta(base.step_time_mean_s, new.step_time_mean_s, d,
+                     d / base.step_time_mean_s if base.step_time_mean_s else float("nan"), err,
+                     abs(d) <= NOISE_SIGMAS * err)
+
+
+METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",
+           "exposed_comm_per_step_s", "executions_per_step"]
+
+
+def _match(b: pd.DataFrame, n: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    m = b.merge(n, on=key, how="outer", suffixes=("_base", "_new"), indicator=True)
+    both = m[m["_merge"] == "both"].drop(columns="_merge")
+    only_b = b.merge(n[key].drop_duplicates(), on=key, how="left", indicator=True)
+    only_b = only_b[only_b["_merge"] == "left_only"].drop(columns="_merge")
+    only_n = n.merge(b[key].drop_duplicates(), on=key, how="left", indicator=True)
+    only_n = only_n[only_n["_merge"] == "left_only"].drop(columns="_merge")
+    return both, only_b, only_n
+
+
+def diff(base: Side, new: Side) -> DiffResult:
+    """Compare two sides: step time with noise, per-layer deltas, matched ops, added and removed ops."""
+    key = OP_KEY
+    b = base.op_stats.copy()
+    n = new.op_stats.copy()
+    for df in (b, n):
+        for c in key:
+            df[c] = df[c].astype(str) if c in df else ""
+        for c in METRICS:
+            df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else np.nan
+    b = b.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
+    n = n.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
+    both, only_b, only_n = _match(b, n, key)
+    both = both.assign(matched_by="identity")
+    # later passes, on what is left and unique on both sides: the scope was renamed (same op and shapes), or
+    # the shapes changed (same scope, phase, opcode, category, dtype)
+    for dropped, how in ((("layer", "scope"), "shape (scope renamed)"),
+                         (("shape", "operand_shapes"), "scope (shapes changed)")):
+        loose = [c for c in key if c not in dropped]
+        ub = only_b[~only_b.duplicated(loose, keep=False)]
+        un = only_n[~only_n.duplicated(loose, keep=False)]
+        pairs, _, _ = _match(ub.drop(columns=list(dropped)), un.drop(columns=list(dropped)), loose)
+        if pairs.empty:
+            continue
+        pairs = pairs.merge(ub.merge(pairs[loose], on=loose)[list(dropped) + loose], on=loose)
+        both = pd.concat([both, pairs.assign(matched_by=how)], ignore_index=True)
+        only_b = only_b.merge(pairs[loose], on=loose, how="left", indicator=True)
+        only_b = only_b[only_b["_merge"] == "left_only"].drop(columns="_merge")
+        only_n = only_n.merge(pairs[loose], on=loose, how="left", indicator=True)
+        only_n = only_n[only_n["_merge"] == "left_only"].drop(columns="_merge")
+    for c in METRICS:
+        both[f"{c}_delta"] = both[f"{c}_new"] - both[f"{c}_base"]
+    both["flops_ratio"] = both["flops_per_step_new"] / both["flops_per_step_base"].replace(0, np.nan)
+    both = both.sort_values(["time_per_step_s_delta"], ascending=False, key=abs, kind="stable") \
+        .reset_index(drop=True)
+    unmatched = pd.concat([only_b.assign(side="removed"), only_n.assign(side="added")], ignore_index=True)
+    layers = _layer_deltas(base.layers, new.layers)
+    step = step_delta(base, new)
+    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched)))
+
+
+def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:
+    cols = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step", "efficiency",
+            "exposed_comm_per_step_s"]
+    def prep(df: pd.DataFrame) -> pd.DataFrame:
+        df = df.copy()
+        for c in cols:
+            df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else np.nan
+        return df[["layer", "phase"] + cols]
+    m = prep(b).merge(prep(n), on=["layer", "phase"], how="outer", suffixes=("_base", "_new"))
+    for c in cols:
+        m[f"{c}_delta"] = m[f"{c}_new"].fillna(0.0) - m[f"{c}_base"].fillna(0.0)
+    m["flops_ratio"] = m["flops_per_step_new"] / m["flops_per_step_base"].replace(0, np.nan)
+    return m.sort_values("time_per_step_s_delta", ascending=False, key=abs, kind="stable").reset_index(drop=True)
+
+
+def _contributors(step: StepDelta, layers: pd.DataFrame, unmatched: pd.DataFrame) -> list[str]:
+    verdict = "within noise" if step.noise else ("slower" if step.delta_s > 0 else "faster")
+    out = [f"step time {step.base_s * 1e3:.3f} ms -> {step.new_s * 1e3:.3f} ms ({step.delta_pct:+.1%}, "
+           f"+/- {NOISE_SIGMAS * step.standard_error_s * 1e3:.3f} ms at {NOISE_SIGMAS:g} standard errors): {verdict}"]
+    if step.noise:
+        return out
+    top = layers[np.sign(layers["time_per_step_s_delta"]) == np.sign(step.delta_s)].head(3)
+    for r in top.itertuples(index=False):
+        ratio = f", FLOPs x{r.flops_ratio:.2f}" if pd.notna(r.flops_ratio) and abs(r.flops_ratio - 1) > 0.01 else ""
+        out.append(f"{r.layer} ({r.phase}): {r.time_per_step_s_delta * 1e3:+.3f} ms per step{ratio}")
+    if len(unmatched):
+        add = unmatched[unmatched["side"] == "added"]["time_per_step_s"].sum()
+        rem = unmatched[unmatched["side"] == "removed"]["time_per_step_s"].sum()
+        out.append(f"unmatched ops: +{add * 1e3:.3f} ms added, -{rem * 1e3:.3f} ms removed per step")
+    return out
+
+
+def gate(result: DiffResult, fail_above_pct: float | None, layer: str | None = None) -> tuple[bool, str]:
+    """True (fail) when step time, or ``layer``'s time (all phases), regressed by more than ``fail_above_pct``
+    percent and beyond noise. Layer gating has no per-step spread: only the threshold applies.
+
+    :raises InputError: ``layer`` is in neither profile.
+    """
+    if fail_above_pct is None:
+        return False, "no gate"
+    if layer:
+        rows = result.layers[result.layers["layer"] == layer]
+        if rows.empty:
+            raise InputError(f"--layer {layer!r} is in neither profile; layers: "
+                             + ", ".join(sorted(set(result.layers["layer"].astype(str)))[:8]))
+        b = rows["time_per_step_s_base"].fillna(0).sum()
+        n = rows["time_per_step_s_new"].fillna(0).sum()
+        pct = (n - b) / b * 100 if b else float("inf")
+        fail = pct > fail_above_pct
+        return fail, f"layer {layer}: {pct:+.1f}% (limit {fail_above_pct:g}%)"
+    pct = result.step.delta_pct * 100
+    fail = pct > fail_above_pct and not result.step.noise
+    why = "within noise" if result.step.noise else f"limit {fail_above_pct:g}%"
+    return fail, f"step time {pct:+.1f}% ({why})"

@@ -1,0 +1,65 @@
+"""Renderers of a :class:`~traceroof.diff.DiffResult`: terminal text, Markdown and JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from traceroof.diff import DiffResult
+from traceroof.report.data import _clean, _records
+from traceroof.report.text import _md_table, _text_table, fmt_pct, fmt_si, fmt_time
+
+
+def _layers(r: DiffResult) -> pd.DataFrame:
+    d = r.layers
+    return pd.DataFrame({
+        "layer": d["layer"], "phase": d["phase"], "base": d["time_per_step_s_base"].map(fmt_time),
+        "new": d["time_per_step_s_new"].map(fmt_time), "delta": d["time_per_step_s_delta"].map(fmt_time),
+        "FLOPs x": d["flops_ratio"].map(lambda x: "-" if pd.isna(x) else f"{x:.2f}"),
+        "eff base": d["efficiency_base"].map(fmt_pct), "eff new": d["efficiency_new"].map(fmt_pct),
+        "exposed comm delta": d["exposed_comm_per_step_s_delta"].map(lambda x: fmt_time(x) if x else "-"),
+    })
+
+
+def _ops(r: DiffResult, n: int = 10) -> pd.DataFrame:
+    d = r.ops.head(n)
+    return pd.DataFrame({
+        "ops (new)": d["hlo_ops_new"], "layer": d["layer"], "phase": d["phase"], "opcode": d["opcode"],
+        "shape": d["shape"], "base": d["time_per_step_s_base"].map(fmt_time),
+        "new": d["time_per_step_s_new"].map(fmt_time), "delta": d["time_per_step_s_delta"].map(fmt_time),
+        "matched by": d["matched_by"],
+    })
+
+
+def _unmatched(r: DiffResult, n: int = 10) -> pd.DataFrame:
+    d = r.unmatched.sort_values("time_per_step_s", ascending=False).head(n)
+    return pd.DataFrame({"side": d["side"], "ops": d["hlo_ops"], "layer": d["layer"], "phase": d["phase"],
+                         "opcode": d["opcode"], "shape": d["shape"], "time/step": d["time_per_step_s"].map(fmt_time)})
+
+
+def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False) -> str:
+    table = _md_table if markdown else _text_table
+    h = "## " if markdown else ""
+    out = [("# " if markdown else "") + "traceroof diff", "",
+           f"base: {r.base.label} ({r.base.chip}); new: {r.new.label} ({r.new.chip})",
+           f"FLOPs per step {fmt_si(r.base.flops_per_step, 'FLOP')} -> {fmt_si(r.new.flops_per_step, 'FLOP')}"]
+    out += [f"- {c}" for c in r.contributors]
+    if gate_line:
+        out.append(f"gate: {gate_line}")
+    out += ["", f"{h}Per layer (per step, per device)", table(_layers(r))]
+    out += ["", f"{h}Matched ops with the largest changes", table(_ops(r))]
+    if len(r.unmatched):
+        out += ["", f"{h}Unmatched ops (added or removed)", table(_unmatched(r))]
+    return "\n".join(out) + "\n"
+
+
+def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
+    doc = {
+        "base": r.base.label, "new": r.new.label,
+        "step": _clean({k: getattr(r.step, k) for k in ("base_s", "new_s", "delta_s", "delta_pct",
+                                                          "standard_error_s", "noise")}),
+        "contributors": list(r.contributors), "gate": {"failed": failed, "reason": gate_line},
+        "layers": _records(r.layers), "ops": _records(r.ops), "unmatched": _records(r.unmatched),
+    }
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
