@@ -104,3 +104,12 @@ def test_cli_exit_codes_and_json(tmp_path):
     nolayer = _cli("fixtures/diff_base", "fixtures/diff_wide", "--chip", HOST_CHIP, "--fail-above", "5",
                    "--layer", "nope")
     assert nolayer.returncode == 2
+
+
+def test_collectives_match_on_kind_and_group():
+    a = analyze(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
+    stats = a.op_stats
+    groups = set(stats.loc[stats["category"] == "collective", "collective_group"])
+    assert {"all-gather/4x2", "all-to-all/2x4"} <= groups
+    r = diff(side_from_analysis(a, "a"), side_from_analysis(a, "b"))
+    assert r.unmatched.empty and r.step.delta_s == 0

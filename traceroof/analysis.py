@@ -180,6 +180,10 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     coll_id = np.array([i if c is not None else -1 for i, c in enumerate(collectives)] or [-1], dtype=np.int64)
     out["collective_id"] = coll_id[keys] if len(ev) else np.zeros(0, np.int64)
     out.attrs["collectives"] = collectives
+    labels = pd.Categorical([f"{c.kind}/{c.group_size}x{c.num_groups}" if c is not None else ""
+                             for c in collectives] or [""])
+    out["collective_group"] = pd.Categorical.from_codes(labels.codes[keys], categories=labels.categories) \
+        if len(ev) else pd.Categorical([])
     for col in _ATTR_COLUMNS:
         if col in ("called", "collective"):
             continue
@@ -592,19 +596,20 @@ def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, 
     return out
 
 
-OP_KEY = ["layer", "phase", "scope", "opcode", "category", "dtype", "shape", "operand_shapes"]
+OP_KEY = ["layer", "phase", "scope", "opcode", "category", "dtype", "shape", "operand_shapes", "collective_group"]
 
 
 def op_stats(counted: pd.DataFrame, per: float) -> pd.DataFrame:
-    """Counted op rows aggregated per op identity (``OP_KEY``: scope, phase, opcode, category, dtype and shapes;
-    not the HLO name, which changes between compilations), per step and device: ``executions_per_step``,
+    """Counted op rows aggregated per op identity (``OP_KEY``: scope, phase, opcode, category, dtype, shapes, and
+    for collectives kind and group (``all-gather/4x2``); not the HLO name, which changes between compilations),
+    per step and device: ``executions_per_step``,
     ``time_per_step_s``, ``expected_per_step_s``, ``flops_per_step``, ``hbm_bytes_per_step``,
     ``exposed_comm_per_step_s``, and ``hlo_ops`` (the names, for reading)."""
     cols = OP_KEY + ["executions_per_step", "time_per_step_s", "expected_per_step_s", "flops_per_step",
                      "hbm_bytes_per_step", "exposed_comm_per_step_s", "hlo_ops"]
     if counted.empty:
         return pd.DataFrame(columns=cols)
-    d = counted.assign(**{c: counted[c].astype(str) for c in OP_KEY})
+    d = counted.assign(**{c: counted[c].astype(str) if c in counted else "" for c in OP_KEY})
     exposed = d["comm_exposed_s"] if "comm_exposed_s" in d else pd.Series(0.0, index=d.index)
     d = d.assign(_exposed=exposed.fillna(0.0))
     g = d.groupby(OP_KEY, sort=True)

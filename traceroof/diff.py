@@ -1,7 +1,7 @@
 """``traceroof diff``: structural comparison of two profiles, with a noise-aware regression gate.
 
 Ops are matched by what they are (``OP_KEY``: layer and scope path, phase, opcode, category, dtype, operand and
-result shapes), never by HLO name, which changes between compilations. What is left is matched in two more
+result shapes, collective kind and group), never by HLO name, which changes between compilations. What is left is matched in two more
 passes where the looser key is unique on both sides: without the scope (a renamed scope), then without the
 shapes (a resized op in the same place); the rest are reported as added or removed. The step-time change is called noise when it is within two standard errors of the difference
 of the two step-time means (per-step spread of both profiles).

@@ -129,6 +129,8 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
     collectives = [r.pop("collective") for r in rows]
     ops = pd.DataFrame(rows)
     ops["collective_id"] = np.array([i if c is not None else -1 for i, c in enumerate(collectives)], np.int64)
+    ops["collective_group"] = [f"{c.kind}/{c.group_size}x{c.num_groups}" if c is not None else ""
+                               for c in collectives]
     ops.attrs["collectives"] = collectives
     for col in ("opcode", "category", "dtype", "scope", "phase", "layer", "module", "hlo_op", "device", "host"):
         ops[col] = ops[col].astype("category")
