@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -111,6 +112,94 @@ def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], c
     if failed:
         click.echo(f"traceroof: regression: {why}", err=True)
         sys.exit(1)
+
+
+def _duration(text: str) -> float:
+    m = re.fullmatch(r"\s*([\d.]+)\s*(ms|s|m|h)?\s*", text or "")
+    if not m:
+        raise click.BadParameter(f"{text!r}: expected a duration like 500ms, 2s, 10m")
+    return float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}[m.group(2) or "s"]
+
+
+@main.command()
+@click.argument("address")
+@click.option("--duration", default="2s", show_default=True, help="How long to trace (500ms, 2s, 1m).")
+@click.option("--logdir", default=None, help="Where captures go (default: a new temporary folder).")
+@click.option("--every", default=None, help="Keep capturing at this interval (10m) and compare with the first.")
+@click.option("--count", type=click.IntRange(1), default=None, help="With --every: stop after this many captures.")
+@click.option("--baseline", default=None, help="With --every: compare with this profile or JSON report instead.")
+@click.option("--fail-above", "fail_above", type=float, default=5.0, show_default=True,
+              help="With --every: flag a regression above this percent, beyond noise.")
+@click.option("--chip", help="Target chip (default: detected; CPU jobs: the calibrated host).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS[:3]), default="terminal", show_default=True)
+@_guarded
+def capture(address: str, duration: str, logdir: str | None, every: str | None, count: int | None,
+            baseline: str | None, fail_above: float, chip: str | None, fmt: str) -> None:
+    """Capture a profile from a job that called jax.profiler.start_server(PORT), and analyze it."""
+    import tempfile
+    import time
+
+    from traceroof.analysis import analyze as run
+    from traceroof.attach import capture as grab, one_line
+    from traceroof.diff import diff as compare, gate, load_side, side_from_analysis
+    from traceroof.report import render
+
+    root = Path(logdir) if logdir else Path(tempfile.mkdtemp(prefix="traceroof_capture_"))
+    seconds = _duration(duration)
+    interval = _duration(every) if every else None
+    base = load_side(baseline, chip=chip) if baseline else None
+    n = 0
+    regressed = False
+    while True:
+        run_dir = grab(address, seconds, root)
+        a = run(run_dir, chip=chip)
+        n += 1
+        if interval is None:
+            click.echo(render(a, fmt), nl=False)
+            return
+        side = side_from_analysis(a, str(run_dir))
+        if base is None:
+            base = side
+            click.echo(f"capture {n}: {run_dir}: {one_line(a)} (baseline)")
+        else:
+            failed, why = gate(compare(base, side), fail_above)
+            regressed |= failed
+            click.echo(f"capture {n}: {run_dir}: {one_line(a)}; vs baseline: {why}"
+                       + (" REGRESSION" if failed else ""))
+        if count is not None and n >= count:
+            break
+        time.sleep(interval)
+    if regressed:
+        sys.exit(1)
+
+
+@main.command()
+@click.argument("logdir")
+@click.option("--interval", default="2s", show_default=True, help="How often to look for new runs.")
+@click.option("--timeout", default=None, help="Stop after this long (default: run until interrupted).")
+@click.option("--max-reports", type=click.IntRange(1), default=None, help="Stop after this many reports.")
+@click.option("--existing", is_flag=True, help="Also analyze the runs already there.")
+@click.option("--chip", help="Target chip (default: detected; CPU profiles: the calibrated host).")
+@_guarded
+def watch(logdir: str, interval: str, timeout: str | None, max_reports: int | None, existing: bool,
+          chip: str | None) -> None:
+    """Analyze every new profile run under LOGDIR and write traceroof_report.* beside it."""
+    from traceroof.attach import one_line, watch as follow
+
+    if not Path(logdir).is_dir():
+        raise TraceroofError(f"{logdir} is not a directory; pass the TensorBoard logdir the job writes to")
+
+    def report(run_dir: Path, analysis: object | None, error: str) -> None:
+        if analysis is None:
+            click.echo(f"{run_dir}: not analyzed: {error}", err=True)
+        else:
+            click.echo(f"{run_dir}: {one_line(analysis)}")
+
+    try:
+        follow(logdir, _duration(interval), _duration(timeout) if timeout else None, max_reports, chip, report,
+               existing)
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()

@@ -1,0 +1,162 @@
+"""attach / capture / watch against real JAX training loops on CPU, in subprocesses on loopback (127.0.0.1).
+Every test bounds its time and stops the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import HOST_CHIP, ROOT
+
+pytest.importorskip("jax", reason="JAX (dev extra) runs the training loops")
+
+ENV = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+LOOP = """
+import sys, time, jax, jax.numpy as jnp
+f = jax.jit(lambda a: jnp.tanh(a @ a) * 0.5)
+a = jnp.ones((128, 128))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cli(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "traceroof.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=ENV, timeout=timeout)
+
+
+def test_attach_profiles_a_window_and_writes_reports(tmp_path):
+    script = LOOP + f"""
+import logging, traceroof
+logging.basicConfig(level=logging.WARNING)
+with traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait=2, warmup=1, active=3, chip={HOST_CHIP!r}) as hook:
+    for i in range(10):
+        with hook.step():
+            a = f(a).block_until_ready()
+print("done", i + 1, hook.errors)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "done 10 []" in r.stdout
+    out = tmp_path / "out" / "window_0"
+    assert {p.name for p in out.iterdir()} == {"traceroof_report.txt", "traceroof_report.md", "traceroof_report.json"}
+    doc = json.loads((out / "traceroof_report.json").read_text())
+    assert doc["summary"]["steps_used"] == [3, 4, 5]  # steps 2..5 traced, step 2 is the warm-up
+    assert "traceroof: step" in r.stderr
+
+
+def test_attach_never_breaks_the_job(tmp_path):
+    script = LOOP + f"""
+import traceroof
+hook = traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait=0, warmup=0, active=2, chip="no-such-chip")
+for i in range(5):
+    with hook.step():
+        a = f(a).block_until_ready()
+hook.close()
+print("done", i + 1, len(hook.errors))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=180)
+    assert r.returncode == 0 and "done 5 1" in r.stdout, r.stderr[-2000:]
+    assert "analysis of window 0 failed" in r.stderr and "the job goes on" in r.stderr
+
+
+@pytest.fixture()
+def job(tmp_path):
+    """A training loop with a profiler server on a free loopback port; stopped after the test."""
+    port = _free_port()
+    script = LOOP + f"""
+jax.profiler.start_server({port})
+print("ready", flush=True)
+t0, i = time.time(), 0
+while time.time() - t0 < 90:
+    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+        a = f(a).block_until_ready()
+    i += 1
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=ENV)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        time.sleep(1.0)
+        yield port
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+
+
+def test_capture_analyzes_a_running_job(job, tmp_path):
+    r = _cli("capture", f"127.0.0.1:{job}", "--duration", "1s", "--logdir", str(tmp_path / "ld"), "--chip", HOST_CHIP)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("traceroof: per-layer roofline report") and "op events to HLO" in r.stdout
+    assert len(list((tmp_path / "ld" / "plugins" / "profile").glob("*/*.xplane.pb"))) == 1
+    r = _cli("capture", f"127.0.0.1:{job}", "--duration", "500ms", "--every", "500ms", "--count", "2",
+             "--logdir", str(tmp_path / "ld2"), "--chip", HOST_CHIP)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 2 and "(baseline)" in lines[0] and "vs baseline: step time" in lines[1]
+
+
+def test_capture_errors_are_one_line(tmp_path):
+    r = _cli("capture", f"127.0.0.1:{_free_port()}", "--duration", "200ms", "--logdir", str(tmp_path))
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().startswith("traceroof: error: nothing listens at") and len(r.stderr.strip().splitlines()) == 1
+    with socket.socket() as server:  # something listens, but it is no profiler server
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        r = _cli("capture", f"127.0.0.1:{server.getsockname()[1]}", "--duration", "200ms", "--logdir", str(tmp_path),
+                 timeout=90)
+    assert r.returncode == 2 and "sent no profile" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert _cli("capture", "nonsense", "--logdir", str(tmp_path)).returncode == 2
+
+
+def test_idle_job_gives_a_clear_error(tmp_path):
+    port = _free_port()
+    script = f"""
+import time, jax
+jax.profiler.start_server({port})
+print("ready", flush=True)
+time.sleep(60)
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=ENV)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        r = _cli("capture", f"127.0.0.1:{port}", "--duration", "300ms", "--logdir", str(tmp_path), "--chip", HOST_CHIP)
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "traceroof: error:" in r.stderr
+
+
+def test_watch_reports_new_runs(tmp_path):
+    logdir = tmp_path / "tb"
+    logdir.mkdir()
+    watcher = subprocess.Popen([sys.executable, "-m", "traceroof.cli", "watch", str(logdir), "--interval", "300ms",
+                                "--timeout", "150s", "--max-reports", "1", "--chip", HOST_CHIP],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    try:
+        script = LOOP + f"""
+with jax.profiler.trace({str(logdir)!r}):
+    for i in range(4):
+        with jax.profiler.StepTraceAnnotation("train", step_num=i):
+            a = f(a).block_until_ready()
+"""
+        subprocess.run([sys.executable, "-c", script], check=True, env=ENV, timeout=120, capture_output=True)
+        out, err = watcher.communicate(timeout=150)
+    finally:
+        watcher.kill()
+    assert watcher.returncode == 0, err
+    (run,) = list((logdir / "plugins" / "profile").iterdir())
+    assert (run / "traceroof_report.md").exists() and (run / "traceroof_report.json").exists()
+    assert str(run) in out and "step " in out

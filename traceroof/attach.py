@@ -1,0 +1,294 @@
+"""Profile a running job and analyze what it captures: in-process hook, remote capture, watched logdir.
+
+* :func:`attach` profiles a window of steps of the calling JAX program (schedule: ``wait`` steps, ``warmup``
+  steps, ``active`` steps, ``repeat`` times) with ``jax.profiler``; when a window closes it analyzes the capture
+  in a background thread (the HLO comes from the profile itself) and writes the reports. It never raises into
+  the training loop: every error is logged and the job goes on.
+* :func:`capture` asks a job that called ``jax.profiler.start_server(PORT)`` for a profile over gRPC (the
+  profiler client that tensorboard-plugin-profile ships, ``xprof.convert._pywrap_profiler_plugin.trace``).
+* :func:`watch` analyzes every new run directory that appears under a TensorBoard logdir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+from parsers.errors import TraceroofError
+
+log = logging.getLogger("traceroof")
+REPORT_FORMATS = {"txt": "terminal", "md": "markdown", "json": "json"}
+
+
+class CaptureError(TraceroofError):
+    """A remote capture failed: no profiler server at the address, or nothing was captured."""
+
+
+def write_reports(analysis: object, directory: Path, stem: str = "traceroof_report") -> list[Path]:
+    """Write the terminal, Markdown and JSON reports of an analysis into ``directory``; returns the paths."""
+    from traceroof.report import render
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for ext, fmt in REPORT_FORMATS.items():
+        p = directory / f"{stem}.{ext}"
+        p.write_text(render(analysis, fmt), encoding="utf-8")  # type: ignore[arg-type]
+        paths.append(p)
+    return paths
+
+
+def one_line(analysis: object) -> str:
+    """A one-line summary: step time, MFU, roofline efficiency, exposed communication, worst layer."""
+    s = analysis.summary  # type: ignore[attr-defined]
+    layers = analysis.layers  # type: ignore[attr-defined]
+    worst = f"; worst layer {layers.iloc[0]['layer']} ({layers.iloc[0]['phase']})" if len(layers) else ""
+    return (f"step {s.step_time_mean_s * 1e3:.3f} ms over {len(s.steps_used)} steps, MFU {s.mfu:.1%}, "
+            f"roofline efficiency {s.roofline_efficiency:.1%}, exposed comm {s.exposed_comm_per_step_s * 1e3:.3f} "
+            f"ms{worst}")
+
+
+@dataclass
+class Attachment:
+    """The in-process profiler: call :meth:`step` around (or after) every training step.
+
+    Steps are counted from 0; window ``k`` (``k < repeat``) starts tracing at step ``wait + k*(warmup+active)``,
+    marks steps with ``jax.profiler.StepTraceAnnotation`` and stops after ``warmup + active`` steps; the report
+    then excludes the ``warmup`` steps. Reports go to ``out_dir/window_<k>/``.
+    """
+
+    out_dir: Path
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+    repeat: int = 1
+    chip: str | None = None
+    on_report: Callable[[object], None] | None = None
+    logdir: Path | None = None
+    step_name: str = "train"
+    reports: list[Path] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    _step: int = 0
+    _tracing: bool = False
+    _window: int = 0
+    _threads: list[threading.Thread] = field(default_factory=list)
+
+    def _window_bounds(self) -> tuple[int, int] | None:
+        if self._window >= self.repeat:
+            return None
+        start = self.wait + self._window * (self.warmup + self.active)
+        return start, start + self.warmup + self.active
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Context manager around one training step; outside a window it costs a couple of comparisons."""
+        bounds = self._window_bounds()
+        annotate = None
+        if bounds is not None and bounds[0] <= self._step < bounds[1]:
+            if not self._tracing:
+                self._start()
+            if self._tracing:
+                try:
+                    import jax
+
+                    annotate = jax.profiler.StepTraceAnnotation(self.step_name, step_num=self._step)
+                    annotate.__enter__()
+                except Exception as e:  # noqa: BLE001 - never break the job
+                    self._error(f"step annotation failed: {e}")
+                    annotate = None
+        try:
+            yield
+        finally:
+            if annotate is not None:
+                with contextlib.suppress(Exception):
+                    annotate.__exit__(None, None, None)
+            self._step += 1
+            if bounds is not None and self._tracing and self._step >= bounds[1]:
+                self._stop_and_analyze()
+
+    def next_step(self) -> None:
+        """Callback form: call once after every training step (no step annotation)."""
+        with self.step():
+            pass
+
+    def _error(self, message: str) -> None:
+        self.errors.append(message)
+        log.warning("traceroof: %s (the job goes on)", message)
+
+    def _start(self) -> None:
+        try:
+            import jax
+
+            self._run_logdir = (self.logdir or self.out_dir / "profiles") / f"window_{self._window}"
+            jax.profiler.start_trace(str(self._run_logdir))
+            self._tracing = True
+        except Exception as e:  # noqa: BLE001
+            self._error(f"could not start the profiler: {e}")
+            self._window = self.repeat  # give up profiling, keep training
+
+    def _stop_and_analyze(self) -> None:
+        window = self._window
+        self._window += 1
+        self._tracing = False
+        try:
+            import jax
+
+            jax.profiler.stop_trace()
+        except Exception as e:  # noqa: BLE001
+            self._error(f"could not stop the profiler: {e}")
+            return
+        t = threading.Thread(target=self._analyze, args=(self._run_logdir, window), daemon=True,
+                             name=f"traceroof-window-{window}")
+        t.start()
+        self._threads.append(t)
+
+    def _analyze(self, logdir: Path, window: int) -> None:
+        try:
+            from traceroof.analysis import analyze
+
+            a = analyze(logdir, chip=self.chip, warmup_steps=self.warmup)
+            self.reports += write_reports(a, self.out_dir / f"window_{window}")
+            log.warning("traceroof: %s", one_line(a))
+            if self.on_report is not None:
+                self.on_report(a)
+        except Exception as e:  # noqa: BLE001 - a report failure must not reach the job
+            self._error(f"analysis of window {window} failed: {e}")
+
+    def close(self, timeout_s: float = 120.0) -> None:
+        """Stop a window still open and wait (at most ``timeout_s``) for the reports being written."""
+        if self._tracing:
+            self._stop_and_analyze()
+        deadline = time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(max(deadline - time.monotonic(), 0.0))
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attach(out_dir: str | Path = "traceroof_reports", wait: int = 1, warmup: int = 1, active: int = 3,
+           repeat: int = 1, chip: str | None = None, on_report: Callable[[object], None] | None = None,
+           logdir: str | Path | None = None) -> Attachment:
+    """Profile steps of this process and write traceroof reports when each window closes.
+
+    Use as a context manager around the training loop, calling ``with hook.step(): ...`` for each step (or
+    ``hook.next_step()`` after it). Reports (``.txt``, ``.md``, ``.json``) go to ``out_dir/window_<k>/``; the
+    raw profiles to ``logdir`` (default ``out_dir/profiles``). Errors are logged, never raised.
+    """
+    return Attachment(Path(out_dir), wait, warmup, active, repeat, chip, on_report,
+                      Path(logdir) if logdir else None)
+
+
+# -- remote capture ------------------------------------------------------------------------------------------------
+
+def capture(address: str, duration_s: float, logdir: str | Path) -> Path:
+    """Capture a profile from a job's profiler server (``jax.profiler.start_server(PORT)``) into ``logdir``;
+    returns the new run directory.
+
+    :raises CaptureError: nothing listens at ``address``, the job has no profiler server, or the capture holds
+        no events.
+    """
+    try:
+        from xprof.convert import _pywrap_profiler_plugin as plugin
+    except ImportError as e:
+        raise CaptureError(f"the profiler client is missing ({e}); pip install tensorboard-plugin-profile") from None
+    root = Path(logdir)
+    before = set((root / "plugins" / "profile").glob("*")) if (root / "plugins" / "profile").exists() else set()
+    addr = address.removeprefix("grpc://")
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise CaptureError(f"{address!r} is not HOST:PORT (e.g. 127.0.0.1:9999)")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            pass
+    except OSError as e:
+        raise CaptureError(f"nothing listens at {addr} ({e.strerror or e}); start the job with "
+                           f"jax.profiler.start_server({port}) or check the address") from None
+    try:
+        with _quiet_native_output():
+            plugin.trace(addr, str(root), "", True, max(int(duration_s * 1000), 1), 1, {})
+    except Exception as e:  # noqa: BLE001 - the client raises RuntimeError with gRPC status text
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "no responses" in text or "UNAVAILABLE" in text:
+            raise CaptureError(f"{addr} answered but sent no profile ({text[:120]}); is it a "
+                               "jax.profiler.start_server port of a running job?") from None
+        raise CaptureError(f"capture from {address} failed: {text}") from None
+    runs = sorted(set((root / "plugins" / "profile").glob("*")) - before)
+    if not runs or not any(p.stat().st_size > 0 for p in runs[-1].glob("*.xplane.pb")):
+        raise CaptureError(f"the capture from {address} is empty: the job ran nothing during {duration_s:g} s")
+    return runs[-1]
+
+
+@contextlib.contextmanager
+def _quiet_native_output() -> Iterator[None]:
+    """Send what the native profiler client prints to fds 1 and 2 to a temporary file, not to the user."""
+    with tempfile.TemporaryFile() as sink:
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            for fd in (1, 2):
+                os.dup2(sink.fileno(), fd)
+            yield
+        finally:
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+
+
+# -- watched logdir -----------------------------------------------------------------------------------------------
+
+def _complete(run: Path, sizes: dict[Path, int]) -> bool:
+    """A run directory is complete when it holds an .xplane.pb whose size did not change since the last poll."""
+    files = sorted(run.glob("*.xplane.pb"))
+    if not files:
+        return False
+    now = {f: f.stat().st_size for f in files}
+    stable = all(sizes.get(f) == s and s > 0 for f, s in now.items())
+    sizes.update(now)
+    return stable
+
+
+def watch(logdir: str | Path, interval_s: float = 2.0, timeout_s: float | None = None, max_reports: int | None = None,
+          chip: str | None = None, on_report: Callable[[Path, object | None, str], None] | None = None,
+          existing: bool = False) -> list[Path]:
+    """Analyze every new run under ``logdir/plugins/profile`` and write ``traceroof_report.*`` beside it.
+
+    Runs present when watching starts are skipped unless ``existing``. Stops after ``timeout_s`` or
+    ``max_reports`` reports. A run that fails to analyze is reported through ``on_report`` with the error and
+    skipped. Returns the run directories analyzed.
+    """
+    root = Path(logdir) / "plugins" / "profile"
+    seen: set[Path] = set() if existing else (set(root.glob("*")) if root.exists() else set())
+    sizes: dict[Path, int] = {}
+    done: list[Path] = []
+    start = time.monotonic()
+    while True:
+        for run in sorted(root.glob("*")) if root.exists() else []:
+            if run in seen or not run.is_dir() or not _complete(run, sizes):
+                continue
+            seen.add(run)
+            try:
+                from traceroof.analysis import analyze
+
+                a = analyze(run, chip=chip)
+                write_reports(a, run)
+                done.append(run)
+                if on_report:
+                    on_report(run, a, "")
+            except TraceroofError as e:
+                if on_report:
+                    on_report(run, None, str(e))
+            if max_reports is not None and len(done) >= max_reports:
+                return done
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            return done
+        time.sleep(interval_s)
