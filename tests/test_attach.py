@@ -39,7 +39,8 @@ def test_attach_profiles_a_window_and_writes_reports(tmp_path):
     script = LOOP + f"""
 import logging, traceroof
 logging.basicConfig(level=logging.WARNING)
-with traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait=2, warmup=1, active=3, chip={HOST_CHIP!r}) as hook:
+with traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait=2, warmup=1, active=3, repeat=2,
+                      chip={HOST_CHIP!r}) as hook:
     for i in range(10):
         with hook.step():
             a = f(a).block_until_ready()
@@ -52,6 +53,8 @@ print("done", i + 1, hook.errors)
     assert {p.name for p in out.iterdir()} == {"traceroof_report.txt", "traceroof_report.md", "traceroof_report.json"}
     doc = json.loads((out / "traceroof_report.json").read_text())
     assert doc["summary"]["steps_used"] == [3, 4, 5]  # steps 2..5 traced, step 2 is the warm-up
+    second = json.loads((tmp_path / "out" / "window_1" / "traceroof_report.json").read_text())
+    assert second["summary"]["steps_used"] == [7, 8, 9]
     assert "traceroof: step" in r.stderr
 
 
