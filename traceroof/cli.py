@@ -11,7 +11,7 @@ import click
 
 from parsers.errors import TraceroofError
 
-FORMATS = ("terminal", "markdown", "json", "csv")
+FORMATS = ("terminal", "markdown", "json", "csv", "html")
 
 
 def _fail(message: str) -> None:
@@ -88,22 +88,27 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 @click.option("--fail-above", "fail_above", type=float, help="Exit 1 when step time (or --layer) regresses by more "
                                                              "than this percent, beyond noise.")
 @click.option("--layer", help="Gate on this layer's time (all phases) instead of the step time.")
-@click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json")), default="terminal",
+@click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json", "html")), default="terminal",
               show_default=True)
 @click.option("-o", "--output", help="Write the comparison to this file instead of stdout.")
 def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], chip: str | None, depth: int,
          warmup_steps: int, fail_above: float | None, layer: str | None, fmt: str, output: str | None) -> None:
     """Compare two profiles (or a saved JSON report and a profile); exit 1 on a regression beyond --fail-above."""
     from traceroof.diff import diff as compare, gate, load_side
-    from traceroof.report.diff import render_diff_json, render_diff_text
+    from traceroof.report.diff import render_diff_html, render_diff_json, render_diff_text
 
     try:
         b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base)
         n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new)
         result = compare(b, n)
         failed, why = gate(result, fail_above, layer)
-        text = render_diff_json(result, failed, why) if fmt == "json" else \
-            render_diff_text(result, why if fail_above is not None else "", markdown=fmt == "markdown")
+        shown = why if fail_above is not None else ""
+        if fmt == "json":
+            text = render_diff_json(result, failed, why)
+        elif fmt == "html":
+            text = render_diff_html(result, shown)
+        else:
+            text = render_diff_text(result, shown, markdown=fmt == "markdown")
         _write(text, output)
     except TraceroofError as e:
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
@@ -131,7 +136,7 @@ def _duration(text: str) -> float:
 @click.option("--fail-above", "fail_above", type=float, default=5.0, show_default=True,
               help="With --every: flag a regression above this percent, beyond noise.")
 @click.option("--chip", help="Target chip (default: detected; CPU jobs: the calibrated host).")
-@click.option("--format", "fmt", type=click.Choice(FORMATS[:3]), default="terminal", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(FORMATS[:3] + ("html",)), default="terminal", show_default=True)
 @_guarded
 def capture(address: str, duration: str, logdir: str | None, every: str | None, count: int | None,
             baseline: str | None, fail_above: float, chip: str | None, fmt: str) -> None:

@@ -6,7 +6,8 @@ from traceroof.analysis import Analysis
 
 
 def render(a: Analysis, fmt: str, table: str = "layers") -> str:
-    """Render an analysis as ``terminal``, ``markdown``, ``json`` or ``csv`` (``table`` picks the CSV table)."""
+    """Render an analysis as ``terminal``, ``markdown``, ``json``, ``csv`` (``table`` picks the CSV table) or
+    ``html`` (self-contained page with charts)."""
     from traceroof.report.data import render_csv, render_json
     from traceroof.report.text import render_markdown, render_terminal
 
@@ -18,4 +19,8 @@ def render(a: Analysis, fmt: str, table: str = "layers") -> str:
         return render_json(a)
     if fmt == "csv":
         return render_csv(a, table)
+    if fmt == "html":
+        from traceroof.report.html import render_html
+
+        return render_html(a)
     raise ValueError(f"unknown format {fmt!r}")

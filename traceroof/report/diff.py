@@ -63,3 +63,30 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
         "layers": _records(r.layers), "ops": _records(r.ops), "unmatched": _records(r.unmatched),
     }
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+
+
+def render_diff_html(r: DiffResult, gate_line: str = "") -> str:
+    """Self-contained HTML of a diff: both profiles side by side per layer (bars), deltas, ops, unmatched."""
+    from traceroof.report.html import _PAGE, _chart_script, _plotlyjs, esc, table_html
+
+    order = [f"{x.layer} ({x.phase})" for x in r.layers.itertuples(index=False)]
+    bars = {"data": [
+        {"type": "bar", "name": esc(f"base: {r.base.label}"), "x": [esc(k) for k in order],
+         "y": (r.layers["time_per_step_s_base"].fillna(0) * 1e3).tolist()},
+        {"type": "bar", "name": esc(f"new: {r.new.label}"), "x": [esc(k) for k in order],
+         "y": (r.layers["time_per_step_s_new"].fillna(0) * 1e3).tolist()},
+    ], "layout": {"barmode": "group", "title": {"text": "Time per step by layer (ms): base vs new"},
+                  "margin": {"b": 160}}}
+    body = [
+        "<h2>Summary</h2>",
+        f"<p>base: {esc(r.base.label)} ({esc(r.base.chip)})<br>new: {esc(r.new.label)} ({esc(r.new.chip)})</p>",
+        "<ul>" + "".join(f"<li>{esc(c)}</li>" for c in r.contributors) + "</ul>",
+        f"<p>gate: {esc(gate_line)}</p>" if gate_line else "",
+        '<div id="layer-bars" class="chart"></div>',
+        "<h2>Per layer</h2>", table_html(_layers(r), None, "layers-table"),
+        "<h2>Matched ops with the largest changes</h2>", table_html(_ops(r, 20), None, "ops-table"),
+    ]
+    if len(r.unmatched):
+        body += ["<h2>Unmatched ops</h2>", table_html(_unmatched(r, 20), None, "unmatched-table")]
+    return _PAGE.format(title=esc(f"traceroof diff: {r.base.label} vs {r.new.label}"), body="\n".join(body),
+                        plotlyjs=_plotlyjs(), charts=_chart_script({"layer-bars": bars}))
