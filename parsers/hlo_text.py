@@ -25,6 +25,10 @@ _DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
 _DQ = re.compile(r'"(?:[^"\\]|\\.)*"')
 _SQ = re.compile(r"'(?:[^'\\]|\\.)*'")
 _OPEN = {"{": "}", "(": ")", "[": "]"}
+_ROOT = re.compile(r"ROOT\b")
+_BRACKET = re.compile(r"[{}()\[\]\"']")
+_ATTR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
+_CALLED = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
 _SPECIAL = re.compile(r"[{}()\[\]\"',\n]")
 _META_ITEM = re.compile(r'([A-Za-z_]+)=("(?:[^"\\]|\\.)*"|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|[^\s}]+)')
 _TABLE_NAMES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
@@ -143,15 +147,19 @@ class _Parser:
                 pos = m.end()
                 if not stack:
                     return pos
-                continue
-            if c in _OPEN:
-                stack.append(_OPEN[c])
-            elif c in ")]}":
-                if not stack or stack.pop() != c:
-                    raise self.error(f"unbalanced {c!r}")
-                if not stack:
-                    return pos + 1
-            pos += 1
+            else:
+                if c in _OPEN:
+                    stack.append(_OPEN[c])
+                elif c in ")]}":
+                    if not stack or stack.pop() != c:
+                        raise self.error(f"unbalanced {c!r}")
+                    if not stack:
+                        return pos + 1
+                pos += 1
+            m = _BRACKET.search(t, pos, self.end)  # jump to the next bracket or quote
+            if m is None:
+                break
+            pos = m.start()
         raise self.error("unterminated bracket")
 
     def value(self) -> str:
@@ -320,7 +328,7 @@ class _Parser:
     def instruction(self) -> Instruction:
         self.ws()
         is_root = False
-        if re.compile(r"ROOT\b").match(self.t, self.pos):
+        if _ROOT.match(self.t, self.pos):
             is_root = True
             self.pos += 4
         name = self.name()
@@ -369,7 +377,7 @@ class _Parser:
                 break
             self.pos += 1
             self.ws()
-            km = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*").match(self.t, self.pos)
+            km = _ATTR_NAME.match(self.t, self.pos)
             if not km:
                 raise self.error("expected an attribute name")
             self.pos = km.end()
@@ -383,7 +391,7 @@ class _Parser:
         called = []
         for key in _CALL_ATTRS:
             if key in attrs:
-                called += [c.lstrip("%") for c in re.findall(r"%?[A-Za-z_][A-Za-z0-9_.\-]*", attrs[key])]
+                called += [c.lstrip("%") for c in _CALLED.findall(attrs[key])]
         return Instruction(
             name=name, opcode=opcode, shape=shape, operands=tuple(operands),
             operand_shapes=tuple(operand_shapes), attrs=attrs, called=tuple(called),
@@ -393,20 +401,26 @@ class _Parser:
         )
 
 
+_SPLIT = re.compile(r'[(){}\[\]",]')
+
+
 def _split_top(s: str) -> list[str]:
     """Split on depth-0 commas (brackets and quoted strings respected)."""
     parts, depth, start, i = [], 0, 0, 0
-    while i < len(s):
-        c = s[i]
+    while True:
+        m = _SPLIT.search(s, i)
+        if m is None:
+            break
+        c, i = m.group(0), m.start()
         if c == '"':
-            m = _DQ.match(s, i)
-            i = m.end() if m else len(s)
+            q = _DQ.match(s, i)
+            i = q.end() if q else len(s)
             continue
         if c in "({[":
             depth += 1
         elif c in ")}]":
             depth -= 1
-        elif c == "," and depth == 0:
+        elif depth == 0:
             parts.append(s[start:i].strip())
             start = i + 1
         i += 1

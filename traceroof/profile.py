@@ -352,8 +352,9 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         step_events = both[both["step_num"].notna()]
         ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
         del both
-        ordinal = ev["device_ordinal"].fillna(0).astype("int64")
-        ev = ev.assign(device=pd.Categorical(host + "/cpu:" + ordinal.astype(str)))
+        ordinal = ev["device_ordinal"].to_numpy(dtype="float64", na_value=0).astype(np.int64)
+        uniq, inv = np.unique(ordinal, return_inverse=True)
+        ev = ev.assign(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]))
         frames.append(ev)
         meta = xs.plane("/host:metadata")
         version = meta.stats.get("jax_version", "") if meta else ""
@@ -513,7 +514,8 @@ def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]
 
 
 def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    step = pd.array(np.full(len(events), pd.NA), "Int64")
+    values = np.zeros(len(events), np.int64)
+    missing = np.ones(len(events), bool)
     if not steps.empty:
         by = "device" if "device" in steps and steps["device"].notna().all() else "host"
         for key, st in steps.groupby(by, sort=False):
@@ -524,10 +526,10 @@ def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
             t = events.loc[mask, "start_ps"].to_numpy()
             idx = np.searchsorted(starts, t, side="right") - 1
             ok = (idx >= 0) & (t < ends[np.maximum(idx, 0)])
-            vals = st["step"].to_numpy()[np.maximum(idx, 0)]
-            col = pd.array(np.where(ok, vals.astype("float64"), np.nan), "Float64").astype("Int64")
-            step[mask] = col
-    return events.assign(step=step)
+            vals = st["step"].to_numpy(dtype=np.int64, na_value=-1)[np.maximum(idx, 0)]
+            values[mask] = np.where(ok, vals, 0)
+            missing[mask] = ~ok
+    return events.assign(step=pd.arrays.IntegerArray(values, missing))
 
 
 # -- join ------------------------------------------------------------------------------------------------
