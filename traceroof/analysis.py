@@ -492,6 +492,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=cores, join=join,
         step_times_s=tuple(full) if steps else (),
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
+        exposed_comm_per_step_s=float("nan"),  # an export has no timeline
     )
     layers = rollup(ops, per, step_mean)
     coll_table = collectives_table(ops[ops["counted"]], collectives, estimates, per, pd.DataFrame(), 0)
