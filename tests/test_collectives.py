@@ -254,3 +254,20 @@ def test_library_collective_custom_calls_are_classified_without_a_made_up_cost()
     assert all(expected_time(c, get_chip("h100"), default_topology(get_chip("h100"), 8)) is None for c in found)
     ar = [classify(model, i) for c in m.computations.values() for i in c.instructions if i.opcode == "all-reduce"]
     assert ar and all(c.kind == "all-reduce" and c.group_size == 8 for c in ar)
+
+
+def test_findings_name_the_straggler_and_the_exposed_collective():
+    from types import SimpleNamespace
+
+    from traceroof.analysis import communication_findings
+
+    rows = []
+    for step in range(2):
+        for d, delay in (("host_a/gpu:0", 0), ("host_b/gpu:3", 300_000_000)):
+            rows.append((d, 1, "all-reduce", step * 10**10 + delay, 1000, "collective", step))
+    skew = arrival_skew(_ops(rows))
+    table = pd.DataFrame([{"hlo_op": "all-reduce.7", "kind": "all-reduce", "bytes_out": 4e6, "group_size": 8,
+                           "exposed_per_step_s": 2e-3, "exposed_share": 0.9}])
+    out = communication_findings(table, skew, SimpleNamespace(step_time_mean_s=10e-3), steps=2)
+    assert any("all-reduce.7" in f and "reduce-scatter + all-gather" in f for f in out)
+    assert any(f.startswith("host_b/gpu:3 arrives last at 100%") for f in out)
