@@ -234,7 +234,7 @@ class Topology:
         if self.kind == "gpu":
             return f"{self.shape[1]} node(s) x {self.shape[0]} GPUs"
         if self.kind == "host":
-            return f"{self.shape[0]} virtual devices on one host"
+            return f"{self.shape[0]} device(s) on one host"
         dims = "x".join(str(d) for d in self.shape)
         wrap = ",".join("wrap" if w else "line" for w in self.wraparound)
         return f"{self.slices} x " * (self.slices > 1) + f"{dims} slice ({wrap})"
