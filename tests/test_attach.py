@@ -102,8 +102,9 @@ def test_capture_analyzes_a_running_job(job, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("traceroof: per-layer roofline report") and "op events to HLO" in r.stdout
     assert len(list((tmp_path / "ld" / "plugins" / "profile").glob("*/*.xplane.pb"))) == 1
+    # two captures of the same job; the gate is set out of reach: timing on a shared machine is not under test
     r = _cli("capture", f"127.0.0.1:{job}", "--duration", "500ms", "--every", "500ms", "--count", "2",
-             "--logdir", str(tmp_path / "ld2"), "--chip", HOST_CHIP)
+             "--logdir", str(tmp_path / "ld2"), "--chip", HOST_CHIP, "--fail-above", "1000")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2 and "(baseline)" in lines[0] and "vs baseline: step time" in lines[1]
