@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Measure and print the hook's cost per step."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200_000)
     args = ap.parse_args(argv)
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     import traceroof
 
     with tempfile.TemporaryDirectory() as tmp:
-        hook = traceroof.attach(out_dir=tmp, wait=10**9, warmup=0, active=1)  # the window never opens
+        hook = traceroof.attach(out_dir=tmp, wait_steps=10**9, warmup_steps=0, active_steps=1)  # the window never opens
         t0 = time.perf_counter()
         for _ in range(args.steps):
             with contextlib.nullcontext():

@@ -74,6 +74,7 @@ def _child(mode: str, path: str, hlo: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run every mode ``--repeat`` times in fresh pinned processes and print events/s and peak RSS."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=5_000_000)
     ap.add_argument("--repeat", type=int, default=3)

@@ -99,6 +99,7 @@ def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Parse arguments and write the replicated profile."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=5_000_000)
     ap.add_argument("--fixture", default="transformer")

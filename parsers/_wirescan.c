@@ -44,9 +44,9 @@ static inline int skip_value(Cur *c, int wt, const uint8_t **ps, const uint8_t *
     }
 }
 
-static int get_range(PyObject *args, Py_buffer *buf, Py_ssize_t *start, Py_ssize_t *end, const char *fmt) {
-    if (!PyArg_ParseTuple(args, fmt, buf, start, end)) return 0;
-    if (*start < 0 || *end > buf->len || *start > *end) {
+/* 1 when buf[start:end] is inside the buffer; else releases buf, sets ValueError and returns 0 */
+static int range_ok(Py_buffer *buf, Py_ssize_t start, Py_ssize_t end) {
+    if (start < 0 || end > buf->len || start > end) {
         PyBuffer_Release(buf);
         PyErr_SetString(PyExc_ValueError, "range outside the buffer");
         return 0;
@@ -57,7 +57,7 @@ static int get_range(PyObject *args, Py_buffer *buf, Py_ssize_t *start, Py_ssize
 /* scan_fields(buf, start, end) -> list of (field, wire_type, tag_start, value_start, value_end, varint) */
 static PyObject *scan_fields(PyObject *self, PyObject *args) {
     Py_buffer buf; Py_ssize_t start, end;
-    if (!get_range(args, &buf, &start, &end, "y*nn")) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nn", &buf, &start, &end) || !range_ok(&buf, start, end)) return NULL;
     const uint8_t *base = (const uint8_t *)buf.buf;
     Cur c = {base + start, base + end, 0};
     PyObject *out = PyList_New(0);
@@ -82,27 +82,6 @@ static PyObject *scan_fields(PyObject *self, PyObject *args) {
         return NULL;
     }
     return out;
-}
-
-/* count_field(buf, start, end, field) -> number of top-level occurrences of a field in the range */
-static PyObject *count_field(PyObject *self, PyObject *args) {
-    Py_buffer buf; Py_ssize_t start, end; unsigned long long want;
-    if (!PyArg_ParseTuple(args, "y*nnK", &buf, &start, &end, &want)) return NULL;
-    if (start < 0 || end > buf.len || start > end) {
-        PyBuffer_Release(&buf); PyErr_SetString(PyExc_ValueError, "range outside the buffer"); return NULL;
-    }
-    const uint8_t *base = (const uint8_t *)buf.buf;
-    Cur c = {base + start, base + end, 0};
-    Py_ssize_t n = 0;
-    while (c.p < c.end) {
-        uint64_t key = rd_varint(&c);
-        if (c.err) break;
-        if ((key >> 3) == want) n++;
-        if (!skip_value(&c, (int)(key & 7), NULL, NULL)) { c.err = 1; break; }
-    }
-    PyBuffer_Release(&buf);
-    if (c.err) { PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated"); return NULL; }
-    return PyLong_FromSsize_t(n);
 }
 
 enum { K_ABSENT = 0, K_INT = 1, K_UINT = 2, K_DOUBLE = 3, K_REF = 4, K_STR = 5, K_BYTES = 6, K_ZSTR = 7 };
@@ -221,10 +200,7 @@ done:
  * Used to parse a message's small fields with protobuf while its big repeated field stays in the buffer. */
 static PyObject *split_fields(PyObject *self, PyObject *args) {
     Py_buffer buf; Py_ssize_t start, end; unsigned long long want;
-    if (!PyArg_ParseTuple(args, "y*nnK", &buf, &start, &end, &want)) return NULL;
-    if (start < 0 || end > buf.len || start > end) {
-        PyBuffer_Release(&buf); PyErr_SetString(PyExc_ValueError, "range outside the buffer"); return NULL;
-    }
+    if (!PyArg_ParseTuple(args, "y*nnK", &buf, &start, &end, &want) || !range_ok(&buf, start, end)) return NULL;
     const uint8_t *base = (const uint8_t *)buf.buf;
     Cur c = {base + start, base + end, 0};
     Py_ssize_t n = 0, total = 0;
@@ -257,7 +233,6 @@ static PyObject *split_fields(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"split_fields", split_fields, METH_VARARGS, "Bytes of all fields but one, and that field's count."},
     {"scan_fields", scan_fields, METH_VARARGS, "List the top-level fields of buf[start:end]."},
-    {"count_field", count_field, METH_VARARGS, "Count top-level occurrences of a field number."},
     {"decode_events", decode_events, METH_VARARGS, "Decode an XLine's events into arrays."},
     {NULL, NULL, 0, NULL}
 };

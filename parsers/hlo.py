@@ -55,6 +55,7 @@ class Shape:
 
     @property
     def is_tuple(self) -> bool:
+        """True for a tuple shape."""
         return self.tuple_shapes is not None
 
     @property
@@ -72,6 +73,7 @@ class Shape:
 
     @property
     def bits_per_element(self) -> int:
+        """Storage bits of one element: the layout's ``E(bits)`` when set, else the type's width."""
         if self.layout is not None and self.layout.element_size_bits:
             return self.layout.element_size_bits
         return ELEMENT_BITS.get(self.element_type, 0)
@@ -161,10 +163,12 @@ class Instruction:
 
     @property
     def parameter_number(self) -> int:
+        """The ``i`` of ``parameter(i)``; -1 for other opcodes."""
         return int(self.literal) if self.opcode == "parameter" and self.literal.strip().isdigit() else -1
 
     @property
     def fusion_kind(self) -> str:
+        """``kLoop`` / ``kInput`` / ``kOutput`` / ``kCustom`` of a fusion ('' otherwise)."""
         return self.attrs.get("kind", "")
 
 
@@ -183,6 +187,7 @@ class Computation:
         self.root: Instruction | None = roots[-1] if roots else (self.instructions[-1] if self.instructions else None)
 
     def parameters(self) -> dict[int, Instruction]:
+        """The computation's ``parameter`` instructions by parameter number."""
         return {i.parameter_number: i for i in self.instructions if i.opcode == "parameter"}
 
 
@@ -215,6 +220,7 @@ class HloModule:
 
     @property
     def entry(self) -> Computation:
+        """The entry computation."""
         return self.computations[self.entry_name]
 
     def instruction(self, name: str) -> Instruction | None:

@@ -339,6 +339,7 @@ class XSpace:
     size_bytes: int = 0
 
     def plane(self, name: str) -> Plane | None:
+        """The first plane with this name, or ``None``."""
         return next((p for p in self.planes if p.name == name), None)
 
     @property

@@ -46,6 +46,7 @@ def reports() -> dict[str, str]:
 
 
 def main() -> None:
+    """Write every example report into reports/."""
     for fname, text in reports().items():
         (ROOT / "reports" / fname).write_text(text, encoding="utf-8")
         print(f"wrote reports/{fname}")

@@ -39,7 +39,7 @@ def test_attach_profiles_a_window_and_writes_reports(tmp_path):
     script = LOOP + f"""
 import logging, traceroof
 logging.basicConfig(level=logging.WARNING)
-with traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait=2, warmup=1, active=3, repeat=2,
+with traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait_steps=2, warmup_steps=1, active_steps=3, repeat=2,
                       chip={HOST_CHIP!r}) as hook:
     for i in range(10):
         with hook.step():
@@ -61,7 +61,7 @@ print("done", i + 1, hook.errors)
 def test_attach_never_breaks_the_job(tmp_path):
     script = LOOP + f"""
 import traceroof
-hook = traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait=0, warmup=0, active=2, chip="no-such-chip")
+hook = traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait_steps=0, warmup_steps=0, active_steps=2, chip="no-such-chip")
 for i in range(5):
     with hook.step():
         a = f(a).block_until_ready()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from parsers.errors import HloParseError
@@ -34,8 +36,7 @@ def test_train_step_dump_details():
     assert fusion.opcode == "fusion" and fusion.fusion_kind == "kCustom"
     assert fusion.backend_config["fusion_config"]["kind"] == "__ynn_fusion"
     assert fusion.called and fusion.called[0] in m.computations
-    assert m.source_line(fusion).startswith(str(FIXTURES / "generate.py").rsplit("/", 1)[0]) or \
-        "generate.py:" in m.source_line(fusion)
+    assert re.fullmatch(r".*generate\.py:\d+", m.source_line(fusion))
     param = next(i for i in m.entry.instructions if i.opcode == "parameter")
     assert param.metadata.op_name.startswith("params['")  # \' escapes decoded
 
@@ -168,8 +169,7 @@ def test_tpu_sample_layouts_and_collective_fusion():
     (m,) = parse_hlo_file(third_party("xla_hlo_samples/tpu_layout_while_dus_pad.xla_test.hlo"))
     tiled = [i for c in m.computations.values() for i in c.instructions
              if i.shape.layout is not None and i.shape.layout.tiles]
-    assert tiled and any(i.shape.layout.tiles[0] == (1024,) for i in tiled) or \
-        any(len(i.shape.layout.tiles) >= 2 for i in tiled)
+    assert any(i.shape.layout.tiles == ((8, 128), (2, 1)) for i in tiled)  # T(8,128)(2,1) in the sample
     (ag,) = parse_hlo_file(third_party("xla_hlo_samples/tpu_style_collective_fusion_kcustom_allgather.xla_test.hlo"))
     fusions = [i for c in ag.computations.values() for i in c.instructions if i.opcode == "fusion"]
     assert any(i.fusion_kind == "kCustom" and any(c.startswith("all-gather") for c in i.called) for i in fusions)

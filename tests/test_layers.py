@@ -42,7 +42,7 @@ def test_rollup_arithmetic():
         "bound": ["compute", "memory", "compute", "opaque"], "lost_s": [1.0, 0.0, 1.0, np.nan],
         "opaque": [False, False, False, True],
     })
-    r = rollup(ops, steps_used=2, step_time_s=5.0).set_index("layer")
+    r = rollup(ops, per_step_divisor=2, step_time_s=5.0).set_index("layer")
     assert r.loc["a", "time_per_step_s"] == 2.5
     assert r.loc["a", "share_of_step"] == 0.5
     assert r.loc["a", "flops_per_step"] == 10.0

@@ -13,7 +13,8 @@ from parsers.errors import InputError
 from parsers.hlo import HloModule, Instruction
 from parsers.hlo_text import async_pairs, is_known_opcode
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip
-from traceroof.collectives import bus_bandwidth, classify, default_topology, expected_time, parse_topology
+from traceroof.collectives import (bus_bandwidth, classify, default_topology, expected_time, module_devices,
+                                   parse_topology)
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize
 from traceroof.findings import is_retiling, layout_findings
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, layer_of, parse_scope, phase_of, rollup
@@ -21,6 +22,14 @@ from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import HloMismatchError, Inputs, JoinReport, Profile, discover, load_profile, match_modules
 from traceroof.roofline import apply_roofline
 from traceroof.xprof import export_op_table, per_core_chip
+
+# Finding thresholds: traceroof's own heuristics (no external source); each finding states the figure it used.
+BUSY_SHARE_MIN = 0.5  # ops covering less of the step than this: host overhead / idle finding
+FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
+EXPOSED_SHARE_MIN = 0.02  # collectives exposed for more than this share of the step are named
+STRAGGLER_LAST_SHARE_MIN = 0.5  # a device last at more than this share of collective executions ...
+STRAGGLER_WAIT_SHARE_MIN = 0.01  # ... while the others wait more than this share of the step
+COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
                    "executed work incl. rematerialisation, while bodies x trip count)")
@@ -63,7 +72,8 @@ class Summary:
 class Analysis:
     """Everything a report shows. ``ops`` is the op table (one row per op execution); ``layers`` the
     per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps;
-    ``collectives`` one row per collective op (see :func:`collectives_table`); ``topology`` the topology used."""
+    ``collectives`` one row per collective op (see :func:`collectives_table`); ``topology`` the topology used;
+    ``per_step_divisor`` turns op-table totals into per-step, per-device figures."""
 
     summary: Summary
     ops: pd.DataFrame
@@ -74,17 +84,14 @@ class Analysis:
     findings: tuple[str, ...] = field(default_factory=tuple)
     collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
     topology: str = ""
+    per_step_divisor: float = 1.0  # op-table totals / this = per step, per device (steps used x devices)
 
     @property
     def op_stats(self) -> pd.DataFrame:
         """Per-step figures of every distinct op, keyed by what it is, not what it is called (see
         :func:`op_stats`): the table ``traceroof diff`` matches on."""
-        per = max(len(self.summary.steps_used), 1) * max(self.summary.devices, 1)
-        if self.summary.step_annotation == "XProf overview steps":
-            per = max(sum(self.summary.step_times_s) / self.summary.step_time_mean_s, 1.0) * \
-                max(self.summary.devices, 1) if self.summary.step_times_s else max(self.summary.devices, 1)
         counted = self.ops[self.ops["counted"] & self.ops["step"].notna()]
-        return op_stats(counted, per)
+        return op_stats(counted, self.per_step_divisor)
 
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
@@ -142,7 +149,8 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
             rows.append(None)
             continue
         model = models.get(mi) or models.setdefault(mi, CostModel(modules[mi]))
-        inst = model.module.instruction(op_names[oc])
+        comp = model.comp_of.get(op_names[oc])  # name -> computation index the cost model already built
+        inst = comp.by_name[op_names[oc]] if comp is not None else None
         rows.append(_attrs(model, inst, optimizer_pattern) if inst is not None else None)
     joined_u = np.array([r is not None for r in rows] or [False])
     blank = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "",
@@ -222,7 +230,7 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
                         int(ev["duration_ps"].to_numpy()[joined_mask].sum()), partial.unmatched_modules,
                         int(sum(1 for u, r in enumerate(rows) if r is None and int(uniques[u]) >> 32 >= 0
                                 and int(uniques[u]) >> 32 < len(modules))),
-                        partial.ambiguous_modules)
+                        partial.ambiguous_modules, partial.matched_sources)
     return out, report
 
 
@@ -275,11 +283,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     if "traceroof_flops" in ops:
         notes += _cost_disagreements(ops)
     user = {str(f) for f in profile.inputs.user_hlo_files}
-    ran = set(zip(profile.events["module"].astype(str), profile.events["program_id"].fillna(-1).astype(int)))
-    ran_names = {name for name, _ in ran}
-    if user and not any(m.source in user and ((m.name, m.program_id) in ran or (m.name, -1) in ran or
-                                              (m.program_id is None and m.name in ran_names))
-                        for m in profile.modules):
+    if user and not user & set(join.matched_sources):
         raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given "
                                f"(profile modules: {', '.join(join.unmatched_modules[:4]) or '?'}); "
                                "pass the after-optimization dumps of the profiled run")
@@ -306,7 +310,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
                         if join.ambiguous_modules else "")
                      + "; pass --hlo DIR with those modules' dumps")
     collectives = ops.attrs.get("collectives", [])
-    n_devices = max([_module_devices(m) for m in profile.modules] + [int(ops["device"].nunique())])
+    n_devices = max([module_devices(m) for m in profile.modules] + [int(ops["device"].nunique())])
     try:
         topo = parse_topology(topology, target) if topology else default_topology(target, n_devices)
     except ValueError as e:
@@ -341,12 +345,12 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     ops["step"] = ops["step"].where(ops["step"].isin(used))
     counted = ops[ops["counted"] & ops["step"].notna()]
     n_dev = max(counted["device"].nunique(), 1)
-    k = 1.0 / (max(len(used), 1) * n_dev)
-    flops = float(counted["flops"].sum()) * k
-    hbm = float(counted["hbm_bytes"].sum()) * k
-    expected = float(counted["expected_s"].sum()) * k
-    op_time = float(counted["measured_s"].sum()) * k
-    exposed_comm = float(counted["comm_exposed_s"].sum()) * k
+    per = max(len(used), 1) * n_dev  # totals over the used steps and devices -> per step, per device
+    flops = float(counted["flops"].sum()) / per
+    hbm = float(counted["hbm_bytes"].sum()) / per
+    expected = float(counted["expected_s"].sum()) / per
+    op_time = float(counted["measured_s"].sum()) / per
+    exposed_comm = float(counted["comm_exposed_s"].sum()) / per
     mm = counted[counted["category"] == "matmul"]
     main_dtype = str(mm.groupby("dtype", observed=True)["flops"].sum().idxmax()) if len(mm) else "f32"
     peak, peak_key = target.peak_for(main_dtype)
@@ -363,14 +367,13 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         step_times_s=tuple(float(x) for x in durations),
         hlo_sources=dict(profile.hlo_sources), notes=tuple(notes),
     )
-    layers = rollup(ops, len(used), step_mean)
-    per = len(used) * n_dev
+    layers = rollup(ops, per, step_mean)
     skew = arrival_skew(ops)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
     return Analysis(summary, ops, layers, top_ops(counted, per, top), steps, depth,
                     tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)
                           + communication_findings(coll_table, skew, summary, len(used))),
-                    coll_table, topo.describe())
+                    coll_table, topo.describe(), per)
 
 
 def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
@@ -407,7 +410,7 @@ def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") 
     out = []
     if s.step_time_mean_s > 0 and s.op_time_per_step_s > 0:
         busy = s.op_time_per_step_s / s.step_time_mean_s
-        if busy < 0.5:
+        if busy < BUSY_SHARE_MIN:
             out.append(f"ops cover {busy:.0%} of the step time: the rest is host overhead, input or idle gaps")
     opaque = counted[counted["opaque"]]
     if len(opaque) and s.step_time_mean_s > 0:
@@ -420,12 +423,13 @@ def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") 
     joined = counted[counted["joined"] & counted["expected_s"].notna() & ~is_async]
     if len(joined):
         g = joined.groupby(["module", "hlo_op"], observed=True)[["expected_s", "measured_s"]].sum()
-        fast = g[g["expected_s"] > 1.5 * g["measured_s"]]
+        fast = g[g["expected_s"] > FASTER_THAN_ROOF_RATIO * g["measured_s"]]
         if len(fast):
             names = ", ".join(sorted(fast.index.get_level_values("hlo_op").astype(str))[:5])
             why = ("the calibrated host's DRAM roof is below what cache-resident ops reach" if chip_kind == "cpu"
                    else "the cost model or the chip figures overstate these ops' work")
-            out.append(f"{len(fast)} op(s) ran more than 1.5x faster than their roofline ({names}): {why}")
+            out.append(f"{len(fast)} op(s) ran more than {FASTER_THAN_ROOF_RATIO:g}x faster than their roofline "
+                       f"({names}): {why}")
     return out
 
 
@@ -498,7 +502,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     coll_table = collectives_table(ops[ops["counted"]], collectives, estimates, per, pd.DataFrame(), 0)
     return Analysis(summary, ops, layers, top_ops(counted, per, top), pd.DataFrame(), depth,
                     tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)),
-                    coll_table, topo.describe() + " (chips of the program's replica groups)")
+                    coll_table, topo.describe() + " (chips of the program's replica groups)", per)
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
@@ -507,18 +511,14 @@ def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
     if d.empty:
         return []
     g = d.groupby(["module", "hlo_op"], observed=True)[["profile_flops", "traceroof_flops"]].first()
-    diff = g[(g["profile_flops"] - g["traceroof_flops"]).abs() > 0.1 * g[["profile_flops", "traceroof_flops"]].max(axis=1)]
+    diff = g[(g["profile_flops"] - g["traceroof_flops"]).abs()
+             > COST_DISAGREEMENT * g[["profile_flops", "traceroof_flops"]].max(axis=1)]
     if diff.empty:
         return [f"libtpu's per-op FLOPs agree with traceroof's count within 10 % on all {len(g)} ops"]
     names = ", ".join(f"{op} (profile {r.profile_flops:.3g}, ours {r.traceroof_flops:.3g})"
                       for (_, op), r in diff.head(3).iterrows())
     return [f"libtpu's per-op FLOPs (used) differ from traceroof's count by > 10 % on {len(diff)} of {len(g)} "
             f"ops: {names}"]
-
-
-def _module_devices(m: HloModule) -> int:
-    a = m.attrs
-    return max(int(a.get("num_partitions", "1") or 1), 1) * max(int(a.get("replica_count", "1") or 1), 1)
 
 
 def _async_pairs(modules: list[HloModule]) -> dict[tuple[int | None, str], str]:
@@ -576,7 +576,7 @@ def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, 
     """The largest exposed collectives with what would hide them, and the device that makes others wait."""
     out = []
     if len(table) and s.step_time_mean_s > 0:
-        top = table[table["exposed_per_step_s"] > 0.02 * s.step_time_mean_s].head(3)
+        top = table[table["exposed_per_step_s"] > EXPOSED_SHARE_MIN * s.step_time_mean_s].head(3)
         for r in top.itertuples(index=False):
             advice = {"all-gather": "prefetch it a layer ahead (FSDP overlap) or let XLA schedule it async",
                       "reduce-scatter": "overlap it with the next layer's backward (async collective)",
@@ -591,7 +591,7 @@ def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, 
         last = skew["last_device"].value_counts()
         dev, n = last.index[0], int(last.iloc[0])
         wait = skew["wait_s"].sum() / steps
-        if n / len(skew) > 0.5 and wait > 0.01 * s.step_time_mean_s:
+        if n / len(skew) > STRAGGLER_LAST_SHARE_MIN and wait > STRAGGLER_WAIT_SHARE_MIN * s.step_time_mean_s:
             out.append(f"{dev} arrives last at {n / len(skew):.0%} of collective executions; the other devices "
                        f"wait {wait * 1e3:.3f} ms per step in total for it (straggler)")
     return out

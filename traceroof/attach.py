@@ -1,7 +1,7 @@
 """Profile a running job and analyze what it captures: in-process hook, remote capture, watched logdir.
 
-* :func:`attach` profiles a window of steps of the calling JAX program (schedule: ``wait`` steps, ``warmup``
-  steps, ``active`` steps, ``repeat`` times) with ``jax.profiler``; when a window closes it analyzes the capture
+* :func:`attach` profiles a window of steps of the calling JAX program (schedule: ``wait_steps``,
+  ``warmup_steps``, ``active_steps``, ``repeat`` times) with ``jax.profiler``; when a window closes it analyzes the capture
   in a background thread (the HLO comes from the profile itself) and writes the reports. It never raises into
   the training loop: every error is logged and the job goes on.
 * :func:`capture` asks a job that called ``jax.profiler.start_server(PORT)`` for a profile over gRPC (the
@@ -59,15 +59,15 @@ def one_line(analysis: object) -> str:
 class Attachment:
     """The in-process profiler: call :meth:`step` around (or after) every training step.
 
-    Steps are counted from 0; window ``k`` (``k < repeat``) starts tracing at step ``wait + k*(warmup+active)``,
-    marks steps with ``jax.profiler.StepTraceAnnotation`` and stops after ``warmup + active`` steps; the report
-    then excludes the ``warmup`` steps. Reports go to ``out_dir/window_<k>/``.
+    Steps are counted from 0; window ``k`` (``k < repeat``) starts tracing at step
+    ``wait_steps + k*(warmup_steps+active_steps)``, marks steps with ``jax.profiler.StepTraceAnnotation`` and stops
+    after ``warmup_steps + active_steps`` steps; the report then excludes the warm-up steps. Reports go to ``out_dir/window_<k>/``.
     """
 
     out_dir: Path
-    wait: int = 1
-    warmup: int = 1
-    active: int = 3
+    wait_steps: int = 1
+    warmup_steps: int = 1
+    active_steps: int = 3
     repeat: int = 1
     chip: str | None = None
     on_report: Callable[[object], None] | None = None
@@ -83,8 +83,8 @@ class Attachment:
     def _window_bounds(self) -> tuple[int, int] | None:
         if self._window >= self.repeat:
             return None
-        start = self.wait + self._window * (self.warmup + self.active)
-        return start, start + self.warmup + self.active
+        start = self.wait_steps + self._window * (self.warmup_steps + self.active_steps)
+        return start, start + self.warmup_steps + self.active_steps
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
@@ -153,7 +153,7 @@ class Attachment:
         try:
             from traceroof.analysis import analyze
 
-            a = analyze(logdir, chip=self.chip, warmup_steps=self.warmup)
+            a = analyze(logdir, chip=self.chip, warmup_steps=self.warmup_steps)
             self.reports += write_reports(a, self.out_dir / f"window_{window}")
             log.warning("traceroof: %s", one_line(a))
             if self.on_report is not None:
@@ -176,8 +176,8 @@ class Attachment:
         self.close()
 
 
-def attach(out_dir: str | Path = "traceroof_reports", wait: int = 1, warmup: int = 1, active: int = 3,
-           repeat: int = 1, chip: str | None = None, on_report: Callable[[object], None] | None = None,
+def attach(out_dir: str | Path = "traceroof_reports", wait_steps: int = 1, warmup_steps: int = 1,
+           active_steps: int = 3, repeat: int = 1, chip: str | None = None, on_report: Callable[[object], None] | None = None,
            logdir: str | Path | None = None) -> Attachment:
     """Profile steps of this process and write traceroof reports when each window closes.
 
@@ -185,7 +185,7 @@ def attach(out_dir: str | Path = "traceroof_reports", wait: int = 1, warmup: int
     ``hook.next_step()`` after it). Reports (``.txt``, ``.md``, ``.json``) go to ``out_dir/window_<k>/``; the
     raw profiles to ``logdir`` (default ``out_dir/profiles``). Errors are logged, never raised.
     """
-    return Attachment(Path(out_dir), wait, warmup, active, repeat, chip, on_report,
+    return Attachment(Path(out_dir), wait_steps, warmup_steps, active_steps, repeat, chip, on_report,
                       Path(logdir) if logdir else None)
 
 

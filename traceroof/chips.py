@@ -62,19 +62,23 @@ class Chip:
     detect: dict[str, Any] = field(default_factory=dict)
 
     def figure(self, key: str) -> Figure | None:
+        """The figure at ``section.key`` (value and source), or ``None``."""
         return self.figures.get(key)
 
     def value(self, key: str, default: Any = None) -> Any:
+        """The value of the figure at ``section.key``, or ``default``."""
         f = self.figures.get(key)
         return f.value if f is not None else default
 
     @property
     def peak_flops_per_s(self) -> dict[str, float]:
+        """Dense peak FLOP/s by key (``bf16``, ``f32``, ``fp8``, ``vector_f32`` ...)."""
         return {k.split(".", 1)[1]: float(f.value) for k, f in self.figures.items()
                 if k.startswith("peak_flops_per_s.")}
 
     @property
     def hbm_bandwidth_bytes_per_s(self) -> float | None:
+        """HBM (or, for a calibrated host, DRAM) bandwidth in bytes per second; ``None`` when unknown."""
         v = self.value("memory.hbm_bandwidth_bytes_per_s")
         return float(v) if v is not None else None
 

@@ -91,29 +91,25 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 @click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json", "html")), default="terminal",
               show_default=True)
 @click.option("-o", "--output", help="Write the comparison to this file instead of stdout.")
+@_guarded
 def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], chip: str | None, depth: int,
          warmup_steps: int, fail_above: float | None, layer: str | None, fmt: str, output: str | None) -> None:
     """Compare two profiles (or a saved JSON report and a profile); exit 1 on a regression beyond --fail-above."""
     from traceroof.diff import diff as compare, gate, load_side
     from traceroof.report.diff import render_diff_html, render_diff_json, render_diff_text
 
-    try:
-        b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base)
-        n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new)
-        result = compare(b, n)
-        failed, why = gate(result, fail_above, layer)
-        shown = why if fail_above is not None else ""
-        if fmt == "json":
-            text = render_diff_json(result, failed, why)
-        elif fmt == "html":
-            text = render_diff_html(result, shown)
-        else:
-            text = render_diff_text(result, shown, markdown=fmt == "markdown")
-        _write(text, output)
-    except TraceroofError as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    except OSError as e:
-        _fail(f"{e.filename or ''}: {e.strerror}" if e.strerror else str(e))
+    b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base)
+    n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new)
+    result = compare(b, n)
+    failed, why = gate(result, fail_above, layer)
+    shown = why if fail_above is not None else ""
+    if fmt == "json":
+        text = render_diff_json(result, failed, why)
+    elif fmt == "html":
+        text = render_diff_html(result, shown)
+    else:
+        text = render_diff_text(result, shown, markdown=fmt == "markdown")
+    _write(text, output)
     if failed:
         click.echo(f"traceroof: regression: {why}", err=True)
         sys.exit(1)

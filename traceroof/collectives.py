@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from parsers.hlo import Instruction, Shape
+from parsers.hlo import HloModule, Instruction, Shape
 from parsers.hlo_text import parse_replica_groups
 from traceroof.chips import Chip
 from traceroof.cost import CostModel
@@ -134,7 +134,7 @@ def classify(model: CostModel, inst: Instruction, num_devices: int | None = None
     if "replica_groups" not in attrs and "replica_groups" in inst.attrs:
         attrs = inst.attrs
     mode = group_mode(attrs, base)
-    n_dev = num_devices or _num_devices(model)
+    n_dev = num_devices or module_devices(model.module)
     try:
         groups = tuple(tuple(g) for g in parse_replica_groups(attrs.get("replica_groups", "{}"), n_dev))
     except Exception:  # noqa: BLE001 - an unparsable group is reported as unknown, never fatal
@@ -161,8 +161,9 @@ def _library_kind(target: str) -> str | None:
     return None
 
 
-def _num_devices(model: CostModel) -> int:
-    a = model.module.attrs
+def module_devices(module: HloModule) -> int:
+    """Devices a module runs on: ``num_partitions`` x ``replica_count`` of its header (1 when absent)."""
+    a = module.attrs
     return max(int(a.get("num_partitions", "1") or 1), 1) * max(int(a.get("replica_count", "1") or 1), 1)
 
 
@@ -214,6 +215,7 @@ class Topology:
 
     @property
     def devices(self) -> int:
+        """Number of devices the topology holds."""
         return math.prod(self.shape) * self.slices
 
     def coords(self, device: int) -> tuple[int, ...]:
@@ -231,6 +233,7 @@ class Topology:
         return tuple(out)
 
     def describe(self) -> str:
+        """One line for reports: slice dims and wraparound, or nodes x GPUs."""
         if self.kind == "gpu":
             return f"{self.shape[1]} node(s) x {self.shape[0]} GPUs"
         if self.kind == "host":
@@ -258,6 +261,7 @@ def default_topology(chip: Chip, devices: int) -> Topology:
         shape = _factor(devices, 3 if dims3 else 2)
         return Topology("tpu", shape, _tpu_wraparound(chip, shape), 1, "default for the device count")
     if chip.kind == "gpu":
+        # 8 GPUs per node (one HGX/DGX board, hardware-and-rooflines.md §2.3) when the chip file has no figure
         per = int(chip.value("interconnect.gpus_per_node", 8) or 8)
         per = min(per, devices) if devices else per
         return Topology("gpu", (per, max(math.ceil(devices / per), 1)), (), 1, "nodes of gpus_per_node")

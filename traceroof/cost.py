@@ -69,6 +69,7 @@ class OpCost:
                       self.hbm_bytes + o.hbm_bytes, self.opaque or o.opaque, self.note or o.note)
 
     def scaled(self, k: float) -> "OpCost":
+        """This cost times ``k`` (executions)."""
         return OpCost(self.flops * k, self.transcendentals * k, self.bytes_accessed * k, self.padded_bytes * k,
                       self.hbm_bytes * k, self.opaque, self.note)
 
@@ -116,6 +117,7 @@ class CostModel:
 
     # -- operand helpers -----------------------------------------------------------------------------
     def operand_shape(self, inst: Instruction, i: int) -> Shape | None:
+        """Shape of operand ``i``: as printed beside the operand, else its defining instruction's."""
         if i < len(inst.operand_shapes) and inst.operand_shapes[i] is not None:
             return inst.operand_shapes[i]
         comp = self.comp_of.get(inst.name)

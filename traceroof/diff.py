@@ -21,7 +21,7 @@ import pandas as pd
 from parsers.errors import FormatError, InputError
 from traceroof.analysis import OP_KEY, Analysis, analyze
 
-NOISE_SIGMAS = 2.0
+NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Side:
 
 
 def side_from_analysis(a: Analysis, label: str) -> Side:
+    """A side from an :class:`Analysis` in memory."""
     s = a.summary
     return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
                 a.layers, a.op_stats)
@@ -101,6 +102,7 @@ class DiffResult:
 
 
 def step_delta(base: Side, new: Side) -> StepDelta:
+    """Step-time change; standard error of the difference of means = hypot(SE_base, SE_new), SE = std / sqrt(n)."""
     def se(times: tuple[float, ...]) -> float:
         return float(np.std(times, ddof=1) / math.sqrt(len(times))) if len(times) > 1 else 0.0
 

@@ -103,8 +103,9 @@ def layer_of(scope: str, depth: int) -> str:
 PHASE_ORDER = {"forward": 0, "remat": 1, "backward": 2, "optimizer": 3}
 
 
-def rollup(ops: pd.DataFrame, steps_used: int, step_time_s: float) -> pd.DataFrame:
-    """Per (layer, phase) rollup of the op table's counted rows (one step = ``steps_used`` steps averaged).
+def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd.DataFrame:
+    """Per (layer, phase) rollup of the op table's counted rows in marked steps; totals are divided by
+    ``per_step_divisor`` (steps used x devices) to give per-step, per-device figures.
 
     Columns: ``layer``, ``phase``, ``ops`` (distinct HLO ops), ``time_per_step_s``, ``share_of_step`` (of the
     mean step time), ``flops_per_step``, ``hbm_bytes_per_step``, ``expected_per_step_s``, ``efficiency``
@@ -115,10 +116,9 @@ def rollup(ops: pd.DataFrame, steps_used: int, step_time_s: float) -> pd.DataFra
     cols = ["layer", "phase", "ops", "time_per_step_s", "share_of_step", "flops_per_step", "hbm_bytes_per_step",
             "expected_per_step_s", "efficiency", "bound", "lost_per_step_s", "exposed_comm_per_step_s", "worst_op"]
     d = ops[ops["counted"] & ops["step"].notna()]
-    if d.empty or steps_used <= 0:
+    if d.empty or per_step_divisor <= 0:
         return pd.DataFrame(columns=cols)
-    n_dev = max(d["device"].nunique(), 1)
-    k = 1.0 / (steps_used * n_dev)
+    k = 1.0 / per_step_divisor
     rows = []
     for (layer, phase), g in d.groupby(["layer", "phase"], observed=True, sort=False):
         has_exp = g["expected_s"].notna()

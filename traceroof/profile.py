@@ -545,6 +545,7 @@ class JoinReport:
     unmatched_modules: tuple[str, ...]
     unmatched_ops: int
     ambiguous_modules: tuple[str, ...]
+    matched_sources: tuple[str, ...] = ()  # files (HloModule.source) of the modules events joined to
 
 
 def match_modules(events: pd.DataFrame, modules: Sequence[HloModule]) -> tuple[np.ndarray, JoinReport]:
@@ -579,5 +580,5 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule]) -> tuple[n
             unmatched.add(f"{name}({p})" if p >= 0 else name)
         chosen[u] = idx
     report = JoinReport(len(events), 0, int(events["duration_ps"].sum()), 0, tuple(sorted(unmatched)), 0,
-                        tuple(sorted(ambiguous)))
+                        tuple(sorted(ambiguous)), tuple(sorted({modules[i].source for i in chosen if i >= 0})))
     return chosen[codes] if len(events) else np.zeros(0, np.int64), report

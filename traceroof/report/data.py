@@ -15,11 +15,12 @@ from traceroof.analysis import Analysis
 TABLES = ("layers", "top-ops", "collectives", "op-stats", "ops")
 
 
-def _clean(v: Any) -> Any:
+def clean_value(v: Any) -> Any:
+    """A value JSON can hold: numpy scalars to Python, NaN and NA to None, containers recursively."""
     if isinstance(v, dict):
-        return {str(k): _clean(x) for k, x in v.items()}
+        return {str(k): clean_value(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
+        return [clean_value(x) for x in v]
     if isinstance(v, (np.integer,)):
         return int(v)
     if isinstance(v, (np.floating, float)):
@@ -46,20 +47,21 @@ def table(a: Analysis, name: str) -> pd.DataFrame:
     raise ValueError(f"unknown table {name!r}; one of {', '.join(TABLES)}")
 
 
-def _records(df: pd.DataFrame) -> list[dict[str, Any]]:
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Rows of a table as JSON-ready dicts."""
     out = []
     for row in df.astype(object).itertuples(index=False):
-        out.append({c: _clean(v) for c, v in zip(df.columns, row)})
+        out.append({c: clean_value(v) for c, v in zip(df.columns, row)})
     return out
 
 
 def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "collectives", "op-stats")) -> str:
     """JSON: ``summary`` (units in key names), the chosen tables as lists of records, ``findings``. With
     ``op-stats`` the report is a complete ``traceroof diff`` baseline."""
-    summary = _clean(dataclasses.asdict(a.summary))
+    summary = clean_value(dataclasses.asdict(a.summary))
     doc: dict[str, Any] = {"summary": summary, "depth": a.depth, "topology": a.topology}
     for t in tables:
-        doc[t.replace("-", "_")] = _records(table(a, t))
+        doc[t.replace("-", "_")] = records(table(a, t))
     doc["findings"] = list(a.findings)
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 

@@ -7,8 +7,8 @@ import json
 import pandas as pd
 
 from traceroof.diff import DiffResult
-from traceroof.report.data import _clean, _records
-from traceroof.report.text import _md_table, _text_table, fmt_pct, fmt_si, fmt_time
+from traceroof.report.data import clean_value, records
+from traceroof.report.text import md_table, text_table, fmt_pct, fmt_si, fmt_time
 
 
 def _layers(r: DiffResult) -> pd.DataFrame:
@@ -39,7 +39,8 @@ def _unmatched(r: DiffResult, n: int = 10) -> pd.DataFrame:
 
 
 def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False) -> str:
-    table = _md_table if markdown else _text_table
+    """Terminal (or, with ``markdown``, Markdown) text of a diff: contributors, gate, layers, ops, unmatched."""
+    table = md_table if markdown else text_table
     h = "## " if markdown else ""
     out = [("# " if markdown else "") + "traceroof diff", "",
            f"base: {r.base.label} ({r.base.chip}); new: {r.new.label} ({r.new.chip})",
@@ -55,19 +56,20 @@ def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False)
 
 
 def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
+    """JSON of a diff for CI: step change with noise, contributors, gate verdict, and the three tables."""
     doc = {
         "base": r.base.label, "new": r.new.label,
-        "step": _clean({k: getattr(r.step, k) for k in ("base_s", "new_s", "delta_s", "delta_pct",
+        "step": clean_value({k: getattr(r.step, k) for k in ("base_s", "new_s", "delta_s", "delta_pct",
                                                           "standard_error_s", "noise")}),
         "contributors": list(r.contributors), "gate": {"failed": failed, "reason": gate_line},
-        "layers": _records(r.layers), "ops": _records(r.ops), "unmatched": _records(r.unmatched),
+        "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
     }
     return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
 def render_diff_html(r: DiffResult, gate_line: str = "") -> str:
     """Self-contained HTML of a diff: both profiles side by side per layer (bars), deltas, ops, unmatched."""
-    from traceroof.report.html import _PAGE, _chart_script, _plotlyjs, esc, table_html
+    from traceroof.report.html import PAGE_TEMPLATE, chart_script, plotlyjs_source, esc, table_html
 
     order = [f"{x.layer} ({x.phase})" for x in r.layers.itertuples(index=False)]
     bars = {"data": [
@@ -88,5 +90,5 @@ def render_diff_html(r: DiffResult, gate_line: str = "") -> str:
     ]
     if len(r.unmatched):
         body += ["<h2>Unmatched ops</h2>", table_html(_unmatched(r, 20), None, "unmatched-table")]
-    return _PAGE.format(title=esc(f"traceroof diff: {r.base.label} vs {r.new.label}"), body="\n".join(body),
-                        plotlyjs=_plotlyjs(), charts=_chart_script({"layer-bars": bars}))
+    return PAGE_TEMPLATE.format(title=esc(f"traceroof diff: {r.base.label} vs {r.new.label}"), body="\n".join(body),
+                        plotlyjs=plotlyjs_source(), charts=chart_script({"layer-bars": bars}))

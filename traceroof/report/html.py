@@ -16,7 +16,7 @@ import pandas as pd
 from traceroof.analysis import Analysis
 from traceroof.report.text import collectives_table, fmt_si, fmt_time, header_lines, layers_table, top_table
 
-_PAGE = """<!DOCTYPE html>
+PAGE_TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
 <script>window.__pageErrors = [];
 window.addEventListener("error", function (e) {{ window.__pageErrors.push(String(e.message)); }});</script>
@@ -146,7 +146,7 @@ def layer_bars_figure(a: Analysis) -> dict:
     """Stacked bars per layer and phase: expected time by bound (compute / memory / communication), exposed
     communication, and the rest of the measured time; the stack adds up to the measured time per step."""
     d = a.ops[a.ops["counted"] & a.ops["step"].notna()]
-    per = max(len(a.summary.steps_used), 1) * max(a.summary.devices, 1)
+    per = a.per_step_divisor
     order = [f"{r.layer} ({r.phase})" for r in a.layers.itertuples(index=False)]
     if d.empty:
         return {"data": [], "layout": {"title": {"text": "Per layer: no counted ops"}}}
@@ -171,7 +171,8 @@ def layer_bars_figure(a: Analysis) -> dict:
                                        "yaxis": {"title": {"text": "ms per step"}}, "margin": {"b": 160}}}
 
 
-def _chart_script(figures: dict[str, dict]) -> str:
+def chart_script(figures: dict[str, dict]) -> str:
+    """JavaScript that draws each figure into the div of that id ("</" escaped so no string closes the tag)."""
     import json
 
     out = []
@@ -181,7 +182,8 @@ def _chart_script(figures: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
-def _plotlyjs() -> str:
+def plotlyjs_source() -> str:
+    """The plotly.js bundle that ships with the plotly package, safe to inline in a <script>."""
     from plotly.offline import get_plotlyjs
 
     return get_plotlyjs().replace("</script", "<\\/script")
@@ -209,6 +211,6 @@ def render_html(a: Analysis) -> str:
     if s.notes:
         body += ["<h2>Missing or partial input</h2>", "<ul>" + "".join(f"<li>{esc(n)}</li>" for n in s.notes)
                  + "</ul>"]
-    charts = _chart_script({"roofline": roofline_figure(a), "layer-bars": layer_bars_figure(a)})
-    return _PAGE.format(title=esc(f"traceroof: {s.input}"), body="\n".join(body), plotlyjs=_plotlyjs(),
+    charts = chart_script({"roofline": roofline_figure(a), "layer-bars": layer_bars_figure(a)})
+    return PAGE_TEMPLATE.format(title=esc(f"traceroof: {s.input}"), body="\n".join(body), plotlyjs=plotlyjs_source(),
                         charts=charts)

@@ -34,6 +34,7 @@ def fmt_si(x: float, unit: str) -> str:
 
 
 def fmt_pct(x: float) -> str:
+    """A ratio as a percentage with one decimal ('-' for NaN)."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:.1f}%"
 
 
@@ -124,7 +125,8 @@ def _short(v: object) -> str:
     return s if len(s) <= MAX_CELL else s[: MAX_CELL // 2 - 1] + "…" + s[-(MAX_CELL // 2) :]
 
 
-def _text_table(df: pd.DataFrame) -> str:
+def text_table(df: pd.DataFrame) -> str:
+    """A plain-text table, columns aligned, long cells shortened in the middle."""
     if df.empty:
         return "(none)"
     cols = list(df.columns)
@@ -137,7 +139,8 @@ def _text_table(df: pd.DataFrame) -> str:
     return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
 
 
-def _md_table(df: pd.DataFrame) -> str:
+def md_table(df: pd.DataFrame) -> str:
+    """A GitHub-flavoured Markdown table ('|' in cells escaped)."""
     if df.empty:
         return "_none_"
     def esc(v: object) -> str:
@@ -152,10 +155,10 @@ def render_terminal(a: Analysis) -> str:
     out = ["traceroof: per-layer roofline report", ""]
     width = max(len(k) for k, _ in header_lines(a))
     out += [f"{k.ljust(width)}  {v}" for k, v in header_lines(a)]
-    out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", _text_table(layers_table(a))]
-    out += ["", f"Top {len(a.top_ops)} ops by lost time", _text_table(top_table(a))]
+    out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", text_table(layers_table(a))]
+    out += ["", f"Top {len(a.top_ops)} ops by lost time", text_table(top_table(a))]
     if len(a.collectives):
-        out += ["", "Collectives (per step, per device)", _text_table(collectives_table(a))]
+        out += ["", "Collectives (per step, per device)", text_table(collectives_table(a))]
     if a.findings:
         out += ["", "Findings"] + [f"- {f}" for f in a.findings]
     if a.summary.notes:
@@ -167,10 +170,10 @@ def render_markdown(a: Analysis) -> str:
     """GitHub-flavoured Markdown report with the same content as the terminal report."""
     out = ["# traceroof: per-layer roofline report", ""]
     out += [f"- **{k or ' '}**: {v.replace('|', '/')}" for k, v in header_lines(a)]
-    out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", _md_table(layers_table(a))]
-    out += ["", f"## Top {len(a.top_ops)} ops by lost time", "", _md_table(top_table(a))]
+    out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", md_table(layers_table(a))]
+    out += ["", f"## Top {len(a.top_ops)} ops by lost time", "", md_table(top_table(a))]
     if len(a.collectives):
-        out += ["", "## Collectives (per step, per device)", "", _md_table(collectives_table(a))]
+        out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
     if a.findings:
         out += ["", "## Findings", ""] + [f"- {f}" for f in a.findings]
     if a.summary.notes:
