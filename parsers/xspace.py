@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import mmap
+import re
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +155,8 @@ class Plane:
     source: str = ""
 
     def events(self, stats: Sequence[str] = (), lines: Iterable[Line] | None = None,
-               merge_metadata_stats: bool = True, require: Sequence[str] = ()) -> pd.DataFrame:
+               merge_metadata_stats: bool = True, require: Sequence[str] = (),
+               names: str | None = None) -> pd.DataFrame:
         """Events of this plane (or of the given lines), one row each.
 
         Columns: ``line_id`` (int64), ``line_name`` (category), ``metadata_id`` (int64), ``name`` and
@@ -164,7 +166,8 @@ class Plane:
         With ``merge_metadata_stats`` a stat absent on the event is taken from its ``XEventMetadata`` (the
         event wins when both have it; a project convention, xplane-format.md §3). With ``require`` (stat
         names, added to ``stats``) only events that carry one of them, on the event or its metadata, are kept;
-        they are filtered line by line, so memory follows the kept events.
+        they are filtered line by line, so memory follows the kept events. ``names`` (a regular expression
+        matched at the start of event metadata names) keeps those events too when filtering with ``require``.
 
         :raises FormatError: the event data is corrupt or truncated.
         """
@@ -175,8 +178,9 @@ class Plane:
         stat_ids = np.array([i for _, i in col_of], dtype=np.int64).tobytes()
         ncol = len(col_of)
         req_cols = [j for j, (nm, _) in enumerate(col_of) if nm in require]
-        req_meta = np.array(sorted(k for k, m in self.event_metadata.items() if any(r in m.stats for r in require)),
-                            np.int64)
+        name_re = re.compile(names) if names else None
+        req_meta = np.array(sorted(k for k, m in self.event_metadata.items() if any(r in m.stats for r in require)
+                                   or (name_re is not None and name_re.match(m.name))), np.int64)
         parts: dict[str, list[np.ndarray]] = {k: [] for k in ("mid", "start", "dur", "vals", "kinds", "line")}
         for li, line in enumerate(chosen):
             n = line.event_count

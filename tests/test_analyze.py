@@ -34,7 +34,9 @@ def test_steps_from_step_trace_annotations(transformer):
     # the step time is the mean of the marked "train" events, read independently here
     ev = read_xspace(fixture_xplane("transformer")).plane("/host:CPU").events(stats=["step_num"])
     train = ev[(ev["name"] == "train") & ev["step_num"].isin([1, 2, 3, 4])]
-    assert s.step_time_mean_s == pytest.approx(train["duration_ps"].mean() * 1e-12)
+    assert s.host_step_time_mean_s == pytest.approx(train["duration_ps"].mean() * 1e-12)
+    # blocking steps: the device time (first launch -> last op end) lies inside each annotation
+    assert 0.9 * s.host_step_time_mean_s < s.step_time_mean_s <= s.host_step_time_mean_s
 
 
 def test_per_step_flops_equal_xla_cost_analysis(transformer):
@@ -105,7 +107,8 @@ def test_top_ops_sorted_by_lost_time(transformer):
 def test_trace_json_gives_the_same_op_times(transformer):
     a = analyze(fixture_trace_json("transformer"), hlo=[FIXTURES / "transformer" / "hlo"], chip=HOST_CHIP)
     assert a.summary.join.events_total == transformer.summary.join.events_total
-    assert a.summary.step_time_mean_s == pytest.approx(transformer.summary.step_time_mean_s, rel=1e-9)
+    # trace JSON has no flow stats (async thunk ends): the last op of a step may end a little earlier
+    assert a.summary.step_time_mean_s == pytest.approx(transformer.summary.step_time_mean_s, rel=0.02)
     assert a.summary.flops_per_step == pytest.approx(transformer.summary.flops_per_step)
 
 

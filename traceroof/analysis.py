@@ -29,6 +29,7 @@ FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chi
 EXPOSED_SHARE_MIN = 0.02  # collectives exposed for more than this share of the step are named
 STRAGGLER_LAST_SHARE_MIN = 0.5  # a device last at more than this share of collective executions ...
 STRAGGLER_WAIT_SHARE_MIN = 0.01  # ... while the others wait more than this share of the step
+STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
@@ -66,6 +67,7 @@ class Summary:
     hlo_sources: dict[str, int] = field(default_factory=dict)
     flop_convention: str = FLOP_CONVENTION
     notes: tuple[str, ...] = ()
+    host_step_time_mean_s: float = float("nan")  # the step annotations' own mean (host time), for comparison
 
 
 @dataclass(frozen=True, eq=False)
@@ -283,7 +285,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     if "traceroof_flops" in ops:
         notes += _cost_disagreements(ops)
     user = {str(f) for f in profile.inputs.user_hlo_files}
-    if user and not user & set(join.matched_sources):
+    if user and not user & (set(join.matched_sources) | profile.dump_sources):
         raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given "
                                f"(profile modules: {', '.join(join.unmatched_modules[:4]) or '?'}); "
                                "pass the after-optimization dumps of the profiled run")
@@ -339,7 +341,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         warmup_steps = 0
     used = tuple(all_steps[warmup_steps:])
     sel = steps[steps["step"].isin(used)]
-    durations = (sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12
+    durations, host_mean = _step_durations(sel, notes)
     step_mean = float(durations.mean()) if len(durations) else float("nan")
     step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
     ops["step"] = ops["step"].where(ops["step"].isin(used))
@@ -365,7 +367,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         roofline_efficiency=expected / step_mean if step_mean > 0 and join.events_joined else float("nan"),
         devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
         step_times_s=tuple(float(x) for x in durations),
-        hlo_sources=dict(profile.hlo_sources), notes=tuple(notes),
+        hlo_sources=dict(profile.hlo_sources), notes=tuple(notes), host_step_time_mean_s=host_mean,
     )
     layers = rollup(ops, per, step_mean)
     skew = arrival_skew(ops)
@@ -374,6 +376,23 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
                     tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)
                           + communication_findings(coll_table, skew, summary, len(used))),
                     coll_table, topo.describe(), per)
+
+
+def _step_durations(sel: pd.DataFrame, notes: list[str]) -> tuple[np.ndarray, float]:
+    """Per-step times (s) of the used steps: the device time (first launch -> last op end, see
+    :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
+    annotations' mean. A note says when the two differ by more than ``STEP_TIME_DISAGREEMENT``."""
+    host = (sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12
+    host_mean = float(host.mean()) if len(host) else float("nan")
+    if not len(sel) or "device_end_ps" not in sel or sel["device_end_ps"].isna().any():
+        return host, host_mean
+    device = (sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12
+    dev_mean = float(device.mean())
+    if abs(dev_mean - host_mean) > STEP_TIME_DISAGREEMENT * max(dev_mean, 1e-30):
+        notes.append(f"device step time (first launch -> last op end) {dev_mean * 1e3:.3f} ms differs from the "
+                     f"step annotations' {host_mean * 1e3:.3f} ms (asynchronous dispatch: the host runs ahead of "
+                     "the device); per-step figures use the device time")
+    return device, host_mean
 
 
 def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:

@@ -20,21 +20,18 @@ import pandas as pd
 
 from parsers.errors import InputError, TraceroofError
 from parsers.hlo import HloModule
-from parsers.hlo_proto import module_from_proto, read_hlo_proto_file
-from parsers.hlo_text import parse_hlo_file
 from parsers.trace_json import read_trace_json
 from parsers.xprof_export import is_hlo_stats
 from parsers.xspace import AGGREGATE_START_PS, read_xspace
+from traceroof.hlo_source import (HloMismatchError, check_dumps, embedded_hlo, hlo_files, parse_dumps,
+                                  profile_hlo, reconcile, relevant_dumps)
+from traceroof.steps import (assign_steps, device_step_spans, dominant_program_steps, kernel_launch_times,
+                             launch_events, launch_times)
 
 XPLANE_SUFFIXES = (".xplane.pb", ".xspace.pb", ".xplane.pb.gz")
 TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz", ".json.gz", ".json")
 RUN_TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz")
-HLO_SUFFIXES = (".txt", ".hlo", ".hlo.txt")
 OP_STATS = ("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num")
-
-
-class HloMismatchError(TraceroofError):
-    """The HLO given does not describe the profiled program."""
 
 
 @dataclass(frozen=True)
@@ -70,19 +67,6 @@ def _profiles_in_run(run: Path) -> tuple[list[Path], str]:
     return jsons, "trace_json"
 
 
-def _hlo_files(path: Path, explicit: bool = True) -> list[Path]:
-    """HLO text files under ``path``: after-optimization dumps; for an explicit ``--hlo`` folder without them,
-    any ``.txt`` / ``.hlo`` file (a folder found beside a profile is searched for dumps only)."""
-    if path.is_file():
-        return [path]
-    files = sorted(p for p in path.rglob("*after_optimizations*.txt") if "buffer-assignment" not in p.name
-                   and "memory-usage" not in p.name)
-    if not files and explicit:
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(HLO_SUFFIXES)
-                       and "plugins" not in p.parts)
-    return files
-
-
 def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inputs:
     """Resolve user paths to the profile and HLO files to read.
 
@@ -90,7 +74,7 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
     """
     profiles: list[Path] = []
     kinds: set[str] = set()
-    hlo_files: list[Path] = []
+    found_hlo: list[Path] = []
     described = []
     if not paths:
         raise InputError("no input given: pass a .xplane.pb, a run directory or a TensorBoard logdir")
@@ -133,21 +117,21 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
         profiles += found
         kinds.add(kind)
         described.append(str(run))
-        hlo_files += [f for f in _hlo_files(p, explicit=False) if "plugins" not in f.relative_to(p).parts]
+        found_hlo += hlo_files(p, explicit=False)
     for h in hlo:
         hp = Path(h)
         if not hp.exists():
             raise InputError(f"--hlo {hp} does not exist; pass HLO text files or an --xla_dump_to folder")
-        files = _hlo_files(hp)
+        files = hlo_files(hp)
         if not files:
-            raise InputError(f"--hlo {hp}: no HLO text found (*after_optimizations*.txt)")
-        hlo_files += files
+            raise InputError(f"--hlo {hp}: no HLO text found (XLA's *after_optimizations.txt dumps, or files starting with HloModule); pass an --xla_dump_to folder written with --xla_dump_hlo_as_text")
+        found_hlo += files
     if len(kinds) > 1:
         raise InputError("mixing .xplane.pb and trace JSON inputs is not supported; pass one kind")
-    user_files = tuple(f for h in hlo for f in _hlo_files(Path(h)))
+    user_files = tuple(f for h in hlo for f in hlo_files(Path(h)))
     sidecars = sorted({f for prof in profiles for f in prof.parent.glob("*.hlo_proto.pb")}
                       | {f for d in described if Path(d).is_dir() for f in Path(d).rglob("*.hlo_proto.pb")})
-    return Inputs(tuple(dict.fromkeys(profiles)), kinds.pop(), tuple(dict.fromkeys(hlo_files)),
+    return Inputs(tuple(dict.fromkeys(profiles)), kinds.pop(), tuple(dict.fromkeys(found_hlo)),
                   ", ".join(described), tuple(sidecars), user_files)
 
 
@@ -171,27 +155,7 @@ class Profile:
     plane_stats: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     hlo_sources: dict[str, int] = field(default_factory=dict)
-
-
-def load_hlo(files: Sequence[Path]) -> list[HloModule]:
-    """Parse HLO text files into modules (program ids from dump names)."""
-    modules = []
-    for f in files:
-        modules += parse_hlo_file(f)
-    return modules
-
-
-def _relevant_hlo(files: Sequence[Path], events: pd.DataFrame) -> list[Path]:
-    """The HLO files that can describe the profiled modules: a dump ``module_NNNN.<name>.*`` is kept when the
-    profile ran program NNNN or a module of that name; other files are always kept."""
-    names = set(events["module"].astype(str).unique())
-    ids = set(int(x) for x in events["program_id"].dropna().unique())
-    keep = []
-    for f in files:
-        m = re.match(r"module_(\d+)\.(.+?)\.", f.name)
-        if not m or int(m.group(1)) in ids or m.group(2) in names:
-            keep.append(f)
-    return keep
+    dump_sources: frozenset[str] = frozenset()  # HLO text files superseded by the profile's own HLO
 
 
 def load_profile(inputs: Inputs) -> Profile:
@@ -205,6 +169,7 @@ def load_profile(inputs: Inputs) -> Profile:
     device_kind, device_desc, annotation = "cpu", "", ""
     plane_stats: dict[str, object] = {}
     starts = []
+    counts: dict[str, int] = {}
     embedded: list[tuple[int | None, str, bytes, str]] = []
     if inputs.kind == "xplane":
         spaces = [read_xspace(p) for p in inputs.profiles]
@@ -212,9 +177,12 @@ def load_profile(inputs: Inputs) -> Profile:
         base = min((s for s in starts if s is not None), default=None)
         for xs, s in zip(spaces, starts):
             offset_ps = (s - base) * 1000 if (s is not None and base is not None) else 0
-            ev, st, kind, desc, ann, stats = _xspace_events(xs)
-            embedded += _embedded_hlo(xs)
+            ev, st, kind, desc, ann, stats, info = _xspace_events(xs)
+            for k, v in info.items():
+                counts[k] = counts.get(k, 0) + v
+            embedded += embedded_hlo(xs)
             ev["start_ps"] += offset_ps
+            ev["launch_ps"] += offset_ps
             st["start_ps"] += offset_ps
             st["end_ps"] += offset_ps
             frames.append(ev)
@@ -237,62 +205,26 @@ def load_profile(inputs: Inputs) -> Profile:
     events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     steps = pd.concat(step_frames, ignore_index=True) if step_frames else pd.DataFrame()
     if events.empty:
+        if counts.get("launches"):
+            raise InputError(f"{inputs.description}: {counts['launches']} program launches but no XLA op events: "
+                             "the work ran after the trace stopped; call jax.block_until_ready() on the last "
+                             "step's outputs before jax.profiler.stop_trace()")
         raise InputError(f"{inputs.description}: the profile holds no XLA op events (no hlo_op stats); "
                          "profile a jitted JAX/XLA program")
-    events = _assign_steps(events, steps)
-    modules = load_hlo(_relevant_hlo(inputs.hlo_files, events))
-    sources = {"HLO text dumps": len(modules)}
-    extra = _profile_hlo(events, modules, embedded, inputs.hlo_proto_files)
-    sources["HloProtos embedded in the profile"] = sum(1 for _, how in extra if how == "embedded")
-    sources["HloProto files beside the profile"] = sum(1 for _, how in extra if how == "sidecar")
-    modules += [m for m, _ in extra]
-    return Profile(inputs, events, steps, modules, device_kind, device_desc, annotation, plane_stats, notes,
-                   {k: v for k, v in sources.items() if v})
-
-
-def _embedded_hlo(xs) -> list[tuple[int | None, str, bytes, str]]:
-    """(program id, module name, HloProto bytes, source) of every program in the ``/host:metadata`` plane."""
-    meta = xs.plane("/host:metadata")
-    out = []
-    if meta is None:
-        return out
-    for em in meta.event_metadata.values():
-        data = em.stats.get("Hlo Proto")
-        if not isinstance(data, (bytes, bytearray)):
-            continue
-        m = re.fullmatch(r"(.*)\((\d+)\)", em.name)
-        pid = em.stats.get("program_id")
-        pid = int(pid) if isinstance(pid, int) else (int(m.group(2)) if m else None)
-        out.append((pid, m.group(1) if m else em.name, bytes(data), f"{xs.path}:/host:metadata:{em.name}"))
-    return out
-
-
-def _profile_hlo(events: pd.DataFrame, have: Sequence[HloModule], embedded: list[tuple[int | None, str, bytes, str]],
-                 sidecars: Sequence[Path]) -> list[tuple[HloModule, str]]:
-    """Modules decoded from the profile's own HloProtos (embedded, then sidecar files) for the programs the
-    events ran and the text dumps do not cover. Matching is by program id (by name only without ids)."""
-    ids = set(int(x) for x in events["program_id"].dropna().unique())
-    names = set(events.loc[events["program_id"].isna(), "module"].astype(str).unique())
-    covered_ids = {m.program_id for m in have if m.program_id is not None}
-    covered_names = {m.name for m in have}
-    out: list[tuple[HloModule, str]] = []
-    candidates = [(pid, name, "embedded", lambda d=data, src=src, pid=pid: module_from_proto(d, src, pid))
-                  for pid, name, data, src in embedded]
-    for f in sidecars:
-        m = re.fullmatch(r"(.*)\((\d+)\)\.hlo_proto\.pb", f.name)
-        candidates.append((int(m.group(2)) if m else None, m.group(1) if m else f.name, "sidecar",
-                           lambda f=f: read_hlo_proto_file(f)))
-    for pid, name, how, load in candidates:
-        wanted = (pid is not None and pid in ids and pid not in covered_ids) or \
-                 (name in names and name not in covered_names)
-        if wanted:
-            module = load()
-            if pid is not None:
-                module.program_id = pid
-                covered_ids.add(pid)
-            covered_names.add(name)
-            out.append((module, how))
-    return out
+    if counts.get("async_extra_ps", 0) > ASYNC_NOTE_SHARE * counts.get("op_ps", 0):
+        notes.append(f"{counts['async_thunks']:,} op events are launches of asynchronous thunks: their time runs "
+                     f"to the thunk's `end:` event (+{counts['async_extra_ps'] / counts['op_ps']:.0%} op time)")
+    events, steps, annotation = _steps_by_execution(events, steps, annotation, notes)
+    texts = parse_dumps(relevant_dumps(inputs.hlo_files, events), events, notes)
+    extra = profile_hlo(events, embedded, inputs.hlo_proto_files)
+    truth = [m for m, _ in extra]
+    dumps, superseded = reconcile(texts, truth, notes)
+    check_dumps(dumps, events)
+    sources = {"HLO text dumps": len(dumps),
+               "HloProtos embedded in the profile": sum(1 for _, how in extra if how == "embedded"),
+               "HloProto files beside the profile": sum(1 for _, how in extra if how == "sidecar")}
+    return Profile(inputs, events, steps, truth + dumps, device_kind, device_desc, annotation, plane_stats, notes,
+                   {k: v for k, v in sources.items() if v}, superseded)
 
 
 def _host_of(path: str) -> str:
@@ -312,6 +244,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     frames = []
     fw_steps = None
     stats: dict[str, object] = {}
+    info: dict[str, int] = {}
     if tpu and any(line.name == "XLA Ops" and line.event_count for p in tpu for line in p.lines):
         kind = "tpu"
         frames, fw_steps = _tpu_ops(tpu, host, xs)
@@ -320,13 +253,18 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     elif gpu and any(line.event_count for p in gpu for line in p.lines):
         kind = "gpu"
         active = []
+        api = cpu.events(stats=("correlation_id",), require=("correlation_id",)) if cpu else pd.DataFrame()
+        api_calls = ((api["correlation_id"].to_numpy(dtype="float64", na_value=np.nan), api["start_ps"].to_numpy())
+                     if len(api) else (np.zeros(0), np.zeros(0, np.int64)))
         for p in gpu:
             streams = [line for line in p.lines if line.name.startswith("Stream")]
             if not streams:
                 continue
             active.append(p)
-            ev = p.events(stats=OP_STATS, lines=streams)
+            ev = p.events(stats=(*OP_STATS, "correlation_id"), lines=streams)
             ev = ev[ev["start_ps"] != AGGREGATE_START_PS]
+            ev = ev.assign(launch_ps=kernel_launch_times(
+                ev["correlation_id"].to_numpy(dtype="float64", na_value=np.nan), *api_calls))
             attributed = ev["hlo_op"].notna().to_numpy()
             kernel = ev["display_name"].astype(str)
             ev = ev.assign(device=f"{host}/{p.name}", kernel=kernel.to_numpy(),
@@ -348,10 +286,18 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         kind = "cpu"
         if cpu is None:
             raise InputError(f"{xs.path}: no /host:CPU or device plane: not a JAX/XLA profile")
-        both = cpu.events(stats=OP_STATS, require=("hlo_op", "step_num"))
+        both = cpu.events(stats=(*OP_STATS, "run_id", "_p", "_c"), require=("hlo_op", "step_num"),
+                          names=HOST_EVENT_NAMES)
         step_events = both[both["step_num"].notna()]
         ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
-        del both
+        ev, (info["async_thunks"], info["async_extra_ps"], info["op_ps"]) = _async_thunk_ends(ev, both[both["name"].astype(str).str.startswith("end: ")])
+        launches = launch_events(both[both["name"].astype(str).str.match(HOST_EVENT_NAMES).to_numpy(bool)
+                                      & both["hlo_op"].isna().to_numpy()])
+        info["launches"] = len(launches)
+        host_ops = ev.assign(module=ev["hlo_module"])
+        launch, info["executions_matched"] = launch_times(host_ops, launches)
+        ev = ev.assign(launch_ps=launch)
+        del both, host_ops
         ordinal = ev["device_ordinal"].to_numpy(dtype="float64", na_value=0).astype(np.int64)
         uniq, inv = np.unique(ordinal, return_inverse=True)
         ev = ev.assign(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]))
@@ -372,6 +318,10 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         "duration_ps": events["duration_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
         "kernel": pd.Categorical(events["kernel"]) if len(events) else pd.Categorical([]),
         "attributed": events["attributed"].to_numpy(bool) if len(events) else np.zeros(0, bool),
+        "run_id": pd.array(events["run_id"], "Int64") if "run_id" in events else pd.array([pd.NA] * len(events),
+                                                                                           "Int64"),
+        "launch_ps": pd.array(events["launch_ps"].to_numpy(np.float64), "Float64").astype("Int64")
+        if "launch_ps" in events else pd.array([pd.NA] * len(events), "Int64"),
     })
     if len(events) and "framework_scope" in events:
         out["framework_scope"] = pd.Categorical(events["framework_scope"])
@@ -379,14 +329,17 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         if len(events) and f"profile_{st}" in events:
             out[f"profile_{st}"] = events[f"profile_{st}"].to_numpy(np.float64)
     if fw_steps is not None and len(fw_steps):
-        return out, fw_steps.reset_index(drop=True), kind, desc, "Steps", stats
+        return out, fw_steps.reset_index(drop=True), kind, desc, "Steps", stats, info
     if kind != "cpu":
         step_events = cpu.events(stats=("step_num",), require=("step_num",)) if cpu else pd.DataFrame()
     steps, ann = _steps_from_events(step_events, host)
-    return out, steps, kind, desc, ann, stats
+    return out, steps, kind, desc, ann, stats, info
 
 
 TPU_COST_STATS = ("flops", "model_flops", "bytes_accessed")
+ASYNC_NOTE_SHARE = 0.05  # async thunk ends adding more than this share of op time are stated in a note
+# host events read besides ops and steps: async thunk ends, PjRt launches and the PjitFunction events around them
+HOST_EVENT_NAMES = r"end: |PjitFunction\(|(?:\w+::)*\w*PjRt\w*Executable::Execute"
 
 
 def _device_steps(plane, host: str) -> list[pd.DataFrame]:
@@ -400,6 +353,50 @@ def _device_steps(plane, host: str) -> list[pd.DataFrame]:
                                      "start_ps": st["start_ps"].to_numpy(np.int64),
                                      "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
     return out
+
+
+def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> tuple[pd.DataFrame, tuple[int, int, int]]:
+    """XLA:CPU async thunks: an op event may be only the launch of a thunk that completes at its ``end: <op>``
+    event, linked by the flow stats (the op's producer ``_p`` = the end event's consumer ``_c``; xla
+    ``backends/cpu/runtime/thunk_executor.cc``). The op's time runs to the end event, less the time the completing
+    thread spent in other op events meanwhile (a completion delayed because that thread ran other ops is
+    scheduling, not this op's work). Returns the ops and (events extended, ps added, op ps before)."""
+    if ops.empty or ends.empty or "_p" not in ops or "_c" not in ends:
+        return ops, (0, 0, 0)
+    e = pd.DataFrame({"c": ends["_c"].to_numpy(dtype="float64", na_value=np.nan),
+                      "end": (ends["start_ps"] + ends["duration_ps"]).to_numpy(np.int64),
+                      "line": ends["line_id"].to_numpy(np.int64)}).dropna().drop_duplicates("c", keep="last")
+    pos = pd.Series(np.arange(len(e)), index=e["c"].to_numpy())
+    k = ops["_p"].to_numpy(dtype="float64", na_value=np.nan)
+    idx = pd.Series(k).map(pos).to_numpy(np.float64, na_value=np.nan)
+    start = ops["start_ps"].to_numpy(np.int64)
+    dur = ops["duration_ps"].to_numpy(np.int64)
+    old_end = start + dur
+    has = ~np.isnan(idx)
+    done = np.zeros(len(ops), np.int64)
+    done[has] = e["end"].to_numpy()[idx[has].astype(np.int64)]
+    grow = has & (done > old_end)
+    if not grow.any():
+        return ops, (0, 0, int(dur.sum()))
+    extra = (done - old_end).astype(np.float64)
+    end_line = np.full(len(ops), -1, np.int64)
+    end_line[has] = e["line"].to_numpy()[idx[has].astype(np.int64)]
+    lines = ops["line_id"].to_numpy(np.int64)
+    for line in np.unique(end_line[grow]):  # subtract the completing thread's time in other ops
+        on = lines == line
+        order = np.argsort(start[on], kind="stable")
+        s_l, e_l = start[on][order], old_end[on][order]
+        cum = np.concatenate([[0], np.cumsum(e_l - s_l)])
+
+        def busy(t: np.ndarray) -> np.ndarray:
+            j = np.searchsorted(s_l, t, side="right") - 1
+            part = np.where(j >= 0, np.clip(np.minimum(t, e_l[np.maximum(j, 0)]) - s_l[np.maximum(j, 0)], 0, None), 0)
+            return cum[np.maximum(j, 0)] * (j >= 0) + part
+
+        sel = grow & (end_line == line)
+        extra[sel] -= busy(done[sel]) - busy(old_end[sel])
+    extra = np.where(grow, np.maximum(extra, 0), 0).astype(np.int64)
+    return ops.assign(duration_ps=dur + extra), (int((extra > 0).sum()), int(extra.sum()), int(dur.sum()))
 
 
 def _tpu_ops(planes: Sequence, host: str, xs) -> tuple[list[pd.DataFrame], pd.DataFrame]:
@@ -493,8 +490,13 @@ def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
 
 def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     host = _host_of(str(path))
-    ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num"))
+    ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num", "run_id"))
     ops = ev[ev["hlo_op"].notna() & ev["plane"].astype(str).str.startswith(("/host:CPU", "/device:"))]
+    run_id = pd.array(pd.to_numeric(ops["run_id"].astype(object), errors="coerce"), "Int64")
+    named = ev[ev["name"].astype(str).str.match(HOST_EVENT_NAMES).to_numpy(bool) & ev["hlo_op"].isna().to_numpy()]
+    launches = launch_events(named.assign(line_id=named["tid"]))
+    launch, _ = launch_times(pd.DataFrame({"module": ops["hlo_module"].astype(str).to_numpy(), "run_id": run_id,
+                                           "start_ps": ops["start_ps"].to_numpy(np.int64)}), launches)
     ordinal = pd.to_numeric(ops["device_ordinal"].astype(object), errors="coerce").fillna(0).astype("int64")
     out = pd.DataFrame({
         "host": pd.Categorical([host] * len(ops)),
@@ -506,11 +508,48 @@ def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]
         "duration_ps": ops["duration_ps"].to_numpy(np.int64),
         "kernel": pd.Categorical([""] * len(ops)),
         "attributed": np.ones(len(ops), bool),
+        "run_id": run_id,
+        "launch_ps": pd.array(launch, "Float64").astype("Int64"),
     })
     step_ev = ev[ev["step_num"].notna()].copy()
     step_ev["step_num"] = pd.to_numeric(step_ev["step_num"].astype(object), errors="coerce")
     steps, ann = _steps_from_events(step_ev[step_ev["step_num"].notna()], host)
     return out, steps, ann
+
+
+def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: str, notes: list[str]
+                        ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """Put every op event in the step whose launch produced it (:mod:`traceroof.steps`); without step markers,
+    each execution of the dominant program is a step. Steps gain ``device_start_ps`` / ``device_end_ps``."""
+    if not steps.empty and "device" in steps and steps["device"].notna().all():  # TPU / framework Steps lines
+        events = _assign_steps(events, steps)
+        return events, steps.assign(device_start_ps=steps["start_ps"], device_end_ps=steps["end_ps"]), annotation
+    launch = events["launch_ps"].to_numpy(dtype="float64", na_value=np.nan)
+    known = ~np.isnan(launch)
+    start = events["start_ps"].to_numpy(np.int64)
+    when = np.where(known, np.nan_to_num(launch), start).astype(np.int64)
+    hosts = events["host"].astype(str).to_numpy()
+    if steps.empty:
+        steps, module = dominant_program_steps(events, when)
+        if module:
+            annotation = f"executions of {module}"
+            notes.append(f"no steps marked (jax.profiler.StepTraceAnnotation): each execution of {module}, the "
+                         "program with the most op time, is a step")
+    step = assign_steps(when, hosts, steps)
+    has_run = events["run_id"].notna().to_numpy() if "run_id" in events else np.zeros(len(events), bool)
+    if (has_run & ~known).any():
+        share = events["duration_ps"].to_numpy()[has_run & ~known].sum() / max(events["duration_ps"].sum(), 1)
+        notes.append(f"{share:.1%} of op time could not be tied to its launch (no launch event of its program "
+                     "in the profile): placed in steps by its own start time")
+    outside = (step < 0) & known
+    if outside.any() and annotation and not annotation.startswith("executions of"):
+        runs = events.loc[outside, ["program_id", "run_id"]].drop_duplicates()
+        share = events["duration_ps"].to_numpy()[outside].sum() / max(events["duration_ps"].sum(), 1)
+        notes.append(f"{len(runs)} execution(s) ({share:.1%} of op time) were launched outside the marked steps "
+                     "(work between steps, or a step still open when the trace stopped): left out of per-step "
+                     "figures")
+    steps = device_step_spans(step, hosts, when, start + events["duration_ps"].to_numpy(np.int64), steps)
+    return events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0)), steps, annotation
 
 
 def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:

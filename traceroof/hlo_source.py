@@ -1,0 +1,190 @@
+"""Which HLO describes the profiled programs: the profile's own HloProtos first, dumps checked against it.
+
+The HLO joined must be the HLO that ran. The ``xla.HloProto`` of every program a profile ran (embedded in its
+``/host:metadata`` plane, or written beside it as ``<module>(<program_id>).hlo_proto.pb``) is the truth. A text
+dump of the same program that differs from it (another run's dump folder, an edited file) is dropped with a note
+naming both; compared by a fingerprint of every instruction's name, opcode, element type and dims. Without a
+profile HloProto, a dump must name every op the program's events ran (``hlo_op``) or it is refused
+(:class:`HloMismatchError`, exit status 2). Dump folders are read as XLA writes them
+(:mod:`parsers.dump_folder`); a file that looks like HLO but does not parse becomes a note, unless it is the only
+HLO of a profiled program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Callable, Sequence
+
+import pandas as pd
+
+from parsers.dump_folder import hlo_text_files
+from parsers.errors import HloParseError, TraceroofError
+from parsers.hlo import HloModule
+from parsers.hlo_proto import module_from_proto, read_hlo_proto_file
+from parsers.hlo_text import parse_hlo_file
+
+_DUMP_NAME = re.compile(r"module_(\d+)\.(.+?)\.")
+
+
+class HloMismatchError(TraceroofError):
+    """The HLO given does not describe the profiled program."""
+
+
+def hlo_files(path: Path, explicit: bool = True) -> list[Path]:
+    """HLO text files under ``path``: XLA's after-optimization dumps; for an explicit ``--hlo`` folder without
+    them, other ``.txt`` / ``.hlo`` files with an ``HloModule`` header. A file is taken as given."""
+    if path.is_file():
+        return [path]
+    after, other = hlo_text_files(path)
+    return after if after or not explicit else other
+
+
+def fingerprint(module: HloModule) -> tuple[str, int]:
+    """(sha1 hex digest, number of instructions) over the sorted set of every instruction's computation, name,
+    opcode, element type and dims: equal for the same compiled program read from a text dump or an HloProto
+    (which may order computations and instructions differently)."""
+    lines = sorted(f"{comp.name}/{inst.name}={inst.opcode}:{inst.shape.element_type}{list(inst.shape.dims)}"
+                   for comp in module.computations.values() for inst in comp.instructions)
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest(), len(lines)
+
+
+def _first_difference(a: HloModule, b: HloModule) -> str:
+    left = {i.name: i for c in a.computations.values() for i in c.instructions}
+    right = {i.name: i for c in b.computations.values() for i in c.instructions}
+    for name, inst in left.items():
+        other = right.get(name)
+        if other is None:
+            return f"{name} is not in the profile's HLO"
+        if (inst.opcode, inst.shape.element_type, inst.shape.dims) != (other.opcode, other.shape.element_type,
+                                                                       other.shape.dims):
+            return (f"{name} is {inst.opcode} {inst.shape.element_type}{list(inst.shape.dims)} in the dump, "
+                    f"{other.opcode} {other.shape.element_type}{list(other.shape.dims)} in the profile")
+    extra = sorted(set(right) - set(left))
+    return f"{extra[0]} is missing from the dump" if extra else "computations differ"
+
+
+def _profiled(events: pd.DataFrame) -> tuple[set[int], set[str]]:
+    ids = {int(x) for x in events["program_id"].dropna().unique()}
+    names = set(events["module"].astype(str).unique())
+    return ids, names
+
+
+def relevant_dumps(files: Sequence[Path], events: pd.DataFrame) -> list[Path]:
+    """The HLO files that can describe the profiled programs: a dump ``module_NNNN.<name>.*`` is kept when the
+    profile ran program NNNN or a module of that name; files not named like dumps are always kept."""
+    ids, names = _profiled(events)
+    return [f for f in files if not (m := _DUMP_NAME.match(f.name)) or int(m.group(1)) in ids or m.group(2) in names]
+
+
+def parse_dumps(files: Sequence[Path], events: pd.DataFrame, notes: list[str]) -> list[HloModule]:
+    """Parse HLO text files; a file that fails to parse becomes a note, unless it is the only HLO of a profiled
+    program (a dump named for a program the profile ran) or the only file given.
+
+    :raises HloParseError: that file does not parse.
+    """
+    ids, _ = _profiled(events)
+    modules: list[HloModule] = []
+    for f in files:
+        try:
+            modules += parse_hlo_file(f)
+        except HloParseError as e:
+            m = _DUMP_NAME.match(f.name)
+            if len(files) == 1 or (m and int(m.group(1)) in ids):
+                raise
+            notes.append(f"skipped {f.name}: it looks like HLO but does not parse ({e})")
+    return modules
+
+
+def embedded_hlo(xs) -> list[tuple[int | None, str, bytes, str]]:
+    """(program id, module name, HloProto bytes, source) of every program in an XSpace's ``/host:metadata``."""
+    meta = xs.plane("/host:metadata")
+    out = []
+    if meta is None:
+        return out
+    for em in meta.event_metadata.values():
+        data = em.stats.get("Hlo Proto")
+        if not isinstance(data, (bytes, bytearray)):
+            continue
+        m = re.fullmatch(r"(.*)\((\d+)\)", em.name)
+        pid = em.stats.get("program_id")
+        pid = int(pid) if isinstance(pid, int) else (int(m.group(2)) if m else None)
+        out.append((pid, m.group(1) if m else em.name, bytes(data), f"{xs.path}:/host:metadata:{em.name}"))
+    return out
+
+
+def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, bytes, str]],
+                sidecars: Sequence[Path]) -> list[tuple[HloModule, str]]:
+    """Modules decoded from the profile's own HloProtos (embedded, then sidecar files) for the programs the
+    events ran, with how each was found (``embedded`` / ``sidecar``). Matched by program id (by name only
+    for events without ids)."""
+    ids = {int(x) for x in events["program_id"].dropna().unique()}
+    names = set(events.loc[events["program_id"].isna(), "module"].astype(str).unique())
+    candidates: list[tuple[int | None, str, str, Callable[[], HloModule]]] = [
+        (pid, name, "embedded", lambda d=data, src=src, pid=pid: module_from_proto(d, src, pid))
+        for pid, name, data, src in embedded]
+    for f in sidecars:
+        m = re.fullmatch(r"(.*)\((\d+)\)\.hlo_proto\.pb", f.name)
+        candidates.append((int(m.group(2)) if m else None, m.group(1) if m else f.name, "sidecar",
+                           lambda f=f: read_hlo_proto_file(f)))
+    out: list[tuple[HloModule, str]] = []
+    seen_ids: set[int] = set()
+    seen_names: set[str] = set()
+    for pid, name, how, load in candidates:
+        if (pid is not None and pid in ids and pid not in seen_ids) or (name in names and name not in seen_names):
+            module = load()
+            if pid is not None:
+                module.program_id = pid
+                seen_ids.add(pid)
+            seen_names.add(name)
+            out.append((module, how))
+    return out
+
+
+def reconcile(dumps: list[HloModule], truth: list[HloModule], notes: list[str]
+              ) -> tuple[list[HloModule], frozenset[str]]:
+    """The dumps not superseded by the profile's own HLO, and the sources of those superseded: a dump of a
+    program the profile carries is dropped (with a note naming both when it differs)."""
+    by_key = {(m.program_id, m.name): m for m in truth}
+    kept = []
+    superseded = set()
+    for d in dumps:
+        t = by_key.get((d.program_id, d.name))
+        if t is None:
+            kept.append(d)
+            continue
+        superseded.add(d.source)
+        if fingerprint(d)[0] != fingerprint(t)[0]:
+            notes.append(f"{d.source} is not the HLO that ran as {d.name}({d.program_id}) ({_first_difference(d, t)}):"
+                         f" dropped; using the HLO the profile carries ({t.source})")
+    return kept, frozenset(superseded)
+
+
+def check_dumps(dumps: Sequence[HloModule], events: pd.DataFrame) -> None:
+    """Refuse a dump that cannot be the program the events ran: every ``hlo_op`` the program's events name
+    must be an instruction of it (events are matched to dumps by program id, or by name without ids).
+
+    :raises HloMismatchError: naming the first op the dump lacks.
+    """
+    if not dumps or events.empty:
+        return
+    ops = events[["program_id", "module", "hlo_op"]].drop_duplicates()
+    ops = ops.assign(pid=ops["program_id"].astype("Int64"), module=ops["module"].astype(str),
+                     hlo_op=ops["hlo_op"].astype(str))
+    for d in dumps:
+        if d.program_id is not None:
+            mine = ops[(ops["pid"] == d.program_id).to_numpy(dtype=bool, na_value=False)
+                       & (ops["module"] == d.name).to_numpy()]
+        else:
+            mine = ops[ops["pid"].isna().to_numpy() & (ops["module"] == d.name).to_numpy()]
+        if mine.empty:
+            continue
+        have = {i.name for c in d.computations.values() for i in c.instructions}
+        missing = sorted(set(mine["hlo_op"]) - have)
+        if missing:
+            raise HloMismatchError(
+                f"{d.source} is not the HLO of the profiled {d.name}"
+                f"{f'({d.program_id})' if d.program_id is not None else ''}: the profile ran {missing[0]!r}"
+                f"{f' and {len(missing) - 1} more ops' if len(missing) > 1 else ''} that it lacks; pass the "
+                "--xla_dump_to folder of the profiled run")

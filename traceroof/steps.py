@@ -1,0 +1,209 @@
+"""Steps by execution: each op event belongs to the step whose launch produced it.
+
+Under JAX's asynchronous dispatch a ``StepTraceAnnotation`` closes as soon as the step's programs are *launched*;
+their ops run later, often after the annotation (and the next ones) closed. Putting ops in steps by wall-clock
+overlap with the annotation then gives empty steps. Instead:
+
+- **XLA:CPU** (read from real jax 0.10 profiles): every op event of one execution carries the same ``run_id``;
+  run ids are issued per program, consecutively, in launch order (``launch_id`` = a per-executable base + a launch
+  counter, as a signed 32-bit value that may wrap). The launch is the PjRt execute event on the thread that called
+  the program (``CommonPjRtLoadedExecutable::ExecuteHelperOnSingleDevice`` nested in ``PjitFunction(<fn>)``, or
+  ``CommonPjRtLoadedExecutable::Execute (<module>)`` for multi-device programs), inside the step annotation that
+  issued it. Executions of a program are matched to that program's launches in order (:func:`launch_times`).
+- **GPU**: a kernel's launch is the host API event with the same ``correlation_id`` (CUPTI / roctracer).
+- **TPU**: the device's own ``Steps`` line.
+
+A step's device time runs from its first launch (no earlier than the previous step's last op end: a device runs
+executions in order) to its last op end; :func:`device_step_spans`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+# PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
+LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnSingleDevice|Helper|Sharded|"
+                          r"Portable)?(?: \((?P<module>[^()]*)\))?$")
+PJIT_EVENT = re.compile(r"^PjitFunction\((?P<fn>.*)\)$")
+MAX_OFFSET_WORK = 20_000_000  # candidate offsets x executions above which only start/end alignments are tried
+
+
+def launch_events(events: pd.DataFrame) -> pd.DataFrame:
+    """The launch events among a host's events, with the module each launched where it can be told.
+
+    ``events``: ``line_id``, ``name``, ``start_ps``, ``duration_ps`` (launch events and ``PjitFunction(...)``
+    events, any order). Returns ``line_id``, ``start_ps``, ``end_ps``, ``module`` (the module named in the
+    event, else ``jit_<fn>`` of the innermost enclosing ``PjitFunction(<fn>)`` on the same line, else '').
+    """
+    names = events["name"].astype(str)
+    is_launch = names.str.match(LAUNCH_EVENT.pattern).to_numpy(bool)
+    lau = events[is_launch]
+    out = pd.DataFrame({"line_id": lau["line_id"].to_numpy(np.int64), "start_ps": lau["start_ps"].to_numpy(np.int64),
+                        "end_ps": (lau["start_ps"] + lau["duration_ps"]).to_numpy(np.int64),
+                        "module": names[is_launch].str.extract(LAUNCH_EVENT.pattern)["module"].fillna("")
+                        .to_numpy(object)})
+    pj = events[names.str.match(PJIT_EVENT.pattern).to_numpy(bool)]
+    if len(pj) and (out["module"] == "").any():
+        fn = pj["name"].astype(str).str.extract(PJIT_EVENT.pattern)["fn"].to_numpy(object)
+        pstart = pj["start_ps"].to_numpy(np.int64)
+        pend = pstart + pj["duration_ps"].to_numpy(np.int64)
+        pline = pj["line_id"].to_numpy(np.int64)
+        for i in np.flatnonzero(out["module"].to_numpy(object) == ""):
+            s, e, ln = out.at[i, "start_ps"], out.at[i, "end_ps"], out.at[i, "line_id"]
+            inside = np.flatnonzero((pline == ln) & (pstart <= s) & (pend >= e))
+            if len(inside):
+                innermost = inside[np.argmax(pstart[inside])]
+                out.at[i, "module"] = f"jit_{fn[innermost]}"
+    return out.sort_values("start_ps", kind="stable").reset_index(drop=True)
+
+
+def _unwrapped(run_ids: np.ndarray) -> np.ndarray:
+    """Run ids (signed 32-bit values, possibly wrapped) as a monotonic launch counter."""
+    r = run_ids.astype(np.int64) % (1 << 32)
+    if len(r) and r.max() - r.min() > (1 << 31):
+        r = np.where(r < (1 << 31), r + (1 << 32), r)
+    return r
+
+
+def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.ndarray) -> tuple[int, int]:
+    """The launch index ``o`` of the first execution maximising executions ``k`` whose launch
+    ``o + offsets[k]`` exists and starts no later than their first op; ties go to the smallest ``|o|``."""
+    n_l = len(launch_start)
+    span = int(offsets[-1]) if len(offsets) else 0
+    candidates = np.arange(-span, n_l)
+    if len(candidates) * len(offsets) > MAX_OFFSET_WORK:
+        candidates = np.array(sorted({0, n_l - 1 - span}))
+    best, best_o = -1, 0
+    for o in sorted(candidates.tolist(), key=abs):
+        idx = o + offsets
+        ok = (idx >= 0) & (idx < n_l)
+        valid = int(np.sum(launch_start[idx[ok]] <= first_start[ok]))
+        if valid > best:
+            best, best_o = valid, o
+    return best_o, best
+
+
+def launch_times(ops: pd.DataFrame, launches: pd.DataFrame) -> tuple[np.ndarray, int]:
+    """The launch time (ps) of every op event's execution, NaN where it cannot be told, and how many
+    executions were matched to a launch.
+
+    ``ops``: one host's op events with ``program_id``, ``module``, ``run_id`` (nullable), ``start_ps``.
+    ``launches``: :func:`launch_events` of the same host. Executions of each module, ordered by run id, are
+    matched to the launches of that module (by name) in time order; the alignment (which launch the first
+    execution had: the profile may start after some launches and stop before some executions ran) is the one
+    under which the most launches precede their execution's first op (:func:`_best_offset`).
+    """
+    out = np.full(len(ops), np.nan)
+    if ops.empty or launches.empty or "run_id" not in ops:
+        return out, 0
+    rid = ops["run_id"].to_numpy(dtype="float64", na_value=np.nan)
+    has = ~np.isnan(rid)
+    if not has.any():
+        return out, 0
+    sub = pd.DataFrame({"row": np.flatnonzero(has), "module": ops["module"].astype(str).to_numpy()[has],
+                        "run": rid[has].astype(np.int64), "start": ops["start_ps"].to_numpy(np.int64)[has]})
+    matched = 0
+    by_module = {m: g["start_ps"].to_numpy(np.int64) for m, g in launches.groupby("module", sort=False) if m}
+    for module, g in sub.groupby("module", sort=False):
+        starts = by_module.get(module)
+        if starts is None:
+            continue
+        first = g.groupby("run")["start"].min()
+        runs = _unwrapped(first.index.to_numpy())
+        order = np.argsort(runs, kind="stable")
+        runs, first_start, run_keys = runs[order], first.to_numpy()[order], first.index.to_numpy()[order]
+        o, _ = _best_offset(runs - runs[0], first_start, starts)
+        idx = o + (runs - runs[0])
+        ok = (idx >= 0) & (idx < len(starts))
+        when = dict(zip(run_keys[ok].tolist(), starts[idx[ok]].tolist()))
+        matched += int(ok.sum())
+        vals = g["run"].map(when).to_numpy(dtype=np.float64, na_value=np.nan)
+        out[g["row"].to_numpy()] = vals
+    return out, matched
+
+
+def kernel_launch_times(kernel_correlation: np.ndarray, api_correlation: np.ndarray,
+                        api_start_ps: np.ndarray) -> np.ndarray:
+    """GPU: the start (ps) of the host API call (``cuLaunchKernel``, ``hipModuleLaunchKernel``...) that launched
+    each kernel, matched on ``correlation_id`` (CUPTI / roctracer); NaN where no API event has the id."""
+    out = np.full(len(kernel_correlation), np.nan)
+    ok = ~np.isnan(kernel_correlation)
+    if not ok.any() or not len(api_correlation):
+        return out
+    first = pd.Series(api_start_ps, index=api_correlation).groupby(level=0).min()
+    out[ok] = pd.Series(kernel_correlation[ok]).map(first).to_numpy(np.float64, na_value=np.nan)
+    return out
+
+
+def assign_steps(when_ps: np.ndarray, hosts: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
+    """The step (int64, -1 outside every step) whose annotation on the same host contains each time."""
+    out = np.full(len(when_ps), -1, np.int64)
+    if steps.empty:
+        return out
+    for host, st in steps.groupby("host", sort=False):
+        st = st.sort_values("start_ps", kind="stable")
+        mask = hosts == host
+        t = when_ps[mask]
+        starts, ends = st["start_ps"].to_numpy(np.int64), st["end_ps"].to_numpy(np.int64)
+        idx = np.searchsorted(starts, t, side="right") - 1
+        ok = (idx >= 0) & (t < ends[np.maximum(idx, 0)])
+        out[mask] = np.where(ok, st["step"].to_numpy(np.int64)[np.maximum(idx, 0)], -1)
+    return out
+
+
+def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.DataFrame, str]:
+    """Steps when the profile marks none: each execution of the dominant program (most op time) is a step,
+    spanning from its launch (or first op) to the next one's; the last ends at the host's last op end.
+
+    Returns the steps table (``host``, ``step``, ``start_ps``, ``end_ps``) and the program's module name; an
+    empty table when the program's executions carry no run ids to tell them apart."""
+    dur = ops.groupby(["module", "program_id"], observed=True, dropna=False)["duration_ps"].sum()
+    if dur.empty:
+        return pd.DataFrame(columns=["host", "step", "start_ps", "end_ps"]), ""
+    module, pid = dur.idxmax()
+    mask = (ops["module"].astype(str) == str(module)).to_numpy()
+    if not pd.isna(pid):
+        mask = mask & (ops["program_id"] == pid).to_numpy(dtype=bool, na_value=False)
+    if "run_id" not in ops or ops.loc[mask, "run_id"].isna().any():  # executions cannot be told apart
+        return pd.DataFrame(columns=["host", "step", "start_ps", "end_ps"]), ""
+    rows = []
+    for host in pd.unique(ops["host"].astype(str)):
+        hmask = mask & (ops["host"].astype(str) == host).to_numpy()
+        sel = ops[hmask]
+        key = _unwrapped(sel["run_id"].to_numpy(np.int64))
+        begin = pd.Series(when_ps[hmask]).groupby(key).min().sort_index()
+        starts = begin.to_numpy(np.int64)
+        host_end = int((ops["start_ps"] + ops["duration_ps"])[(ops["host"].astype(str) == host).to_numpy()].max())
+        ends = np.append(starts[1:], max(host_end, int(starts[-1]) + 1))
+        rows.append(pd.DataFrame({"host": host, "step": np.arange(len(starts)), "start_ps": starts, "end_ps": ends}))
+    steps = pd.concat(rows, ignore_index=True)
+    steps["step"] = steps["step"].astype("Int64")
+    return steps, str(module)
+
+
+def device_step_spans(ops_step: np.ndarray, hosts: np.ndarray, when_ps: np.ndarray, end_ps: np.ndarray,
+                      steps: pd.DataFrame) -> pd.DataFrame:
+    """``steps`` with ``device_start_ps`` / ``device_end_ps``: per host and step, the first launch (no earlier
+    than the previous step's last op end) and the last op end of the step's events; NA for steps without ops."""
+    out = steps.copy()
+    out["device_start_ps"] = pd.array([pd.NA] * len(out), "Int64")
+    out["device_end_ps"] = pd.array([pd.NA] * len(out), "Int64")
+    if out.empty:
+        return out
+    d = pd.DataFrame({"host": hosts, "step": ops_step, "first": when_ps, "last": end_ps})
+    d = d[d["step"] >= 0]
+    g = d.groupby(["host", "step"]).agg(first=("first", "min"), last=("last", "max")).reset_index()
+    g = g.sort_values(["host", "first"], kind="stable")
+    prev_end = g.groupby("host")["last"].shift(1)
+    g["first"] = np.where(prev_end.notna(), np.maximum(g["first"], prev_end.fillna(0)), g["first"])
+    spans = {(h, int(s)): (int(f), int(e)) for h, s, f, e in g[["host", "step", "first", "last"]].itertuples(
+        index=False)}
+    for i, (h, s) in enumerate(zip(out["host"].astype(str), out["step"])):
+        span = spans.get((h, int(s))) if not pd.isna(s) else None
+        if span:
+            out.iat[i, out.columns.get_loc("device_start_ps")] = span[0]
+            out.iat[i, out.columns.get_loc("device_end_ps")] = span[1]
+    return out
