@@ -12,15 +12,15 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.hlo import HloModule, Instruction
 from parsers.hlo_text import async_pairs, is_known_opcode
-from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip
+from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
 from traceroof.collectives import (bus_bandwidth, classify, default_topology, expected_time, module_devices,
                                    parse_topology)
-from traceroof.cost import CONTROL_OPCODES, CostModel, categorize
+from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.findings import is_retiling, layout_findings
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, layer_of, parse_scope, phase_of, rollup
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import HloMismatchError, Inputs, JoinReport, Profile, discover, load_profile, match_modules
-from traceroof.roofline import apply_roofline
+from traceroof.roofline import apply_roofline, main_matmul_peak, precision_notes
 from traceroof.xprof import export_op_table, per_core_chip
 
 # Finding thresholds: traceroof's own heuristics (no external source); each finding states the figure it used.
@@ -38,7 +38,14 @@ FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization H
 
 @dataclass(frozen=True)
 class Summary:
-    """Report header: input, device, chip, steps, and whole-step figures (per device, per step)."""
+    """Report header: input, device, chip, steps, and whole-step figures (per device, per step).
+
+    ``flops_per_step`` are executed FLOPs (rematerialised forward included); ``model_flops_per_step`` the
+    model's FLOPs (without the recomputation, or the user's ``--model-flops-per-step`` / devices; the source in
+    ``model_flops_source``). ``mfu`` = model FLOPs ÷ step time ÷ peak, ``hfu`` = executed FLOPs ÷ step time ÷
+    peak (How to Scale Your Model §4.3.2: remat adds ~one forward; hardware-and-rooflines.md §1), both against
+    the ``mfu_peak_key`` peak.
+    """
 
     input: str
     device: str
@@ -68,6 +75,9 @@ class Summary:
     flop_convention: str = FLOP_CONVENTION
     notes: tuple[str, ...] = ()
     host_step_time_mean_s: float = float("nan")  # the step annotations' own mean (host time), for comparison
+    model_flops_per_step: float = float("nan")
+    model_flops_source: str = ""
+    hfu: float = float("nan")
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,7 +108,7 @@ class Analysis:
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
                  "source", "flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
-                 "cost_note", "called", "retiling", "collective"]
+                 "cost_note", "called", "retiling", "collective", "dot_precision"]
 
 
 def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[str, object]:
@@ -120,7 +130,7 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[
         "opaque": cost.opaque, "cost_note": cost.note,
         "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),
         "retiling": is_retiling(inst, model.operand_shape(inst, 0)),
-        "collective": coll,
+        "collective": coll, "dot_precision": dot_precision(model, inst),
     }
 
 
@@ -158,7 +168,8 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     blank = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "",
              "operand_shapes": "", "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0,
              "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0,
-             "opaque": False, "cost_note": "", "called": (), "retiling": False, "collective": None}
+             "opaque": False, "cost_note": "", "called": (), "retiling": False, "collective": None,
+             "dot_precision": ""}
     table = pd.DataFrame([r if r is not None else blank for r in rows], columns=_ATTR_COLUMNS)
     # control ops (while/call/conditional): not counted when their bodies' ops show up as events
     comps_with_events: set[tuple[int, str]] = set()
@@ -254,7 +265,8 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
 
 def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] = (), chip: str | Chip | None = None,
             depth: int = 2, warmup_steps: int = 1, top: int = 10,
-            optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None) -> Analysis:
+            optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None,
+            model_flops_per_step: float | None = None) -> Analysis:
     """Analyze a profile: op table, roofline on ``chip``, per-layer rollup, top ops by lost time.
 
     :param paths: ``.xplane.pb`` / trace JSON files, run directories or logdirs (one capture; all hosts).
@@ -266,16 +278,21 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     :param top: number of ops in ``top_ops``.
     :param topology: ``4x4x4`` (TPU slice) or ``8x2`` (GPUs per node x nodes); default from the chip and the
         device count.
+    :param model_flops_per_step: the model's FLOPs of one step over all devices (e.g. 6·N·T) for the MFU;
+        default: executed FLOPs without the rematerialised forward.
     :raises TraceroofError: bad input (see :mod:`parsers.errors`), unknown chip, HLO that does not match.
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
     inputs = discover(paths, hlo)
     if inputs.kind == "xprof_hlo_stats":
-        return _analyze_export(inputs, chip, depth, top, topology)
+        return _analyze_export(inputs, chip, depth, top, topology, model_flops_per_step)
     profile = load_profile(inputs)
     notes = list(profile.notes)
     target, chip_note = resolve_chip(profile, chip)
+    chip_ici = target  # links stay per chip
+    target, core_note = per_device_chip(target)
+    chip_note = "; ".join(x for x in (chip_note or (chip_ici.note if core_note else ""), core_note) if x)
     ops, join = build_op_table(profile, depth, optimizer_pattern)
     framework = "framework_scope" in ops
     unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
@@ -314,17 +331,19 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     collectives = ops.attrs.get("collectives", [])
     n_devices = max([module_devices(m) for m in profile.modules] + [int(ops["device"].nunique())])
     try:
-        topo = parse_topology(topology, target) if topology else default_topology(target, n_devices)
+        topo = parse_topology(topology, chip_ici) if topology else default_topology(chip_ici, n_devices)
     except ValueError as e:
         raise InputError(str(e)) from None
-    estimates = {i: expected_time(c, target, topo) for i, c in enumerate(collectives) if c is not None}
+    estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
     ops["comm_s"] = comm[np.where(cid >= 0, cid, len(collectives))] / ops["kernels_per_execution"].to_numpy()
+    ops["comm_latency_bound"] = _latency_bound(estimates, len(collectives))[np.where(cid >= 0, cid, len(collectives))]
     if any(c is not None for c in collectives) and topo.kind == "host":
         notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "
                      "traffic only")
     ops = apply_roofline(ops, target)
+    notes += precision_notes(ops, target)
     ops = exposed_communication(ops, _async_pairs(profile.modules))
 
     steps = profile.steps
@@ -353,10 +372,12 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     expected = float(counted["expected_s"].sum()) / per
     op_time = float(counted["measured_s"].sum()) / per
     exposed_comm = float(counted["comm_exposed_s"].sum()) / per
-    mm = counted[counted["category"] == "matmul"]
-    main_dtype = str(mm.groupby("dtype", observed=True)["flops"].sum().idxmax()) if len(mm) else "f32"
-    peak, peak_key = target.peak_for(main_dtype)
-    mfu = flops / step_mean / peak if peak and step_mean > 0 and join.events_joined else float("nan")
+    peak, peak_key = main_matmul_peak(counted, target, "f32")
+    program_devices = max([module_devices(m) for m in profile.modules] + [n_dev])
+    model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, program_devices,
+                                                           model_flops_per_step)
+    if not join.events_joined:
+        mfu = hfu = float("nan")
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
         chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
@@ -368,6 +389,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
         step_times_s=tuple(float(x) for x in durations),
         hlo_sources=dict(profile.hlo_sources), notes=tuple(notes), host_step_time_mean_s=host_mean,
+        model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
     )
     layers = rollup(ops, per, step_mean)
     skew = arrival_skew(ops)
@@ -453,7 +475,7 @@ def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") 
 
 
 def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int,
-                    topology: str | None = None) -> Analysis:
+                    topology: str | None = None, model_flops_per_step: float | None = None) -> Analysis:
     """Analysis of an XProf HLO Op Stats export (rows aggregated over occurrences, cores and steps)."""
     path = inputs.profiles[0]
     ops, ctx, notes = export_op_table(path, depth)
@@ -475,6 +497,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     per_exec = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
     ops["comm_s"] = per_exec[np.where(cid >= 0, cid, len(collectives))] * ops["executions"].to_numpy()
+    ops["comm_latency_bound"] = _latency_bound(estimates, len(collectives))[np.where(cid >= 0, cid, len(collectives))]
     ops = apply_roofline(ops, target)
     for col in ("comm_window_s", "comm_hidden_s", "comm_exposed_s"):
         ops[col] = np.nan  # an export has no timeline: overlap cannot be measured
@@ -496,9 +519,9 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     counted = ops[ops["counted"]]
     flops = float(counted["flops"].sum()) / per
     expected = float(counted["expected_s"].sum()) / per
-    mm = counted[counted["category"] == "matmul"]
-    main_dtype = str(mm.groupby("dtype", observed=True)["flops"].sum().idxmax()) if len(mm) else "bf16"
-    peak, peak_key = target.peak_for(main_dtype)
+    peak, peak_key = main_matmul_peak(counted, target, "bf16")
+    model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, cores,
+                                                           model_flops_per_step)
     n = len(ops)
     join = JoinReport(n, n, int(ops["duration_ps"].sum()), int(ops["duration_ps"].sum()), (), 0, ())
     notes.append("rows are XProf's aggregates: FLOPs and HBM bytes are libtpu's measured per-op counts "
@@ -511,17 +534,49 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         steps_used=tuple(range(len(steps))) or (0,), warmup_steps=0, step_time_mean_s=step_mean,
         step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=float(counted["hbm_bytes"].sum()) / per,
         expected_per_step_s=expected, op_time_per_step_s=float(counted["measured_s"].sum()) / per,
-        mfu=flops / step_mean / peak if peak and step_mean > 0 else float("nan"), mfu_peak_key=peak_key,
+        mfu=mfu, mfu_peak_key=peak_key,
         roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=cores, join=join,
         step_times_s=tuple(full) if steps else (),
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
         exposed_comm_per_step_s=float("nan"),  # an export has no timeline
+        model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
     )
     layers = rollup(ops, per, step_mean)
     coll_table = collectives_table(ops[ops["counted"]], collectives, estimates, per, pd.DataFrame(), 0)
     return Analysis(summary, ops, layers, top_ops(counted, per, top), pd.DataFrame(), depth,
                     tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)),
                     coll_table, topo.describe() + " (chips of the program's replica groups)", per)
+
+
+def _latency_bound(estimates: dict, n: int) -> np.ndarray:
+    """Per collective id (and one trailing False for non-collectives): the estimate is latency-bound."""
+    return np.array([bool(estimates.get(i) and estimates[i].latency_bound) for i in range(n)] + [False])
+
+
+def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: float | None, program_devices: int,
+                     model_flops_per_step: float | None = None) -> tuple[float, str, float, float]:
+    """(model FLOPs per step per device, where they came from, MFU, HFU).
+
+    Model FLOPs: the user's whole-program count per step (e.g. 6·N·T) ÷ ``program_devices``, else the executed
+    FLOPs of ``counted`` rows without the rematerialised forward (phase ``remat``, or XProf's remat flag).
+    MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
+    §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
+    """
+    executed = float(counted["flops"].sum()) / per if per else float("nan")
+    if model_flops_per_step is not None:
+        model = float(model_flops_per_step) / max(program_devices, 1)
+        source = (f"given: {float(model_flops_per_step):.4g} FLOP per step over {program_devices} device(s) "
+                  "(--model-flops-per-step)")
+    else:
+        remat = counted["phase"].astype(str).to_numpy() == "remat"
+        if "remat" in counted:
+            remat |= counted["remat"].fillna(False).to_numpy(bool)
+        model = float(counted.loc[~remat, "flops"].sum()) / per if per else float("nan")
+        recomputed = float(counted.loc[remat, "flops"].sum()) / per if per else 0.0
+        source = f"counted: executed FLOPs less {recomputed:.4g} FLOP of rematerialised forward"
+    if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
+        return model, source, float("nan"), float("nan")
+    return model, source, model / step_s / peak, executed / step_s / peak
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
@@ -553,12 +608,13 @@ def _async_pairs(modules: list[HloModule]) -> dict[tuple[int | None, str], str]:
 def collectives_table(counted: pd.DataFrame, collectives: list, estimates: dict, per: float, skew: pd.DataFrame,
                       steps: int) -> pd.DataFrame:
     """One row per collective op (per step, per device): ``kind``, ``form``, ``dtype``, ``bytes_in``,
-    ``bytes_out``, ``group_size``, ``num_groups``, ``mode``, ``axes``, ``link``, ``executions_per_step``,
+    ``bytes_out``, ``group_size``, ``num_groups``, ``mode``, ``axes``, ``link``, ``bound`` (``latency`` when
+    the per-hop latency floor sets the expected time, else ``communication``), ``executions_per_step``,
     ``expected_per_step_s``, ``time_per_step_s``, ``bus_bandwidth_bytes_per_s`` (achieved, nccl-tests
     convention), ``link_peak_bytes_per_s``, ``exposed_per_step_s``, ``exposed_share`` (of its window) and
     ``arrival_skew_s`` (mean over executions, across devices)."""
     cols = ["module", "hlo_op", "kind", "form", "dtype", "bytes_in", "bytes_out", "group_size", "num_groups",
-            "mode", "axes", "link", "executions_per_step", "expected_per_step_s", "time_per_step_s",
+            "mode", "axes", "link", "bound", "executions_per_step", "expected_per_step_s", "time_per_step_s",
             "bus_bandwidth_bytes_per_s", "link_peak_bytes_per_s", "exposed_per_step_s", "exposed_share",
             "arrival_skew_s"]
     d = counted[counted["collective_id"] >= 0]
@@ -579,7 +635,7 @@ def collectives_table(counted: pd.DataFrame, collectives: list, estimates: dict,
             "module": str(module), "hlo_op": str(op), "kind": c.kind, "form": c.form, "dtype": c.element_type,
             "bytes_in": c.bytes_in, "bytes_out": c.bytes_out, "group_size": c.group_size,
             "num_groups": c.num_groups, "mode": c.mode, "axes": est.axes if est else "",
-            "link": est.link if est else "", "executions_per_step": execs,
+            "link": est.link if est else "", "bound": est.bound if est else "", "executions_per_step": execs,
             "expected_per_step_s": est.time_s * execs if est else np.nan, "time_per_step_s": t,
             "bus_bandwidth_bytes_per_s": bus_bandwidth(c, mean_t) if c.form != "done" else np.nan,
             "link_peak_bytes_per_s": est.link_peak_bytes_per_s if est else np.nan,

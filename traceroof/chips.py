@@ -8,6 +8,7 @@ kind of file into ``$TRACEROOF_CHIPS_DIR`` (or ``~/.config/traceroof/chips``), o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import tomllib
@@ -82,15 +83,21 @@ class Chip:
         v = self.value("memory.hbm_bandwidth_bytes_per_s")
         return float(v) if v is not None else None
 
-    def peak_for(self, element_type: str, vector: bool = False) -> tuple[float | None, str]:
+    def peak_for(self, element_type: str, vector: bool = False, precision: str = "") -> tuple[float | None, str]:
         """Peak FLOP/s for work in ``element_type`` and the key used.
 
         Matrix work (dot, convolution) uses the dtype's dense matrix-unit peak; ``vector`` work (elementwise,
-        reductions) uses ``vector_f32`` where the chip file has it. Returns ``(None, "")`` when no figure fits.
+        reductions) uses ``vector_f32`` where the chip file has it. ``precision`` is an f32 dot's request
+        (:func:`traceroof.cost.dot_precision`): see :meth:`f32_matmul_peak`. Returns ``(None, "")`` when no
+        figure fits.
         """
         peaks = self.peak_flops_per_s
         if vector and "vector_f32" in peaks:
             return peaks["vector_f32"], "vector_f32"
+        if not vector and precision and element_type in ("f32", "c64"):
+            found = self.f32_matmul_peak(precision)
+            if found[0]:
+                return found
         for key in DTYPE_PEAK_KEYS.get(element_type, ("f32", "bf16")):
             if key in peaks:
                 return peaks[key], key
@@ -98,6 +105,55 @@ class Chip:
             key = max(peaks, key=lambda k: peaks[k])
             return peaks[key], key
         return None, ""
+
+
+    def f32_matmul_peak(self, precision: str) -> tuple[float | None, str]:
+        """Peak FLOP/s of an f32 dot on this chip given its precision request, and the key named in reports.
+
+        The rule is XLA's GPU GEMM choice (openxla/xla ``xla/service/gpu/matmul_utils.cc``
+        ``GetBlasComputationType``): with no algorithm, an f32 dot whose largest ``operand_precision`` is
+        DEFAULT or HIGH (``compute_precision <= 1``) runs as TF32 on CUDA devices while TF32 execution is enabled
+        (the default, ``tsl::tensor_float_32_execution_enabled``); HIGHEST runs true FP32; ROCm always runs FP32.
+        An explicit ``algorithm`` decides by itself (``xla/service/algorithm_util.cc``): ``dot_tf32_tf32_f32`` is
+        TF32, ``dot_f32_f32_f32`` FP32, ``dot_bf16_bf16_f32`` bf16, and the ``_x3``/``_x6``/``_x9`` forms run 3,
+        6 or 9 passes of the narrower type (the peak divided by the passes). Returns ``(None, "")`` when the chip
+        file has no fitting figure (the caller falls back to the dtype's keys). Keys: ``tf32``, ``fp32``,
+        ``bf16``, ``bf16_x3`` ...
+        """
+        peaks = self.peak_flops_per_s
+        nvidia = self.kind == "gpu" and self.vendor.lower() == "nvidia"
+        if precision == "default":
+            if not nvidia:
+                return None, ""
+            precision = "tf32" if "tf32" in peaks else "fp32"
+        elif precision == "highest":
+            if not nvidia:
+                return None, ""
+            precision = "fp32"
+        base, _, passes = precision.partition("_x")
+        n = int(passes) if passes.isdigit() else 1
+        if base == "fp32":
+            value = peaks.get("fp32", peaks.get("f32"))
+        else:
+            value = peaks.get(base)
+        if not value:
+            return None, ""
+        return value / n, precision
+
+
+def per_device_chip(chip: Chip) -> tuple[Chip, str]:
+    """The chip's figures per JAX device: TPU v2 and v3 chips hold two TensorCores with separate memories, each
+    its own device (``compute.devices_per_chip``; How to Scale Your Model §2, §9), so a profiled device has half
+    the chip's peak FLOP/s, HBM bandwidth and HBM. Interconnect figures stay per chip. Chips with one device per
+    chip (megacore v4/v5p, v5e, v6e, GPUs) come back unchanged with an empty note."""
+    n = int(chip.value("compute.devices_per_chip", 1) or 1)
+    if n <= 1:
+        return chip, ""
+    per = ("peak_flops_per_s.", "memory.hbm_bandwidth_bytes_per_s", "memory.hbm_bytes")
+    figures = {k: (Figure(float(f.value) / n, f.source + f"; / {n} devices (TensorCores) per chip")
+                   if k.startswith(per) else f) for k, f in chip.figures.items()}
+    return (dataclasses.replace(chip, figures=figures, name=f"{chip.name} (per TensorCore)"),
+            f"each {chip.name} device is one of its {n} TensorCores: peak FLOP/s and HBM bandwidth / {n}")
 
 
 def _user_dirs() -> list[Path]:

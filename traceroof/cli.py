@@ -65,15 +65,20 @@ def main() -> None:
               show_default=True, help="Table written by --format csv.")
 @click.option("--topology", help="TPU slice like 4x4x4 (2x16x16 for 2 slices over DCN), or GPUs per node x "
                                  "nodes like 8x2; default from the chip and the device count.")
+@click.option("--model-flops-per-step", type=click.FloatRange(min=0, min_open=True),
+              help="Model FLOPs of one step over all devices (e.g. 6·params·tokens) for the MFU; default: the "
+                   "executed FLOPs without the rematerialised forward.")
 @click.option("-o", "--output", help="Write the report to this file instead of stdout.")
 @_guarded
 def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: int, warmup_steps: int,
-            top: int, fmt: str, table: str, topology: str | None, output: str | None) -> None:
+            top: int, fmt: str, table: str, topology: str | None, model_flops_per_step: float | None,
+            output: str | None) -> None:
     """Per-layer roofline report of a profile (.xplane.pb, run directory, logdir or trace JSON)."""
     from traceroof.analysis import analyze as run
     from traceroof.report import render
 
-    a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology)
+    a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology,
+            model_flops_per_step=model_flops_per_step)
     _write(render(a, fmt, table), output)
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from parsers.hlo import HloModule, Instruction, Shape
 from parsers.hlo_text import parse_replica_groups
 from traceroof.chips import Chip
-from traceroof.cost import CostModel
+from traceroof.cost import CostModel, collective_output_payload
 
 KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all", "collective-permute",
          "collective-broadcast", "send", "recv")
@@ -61,9 +61,13 @@ class Collective:
         return self.bytes_in
 
 
+def _is_context(leaf: Shape) -> bool:
+    return leaf.element_type == "token" or (leaf.dims == () and leaf.element_type in ("u32", "s32"))
+
+
 def _payload(shape: Shape) -> list[Shape]:
-    return [s for s in shape.leaves() if s.element_type not in ("token",) and not (s.dims == () and
-                                                                                   s.element_type in ("u32", "s32"))]
+    """Array leaves of an async op's output, without its ``u32[]``/``s32[]`` context scalars and tokens."""
+    return [s for s in shape.leaves() if not _is_context(s)]
 
 
 def _base_kind(opcode: str) -> tuple[str, str]:
@@ -120,13 +124,18 @@ def classify(model: CostModel, inst: Instruction, num_devices: int | None = None
         return Collective(base, "done", inst.shape.leaves()[0].element_type if inst.shape.leaves() else "", 0, 0,
                           0, 0, "", ())
     ins = [model.operand_shape(inst, i) for i in range(len(inst.operands))]
-    in_leaves = [leaf for s in ins if s is not None for leaf in _payload(s)]
-    out_shape = inst.shape
-    if form == "start" and out_shape.is_tuple and out_shape.tuple_shapes:
-        # (operands..., outputs..., contexts): all-gather-start (in, out); collective-permute-start (in, out, u32..)
-        parts = out_shape.tuple_shapes
-        out_shape = parts[1] if len(parts) > 1 else parts[0]
-    out_leaves = _payload(out_shape)
+    # every operand array is payload (a variadic collective moves the sum of its arrays)
+    in_leaves = [leaf for s in ins if s is not None for leaf in s.leaves() if leaf.element_type != "token"]
+    if inst.opcode in ("async-start", "async-update", "async-done") and inst.shape.is_tuple \
+            and len(inst.shape.tuple_shapes) > 1:
+        # ((operands...), outputs, contexts...)
+        out_leaves = _payload(inst.shape.tuple_shapes[1])
+    elif form == "start":
+        # all-gather-start (in, out), collective-permute-start (in, out, u32 contexts); all-reduce-start's shape
+        # is its outputs (one array or a tuple of arrays)
+        out_leaves = [leaf for leaf in collective_output_payload(inst) if not _is_context(leaf)]
+    else:
+        out_leaves = [leaf for leaf in inst.shape.leaves() if leaf.element_type != "token"]
     bytes_in = sum(s.byte_size() for s in in_leaves)
     bytes_out = sum(s.byte_size() for s in out_leaves)
     etype = (out_leaves or in_leaves)[0].element_type if (out_leaves or in_leaves) else ""
@@ -323,6 +332,17 @@ class CommEstimate:
     link: str
     axes: str
     link_peak_bytes_per_s: float
+
+    @property
+    def latency_bound(self) -> bool:
+        """True when the per-hop latency floor, not the bytes over the link, sets the time (How to Scale Your
+        Model §3: latency-bound below ~W_one-way x T_min per hop, 45 kB on v5e)."""
+        return self.latency_s > self.bandwidth_s
+
+    @property
+    def bound(self) -> str:
+        """``latency`` or ``communication`` (bandwidth)."""
+        return "latency" if self.latency_bound else "communication"
 
 
 def _spanned(topo: Topology, group: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -8,7 +8,17 @@ Where XLA is knowingly wrong we differ, and say so per op:
 * a ``while`` body runs ``known_trip_count`` times (or the count inferred from its condition), not once;
 * GEMM custom-calls (``__cublas$gemm``, ``__cublas$lt$matmul*``, hipBLASLt uses the same targets) get the dot
   FLOPs from their operands and ``gemm_backend_config``; other custom-calls are *opaque* (no invented cost);
-* bytes with tile padding (``T(...)`` layouts) are kept beside logical bytes; HBM bytes exclude ``S(n != 0)``.
+* bytes with tile padding (``T(...)`` layouts) are kept beside logical bytes; HBM bytes exclude ``S(n != 0)``;
+* a variadic (tuple-shaped) collective reads and writes the sum of its arrays, as XLA's ``HandleAllReduce`` counts
+  them (``ForEachSubshape`` over the array leaves); we count every collective that way, and a ``-start`` by its
+  operands and its output part (not the aliased operand copy or the context scalars of its tuple);
+* ``-done`` halves of async pairs and ``async-update`` cost nothing: the ``-start`` carries the work (XLA's
+  ``HandleAsyncDone`` / ``HandleAllReduceDone`` ... leave the default out + operand bytes, counting the transfer
+  twice); ``copy-start`` reads and writes its operand;
+* a fusion whose root (or root-tuple element) is a ``scatter`` into a fusion parameter updates that buffer in
+  place, as XLA assumes for ``dynamic-update-slice`` roots (``HandleFusion``): it writes and read-modify-writes
+  only the touched region, ``min(size(updates), size(operand))`` each, like the standalone ``HandleScatter``
+  rule ``3 x size(updates) + size(indices)``, not the whole operand.
 """
 
 from __future__ import annotations
@@ -31,8 +41,8 @@ ELEMENTWISE_OPCODES = TRANSCENDENTAL_OPCODES | frozenset({
     "stochastic-convert", "acos", "acosh", "asin", "asinh", "atan", "atanh", "cosh", "sinh", "mulhi",
 })
 ZERO_COST_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "domain", "after-all",
-                               "add-dependency", "bitcast", "opt-barrier", "optimization-barrier",
-                               "partition-id", "replica-id"})
+                               "add-dependency", "bitcast", "opt-barrier", "optimization-barrier"})
+# partition-id / replica-id keep the default bytes (their u32[] output): HandlePartitionId, HandleReplicaId
 CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
 GEMM_CUSTOM_CALL = re.compile(r"^__cublas\$(gemm|lt\$matmul.*)$|^__hipblaslt\$|^__rocblas\$gemm")
 CONV_CUSTOM_CALL = re.compile(r"^__cudnn\$conv")
@@ -43,6 +53,16 @@ COLLECTIVE_OPCODES = frozenset({
     "send", "recv",
 })
 IMMEDIATE_CONSTANT_MAX_ELEMENTS = 1  # HloCostAnalysis base class (GPU: 8)
+# -start forms whose tuple shape is (operands, outputs[, context scalars]) rather than the output itself
+START_WITH_OPERAND_COPY = frozenset({"all-gather-start", "collective-permute-start", "all-to-all-start"})
+# the second halves of async pairs: the -start carries the cost
+DONE_OPCODES = frozenset({"all-gather-done", "all-reduce-done", "collective-permute-done", "all-to-all-done",
+                          "async-done", "async-update", "copy-done", "send-done", "recv-done"})
+# sizes of a variadic collective (operands and outputs are the sum of their arrays)
+VARIADIC_COLLECTIVES = frozenset({"all-reduce", "all-reduce-start", "all-gather", "all-gather-start",
+                                  "reduce-scatter", "all-to-all", "all-to-all-start", "collective-permute",
+                                  "collective-permute-start",
+                                  "collective-broadcast"})
 
 
 @dataclass(frozen=True)
@@ -92,6 +112,16 @@ def _leaf_sizes(shape: Shape) -> tuple[int, int, int]:
         for i, v in enumerate(_sizes(leaf)):
             totals[i] += v
     return totals[0], totals[1], totals[2]
+
+
+def collective_output_payload(inst: Instruction) -> list[Shape]:
+    """The arrays a collective writes: every array leaf of its shape; for ``all-gather-start``,
+    ``all-to-all-start`` and ``collective-permute-start`` (shape ``(operands, outputs, context scalars...)``) the
+    output part only."""
+    shape = inst.shape
+    if inst.opcode in START_WITH_OPERAND_COPY and shape.is_tuple and len(shape.tuple_shapes) > 1:
+        shape = shape.tuple_shapes[1]
+    return [leaf for leaf in shape.leaves() if leaf.element_type != "token"]
 
 
 @dataclass
@@ -217,9 +247,16 @@ class CostModel:
             return OpCost()
         if op in CONTROL_OPCODES:
             return OpCost()
+        if op in DONE_OPCODES:
+            return OpCost(note=f"{op}: the -start of the pair carries the cost")
         if op == "fusion":
             return self._fusion_cost(inst)
         b = self._default_bytes(inst)
+        if op in VARIADIC_COLLECTIVES:
+            b = self._collective_bytes(inst)
+        elif op == "copy-start":  # (destination, source, context): reads and writes the operand
+            src = _sizes(self.operand_shape(inst, 0))
+            b = (2 * src[0], 2 * src[1], 2 * src[2])
         flops = trans = 0.0
         out_elems = sum(leaf.elements for leaf in inst.shape.leaves())
         if op in ELEMENTWISE_OPCODES:
@@ -263,12 +300,25 @@ class CostModel:
             upd = [_sizes(self.operand_shape(inst, i)) for i in range(n + 1, len(inst.operands))]
             idx = _sizes(self.operand_shape(inst, n))
             b = tuple(3 * sum(u[j] for u in upd) + idx[j] for j in range(3))
-        if op in ("async-start",) or (op.endswith("-start") and inst.called):
+        if op in ("async-start",) or (op.endswith("-start") and inst.called and op not in VARIADIC_COLLECTIVES):
+            # the wrapped computation's cost (HandleAsyncStart); its bytes are those of the wrapped op, not the
+            # async tuple's pointer table
             sub = OpCost()
             for c in inst.called:
                 sub = sub + self.computation_cost(c)
-            return OpCost(sub.flops, sub.transcendentals, b[0], b[1], b[2], sub.opaque, sub.note)
+            return sub
         return OpCost(flops, trans, b[0], b[1], b[2])
+
+    def _collective_bytes(self, inst: Instruction) -> tuple[float, float, float]:
+        """Operand arrays read + output arrays written (HandleAllReduce's ForEachSubshape sum, applied to
+        every collective: jaxlib 0.10.2's ``cost_analysis()`` counts a tuple ``all-to-all`` the same way)."""
+        tot = [0.0, 0.0, 0.0]
+        shapes = [self.operand_shape(inst, i) for i in range(len(inst.operands))]
+        leaves = [leaf for s in shapes if s is not None for leaf in s.leaves()] + collective_output_payload(inst)
+        for leaf in leaves:
+            for j, v in enumerate(_sizes(leaf)):
+                tot[j] += v
+        return tot[0], tot[1], tot[2]
 
     def _dot_flops(self, inst: Instruction, lhs_contracting: tuple[int, ...], lhs: Shape | None = None,
                    out: Shape | None = None) -> float:
@@ -398,12 +448,16 @@ class CostModel:
         total = [0.0, 0.0, 0.0]
         root = comp.root
         leaves = inst.shape.tuple_shapes if inst.shape.is_tuple else (inst.shape,)
+        in_place: set[str] = set()  # scatters writing into a fusion parameter's buffer
         for i, leaf in enumerate(leaves):
             r = root
             if inst.shape.is_tuple and root is not None and root.opcode == "tuple" and i < len(root.operands):
                 r = comp.by_name.get(root.operands[i])
             if r is not None and r.opcode == "dynamic-update-slice":
                 s = _sizes(self.operand_shape(r, 1))
+            elif r is not None and self._scatter_in_place(r, comp):
+                in_place.add(r.name)
+                s = self._scatter_update_sizes(r)
             else:
                 s = _leaf_sizes(leaf)
             for j in range(3):
@@ -417,19 +471,41 @@ class CostModel:
         params = comp.parameters()
         for num, p in params.items():
             outer = self.operand_shape(inst, num)
-            for j, v in enumerate(self._param_read_bytes(p, users, outer)):
+            for j, v in enumerate(self._param_read_bytes(p, users, outer, in_place)):
                 total[j] += v
         return OpCost(sub.flops, sub.transcendentals, total[0], total[1], total[2], sub.opaque, sub.note)
 
+    def _scatter_in_place(self, r: Instruction, comp: Computation) -> bool:
+        """A scatter whose operands to update are the fusion's parameters: XLA writes into their buffers."""
+        if r.opcode != "scatter" or not r.operands:
+            return False
+        n = len(r.operands) // 2
+        srcs = [comp.by_name.get(o) for o in r.operands[:n]]
+        return all(s is not None and s.opcode == "parameter" for s in srcs)
+
+    def _scatter_update_sizes(self, r: Instruction) -> tuple[int, int, int]:
+        """Bytes of the region a scatter touches in each array it updates: its updates (operands n+1..2n of a
+        scatter over n arrays), at most the whole array (many updates may hit the same rows)."""
+        n = len(r.operands) // 2
+        tot = [0, 0, 0]
+        for k in range(n):
+            upd, whole = _sizes(self.operand_shape(r, n + 1 + k)), _sizes(self.operand_shape(r, k))
+            for j in range(3):
+                tot[j] += min(upd[j], whole[j])
+        return tot[0], tot[1], tot[2]
+
     def _param_read_bytes(self, p: Instruction, users: dict[str, list[Instruction]],
-                          outer: Shape | None) -> tuple[float, float, float]:
-        """``FusionParameterReadBytes``: bytes a fusion reads of one parameter, judged by its users."""
+                          outer: Shape | None, in_place: frozenset[str] | set[str] = frozenset()
+                          ) -> tuple[float, float, float]:
+        """``FusionParameterReadBytes``: bytes a fusion reads of one parameter, judged by its users; a
+        parameter an in-place scatter root updates is read only where it is updated (read-modify-write of
+        ``size(updates)``)."""
         shape = p.shape
         if shape.is_tuple:
             tot = [0.0, 0.0, 0.0]
             for u in users.get(p.name, []):
                 if u.opcode == "get-tuple-element":
-                    for j, v in enumerate(self._param_read_bytes(u, users, None)):
+                    for j, v in enumerate(self._param_read_bytes(u, users, None, in_place)):
                         tot[j] += v
             return tot[0], tot[1], tot[2]
         # memory space and tiling of the buffer are those of the fusion operand as printed outside
@@ -444,6 +520,8 @@ class CostModel:
                 add = _sizes(u.shape)
             elif u.opcode == "dynamic-update-slice" and u.operands and u.operands[0] == p.name:
                 add = (0, 0, 0)
+            elif u.name in in_place and p.name in u.operands[: len(u.operands) // 2]:
+                add = self._scatter_update_sizes(u)
             elif u.opcode in ("broadcast", "reshape"):
                 add = own
             elif not trivial:
@@ -556,6 +634,51 @@ def categorize(model: CostModel, inst: Instruction) -> tuple[str, str]:
     if op in DATA_MOVEMENT_OPCODES:
         return "data movement", out_type
     return "other", out_type
+
+
+PRECISION_RANK = {"default": 0, "high": 1, "highest": 2}  # xla_data.proto PrecisionConfig::Precision
+
+
+def dot_precision(model: CostModel, inst: Instruction) -> str:
+    """The precision an f32 (or c64) matmul asks for, from its HLO: ``""`` for other ops and dtypes;
+    the algorithm when one is set (``dot_tf32_tf32_f32`` -> ``tf32``, ``dot_f32_f32_f32`` -> ``fp32``,
+    ``dot_bf16_bf16_f32_x3`` -> ``bf16_x3`` ...); else ``highest`` when any ``operand_precision`` is HIGHEST,
+    ``default`` otherwise (DEFAULT and HIGH, which XLA treats alike for GEMMs: ``compute_precision <= 1`` in
+    openxla/xla ``xla/service/gpu/matmul_utils.cc`` ``GetBlasComputationType``). Looks at the op itself (dot,
+    convolution), the first dot/convolution of a fusion, or a GEMM custom-call's
+    ``gemm_backend_config.precision_config``. :meth:`traceroof.chips.Chip.f32_matmul_peak` turns it into a
+    peak."""
+    op = inst.opcode
+    dot: Instruction | None = None
+    if op in MATMUL_OPCODES:
+        dot = inst
+    elif op == "fusion":
+        dot = next((i for i in _fused_opcodes(model, inst) if i.opcode in MATMUL_OPCODES), None)
+    elif op == "custom-call" and GEMM_CUSTOM_CALL.search(inst.attrs.get("custom_call_target", "").strip('"')):
+        dot = inst
+    if dot is None:
+        return ""
+    lhs = model.operand_shape(dot, 0)
+    if lhs is None and dot is not inst:
+        comp = model.comp_of.get(dot.name)
+        src = comp.by_name.get(dot.operands[0]) if comp is not None and dot.operands else None
+        lhs = src.shape if src is not None else None
+    if lhs is None or lhs.element_type not in ("f32", "c64"):
+        return ""
+    algorithm = dot.attrs.get("algorithm", "")
+    precisions = [p.strip().lower() for p in dot.attrs.get("operand_precision", "").strip("{}").split(",") if p]
+    bc = dot.backend_config if isinstance(dot.backend_config, dict) else {}
+    pc = bc.get("gemm_backend_config", bc).get("precision_config", {}) if dot.opcode == "custom-call" else {}
+    if pc:
+        algorithm = str(pc.get("algorithm", "")).lower().removeprefix("alg_")
+        precisions = [str(p).lower() for p in pc.get("operand_precision", [])]
+    if algorithm and algorithm != "unset":
+        m = re.fullmatch(r"dot_([a-z0-9]+)_[a-z0-9]+_[a-z0-9]+(_x\d+)?", algorithm)
+        if m:
+            base = {"f32": "fp32"}.get(m.group(1), m.group(1))
+            return base + (m.group(2) or "")
+    rank = max((PRECISION_RANK.get(p, 0) for p in precisions), default=0)
+    return "highest" if rank >= 2 else "default"
 
 
 def _fused_opcodes(model: CostModel, inst: Instruction) -> list[Instruction]:

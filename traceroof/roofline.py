@@ -5,7 +5,10 @@ the collective model (:mod:`traceroof.collectives`, column ``comm_s``), ``expect
 t_comm)``, bound = the largest (compute wins ties with memory), ``efficiency = expected ÷
 measured``, ``lost = measured − expected`` (How to Scale Your Model §1 eq. 1.3; ``docs/DESIGN.md``).
 Matrix work (category ``matmul``) is judged against the dtype's matrix-unit peak, other work against the vector
-peak where the chip file has one. Opaque ops keep their measured time and get no expectation.
+peak where the chip file has one; f32 matmuls by their precision (``dot_precision`` column: TF32 or FP32 on
+NVIDIA, :meth:`traceroof.chips.Chip.f32_matmul_peak`). A collective whose per-hop latency floor exceeds its
+bandwidth term (``comm_latency_bound`` column) is ``latency`` bound when communication sets its expectation.
+Opaque ops keep their measured time and get no expectation.
 """
 
 from __future__ import annotations
@@ -20,18 +23,22 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     """Add roofline columns to an op table.
 
     Needs ``category``, ``dtype``, ``flops``, ``transcendentals``, ``hbm_bytes``, ``measured_s``, ``opaque``.
-    Uses ``comm_s`` when present. Adds ``peak_flops_per_s``, ``peak_key``, ``compute_s``, ``memory_s``,
-    ``communication_s``, ``expected_s``, ``bound`` (``compute`` / ``memory`` / ``communication`` / ``opaque`` /
-    ``unknown`` for ops without HLO), ``efficiency``, ``lost_s``
+    Uses ``comm_s``, ``comm_latency_bound`` and ``dot_precision`` when present. Adds ``peak_flops_per_s``,
+    ``peak_key`` (``tf32`` / ``fp32`` for f32 matmuls on NVIDIA), ``compute_s``, ``memory_s``,
+    ``communication_s``, ``expected_s``, ``bound`` (``compute`` / ``memory`` / ``communication`` / ``latency``
+    (a collective whose per-hop latency floor sets its time) / ``opaque`` / ``unknown`` for ops without HLO),
+    ``efficiency``, ``lost_s``
     and ``arithmetic_intensity_flops_per_byte``. Returns a new DataFrame.
     """
     out = ops.copy()
-    pairs = out[["category", "dtype"]].astype(str).drop_duplicates()
-    peak_of: dict[tuple[str, str], tuple[float, str]] = {}
-    for cat, dtype in pairs.itertuples(index=False):
-        value, key = chip.peak_for(dtype, vector=cat != "matmul")
-        peak_of[(cat, dtype)] = (value if value else np.nan, key)
-    keys = list(zip(out["category"].astype(str), out["dtype"].astype(str)))
+    precision = out["dot_precision"].astype(str) if "dot_precision" in out else pd.Series("", index=out.index)
+    frame = pd.DataFrame({"category": out["category"].astype(str), "dtype": out["dtype"].astype(str),
+                          "precision": precision.to_numpy()})
+    peak_of: dict[tuple[str, str, str], tuple[float, str]] = {}
+    for cat, dtype, prec in frame.drop_duplicates().itertuples(index=False):
+        value, key = chip.peak_for(dtype, vector=cat != "matmul", precision=prec if cat == "matmul" else "")
+        peak_of[(cat, dtype, prec)] = (value if value else np.nan, key)
+    keys = list(frame.itertuples(index=False, name=None))
     peak = np.array([peak_of[k][0] for k in keys], dtype=np.float64) if len(out) else np.zeros(0)
     out["peak_flops_per_s"] = peak
     out["peak_key"] = pd.Categorical([peak_of[k][1] for k in keys])
@@ -48,7 +55,8 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     out["communication_s"] = np.where(known, comm, np.nan)
     out["expected_s"] = expected
     bound = np.where(compute >= memory, "compute", "memory")
-    bound = np.where((comm > compute) & (comm > memory), "communication", bound)
+    latency = out["comm_latency_bound"].to_numpy(bool) if "comm_latency_bound" in out else np.zeros(len(out), bool)
+    bound = np.where((comm > compute) & (comm > memory), np.where(latency, "latency", "communication"), bound)
     bound = np.where(out["opaque"].to_numpy(bool), "opaque", bound)
     bound = np.where(out["joined"].to_numpy(bool), bound, "unknown")
     out["bound"] = pd.Categorical(bound)
@@ -59,3 +67,34 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
         out["arithmetic_intensity_flops_per_byte"] = np.where(hbm > 0, work / hbm, np.nan)
     out["lost_s"] = measured - expected
     return out
+
+
+def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") -> tuple[float | None, str]:
+    """The peak the MFU divides by: that of the matmuls doing most FLOPs (their ``peak_key`` from
+    :func:`apply_roofline`), else the chip's peak for ``default_dtype``."""
+    mm = ops[(ops["category"].astype(str) == "matmul") & ops["peak_flops_per_s"].notna()] \
+        if "peak_flops_per_s" in ops else ops.iloc[:0]
+    if len(mm) and mm["flops"].sum() > 0:
+        by_key = mm.groupby(mm["peak_key"].astype(str))["flops"].sum()
+        key = str(by_key.idxmax())
+        return float(mm.loc[mm["peak_key"].astype(str) == key, "peak_flops_per_s"].iloc[0]), key
+    return chip.peak_for(default_dtype)
+
+
+def precision_notes(ops: pd.DataFrame, chip: Chip) -> list[str]:
+    """A report note for f32 matmuls judged against a precision-specific peak (TF32 or FP32 on NVIDIA): their
+    share of matmul FLOPs per key and the rule (XLA ``GetBlasComputationType``)."""
+    if "dot_precision" not in ops or "peak_key" not in ops:
+        return []
+    mm = ops[(ops["category"].astype(str) == "matmul") & (ops["dot_precision"].astype(str) != "")]
+    if mm.empty:
+        return []
+    by_key = mm.groupby(mm["peak_key"].astype(str))["flops"].sum()
+    by_key = by_key[by_key.index.isin(["tf32", "fp32"]) | by_key.index.str.contains("_x")]
+    if by_key.empty:
+        return []
+    total = by_key.sum()
+    parts = ", ".join(f"{k} {v / total:.0%}" if total > 0 else k for k, v in by_key.sort_values(ascending=False).items())
+    return [f"f32 matmuls judged against precision-specific peaks ({parts} of their FLOPs): on {chip.name} XLA runs "
+            "an f32 dot at DEFAULT/HIGH precision as TF32 and at HIGHEST (or algorithm dot_f32_f32_f32) as FP32 "
+            "(openxla/xla xla/service/gpu/matmul_utils.cc GetBlasComputationType)"]

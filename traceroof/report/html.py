@@ -156,7 +156,7 @@ def layer_bars_figure(a: Analysis) -> dict:
     parts = {
         "expected: compute-bound": exp.where(d["bound"].astype(str) == "compute", 0.0),
         "expected: memory-bound": exp.where(d["bound"].astype(str) == "memory", 0.0),
-        "expected: communication-bound": exp.where(d["bound"].astype(str) == "communication", 0.0),
+        "expected: communication-bound": exp.where(d["bound"].astype(str).isin(["communication", "latency"]), 0.0),
         "exposed communication (beyond expected)": (exposed - exp.where(exposed > 0, 0.0)).clip(lower=0.0),
     }
     total = d["measured_s"]

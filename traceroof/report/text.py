@@ -64,9 +64,11 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
         ("comm", f"exposed communication {fmt_time(s.exposed_comm_per_step_s)} per step "
                  f"({fmt_pct(s.exposed_comm_per_step_s / s.step_time_mean_s if s.step_time_mean_s else float('nan'))}"
                  f" of the step); topology {a.topology or '-'}"),
-        ("efficiency", f"MFU {fmt_pct(s.mfu)} of {s.mfu_peak_key or '-'} peak; roofline efficiency "
-                       f"{fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)} "
+        ("efficiency", f"MFU {fmt_pct(s.mfu)}, HFU {fmt_pct(s.hfu)} of {s.mfu_peak_key or '-'} peak; roofline "
+                       f"efficiency {fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)} "
                        f"÷ step time)"),
+        ("", f"MFU counts {fmt_si(s.model_flops_per_step, 'FLOP')} model FLOPs per step per device "
+             f"({s.model_flops_source or '-'}); HFU the {fmt_si(s.flops_per_step, 'FLOP')} executed"),
         ("joined", f"{j.events_joined:,} of {j.events_total:,} op events to HLO ({fmt_pct(joined_time)} "
                    "of op time); HLO from " + (", ".join(f"{k} ({v} modules)" for k, v in s.hlo_sources.items())
                                                or "nowhere")),
