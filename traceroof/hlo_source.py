@@ -173,11 +173,11 @@ def check_dumps(dumps: Sequence[HloModule], events: pd.DataFrame) -> None:
     ops = ops.assign(pid=ops["program_id"].astype("Int64"), module=ops["module"].astype(str),
                      hlo_op=ops["hlo_op"].astype(str))
     for d in dumps:
-        if d.program_id is not None:
-            mine = ops[(ops["pid"] == d.program_id).to_numpy(dtype=bool, na_value=False)
-                       & (ops["module"] == d.name).to_numpy()]
-        else:
-            mine = ops[ops["pid"].isna().to_numpy() & (ops["module"] == d.name).to_numpy()]
+        named = (ops["module"] == d.name).to_numpy()
+        mine = ops[named & (ops["pid"] == d.program_id).to_numpy(dtype=bool, na_value=False)] \
+            if d.program_id is not None else ops.iloc[:0]
+        if mine.empty:  # events without program ids (trace JSON) or a dump without one: by name
+            mine = ops[named & ops["pid"].isna().to_numpy()]
         if mine.empty:
             continue
         have = {i.name for c in d.computations.values() for i in c.instructions}

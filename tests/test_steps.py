@@ -1,0 +1,179 @@
+"""Steps by execution, dump folders as XLA writes them, and HLO identity, on real JAX jobs run here.
+
+One subprocess runs a training loop three ways (the README's non-blocking loop with compilation inside the first
+step, a blocking loop, and a loop without step markers) with ``--xla_dump_to`` set; a second run with another
+width writes the dump folder of "another run". Numbers are checked against XLA's own ``cost_analysis()``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("jax")
+
+from parsers.dump_folder import dump_file_kind  # noqa: E402
+from traceroof import analyze  # noqa: E402
+from traceroof.hlo_source import HloMismatchError  # noqa: E402
+from traceroof.steps import _best_offset, _unwrapped, launch_times  # noqa: E402
+
+HOST_CHIP = Path(__file__).resolve().parents[1] / "fixtures" / "fixture_host.toml"
+
+JOB = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    out, width, loops, act = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), getattr(jnp, sys.argv[4])
+
+    @jax.jit
+    def train_step(w, x):
+        def loss(w):
+            h = act(x @ w[0])
+            return jnp.mean((h @ w[1]) ** 2)
+        g = jax.grad(loss)(w)
+        return [a - 0.1 * b for a, b in zip(w, g)]
+
+    key = jax.random.PRNGKey(0)
+    w = [jax.random.normal(key, (64, width)) / 8, jax.random.normal(key, (width, 64)) / 8]
+    x = jnp.ones((32, 64))
+    if "readme" in loops:  # the README's loop: no warm-up, nothing blocks inside a step
+        jax.profiler.start_trace(f"{out}/readme")
+        for i in range(5):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                w = train_step(w, x)
+                w = [jnp.where(a > 10, 10.0, a) for a in w]  # a helper jit launched inside the step
+        jax.block_until_ready(w)
+        jax.profiler.stop_trace()
+    if "blocking" in loops:
+        jax.profiler.start_trace(f"{out}/blocking")
+        for i in range(5):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                w = jax.block_until_ready(train_step(w, x))
+        jax.profiler.stop_trace()
+    if "unmarked" in loops:
+        jax.profiler.start_trace(f"{out}/unmarked")
+        for i in range(4):
+            w = train_step(w, x)
+        jax.block_until_ready(w)
+        jax.profiler.stop_trace()
+    cost = train_step.lower(w, x).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    json.dump({"flops": cost["flops"]}, open(f"{out}/facts.json", "w"))
+""")
+
+
+def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={out}/hlo --xla_dump_hlo_as_text")
+    subprocess.run([sys.executable, "-c", JOB, str(out), str(width), loops, act], check=True, env=env,
+                   capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("job")
+    _run(root / "run", 128, "readme,blocking,unmarked")
+    _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
+    return root
+
+
+def _flops(job: Path) -> float:
+    return json.loads((job / "run" / "facts.json").read_text())["flops"]
+
+
+def test_readme_loop_counts_every_step(job):
+    """Async dispatch: the ops of step i run after its annotation closed; they still belong to step i."""
+    a = analyze(job / "run" / "readme", hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    s = a.summary
+    assert s.join.events_joined == s.join.events_total
+    assert s.steps_used == (1, 2, 3, 4)
+    train = a.ops[a.ops["module"].astype(str) == "jit_train_step"]
+    per_step = train[train["counted"] & train["step"].notna()].groupby("step")["flops"].sum()
+    assert list(per_step.index) == [1, 2, 3, 4]
+    assert per_step.to_numpy() == pytest.approx(_flops(job), rel=1e-6)  # XLA's count, every step
+    assert s.flops_per_step >= _flops(job)  # plus the helper jits launched in the step
+    # each step's ops are those of the execution launched inside it: one execution per step
+    runs = train.dropna(subset=["step"]).groupby("step")["run_id"].nunique()
+    assert (runs == 1).all()
+    assert s.step_time_mean_s > 0 and s.host_step_time_mean_s > 0
+
+
+def test_readme_loop_equals_blocking_loop(job):
+    readme = analyze(job / "run" / "readme", hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    blocking = analyze(job / "run" / "blocking", hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    train = [a.ops[(a.ops["module"].astype(str) == "jit_train_step") & a.ops["counted"] & a.ops["step"].notna()]
+             for a in (readme, blocking)]
+    assert train[0]["flops"].sum() / 4 == pytest.approx(train[1]["flops"].sum() / 4, rel=0.01)
+    assert blocking.summary.flops_per_step == pytest.approx(_flops(job), rel=1e-6)
+
+
+def test_unmarked_profile_makes_each_execution_a_step(job):
+    a = analyze(job / "run" / "unmarked", hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    assert a.summary.step_annotation == "executions of jit_train_step"
+    assert a.summary.steps_total == 4 and a.summary.steps_used == (1, 2, 3)
+    assert a.summary.flops_per_step == pytest.approx(_flops(job), rel=1e-6)
+    assert any("each execution of jit_train_step" in n for n in a.summary.notes)
+
+
+def test_dump_folder_as_xla_writes_it(job):
+    kinds = {dump_file_kind(p) for p in (job / "run" / "hlo").iterdir() if p.is_file()}
+    assert {"hlo_after", "hlo_before", "buffer-assignment", "memory-usage-report", "live-range"} <= kinds
+    a = analyze(job / "run" / "blocking", hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    assert a.summary.join.events_joined == a.summary.join.events_total
+
+
+def _stale_dump(job: Path, tmp_path: Path) -> Path:
+    """The other run's train-step dump, renamed to the program id this run's profile carries."""
+    ours = next((job / "run" / "hlo").glob("module_*.jit_train_step.cpu_after_optimizations.txt"))
+    theirs = next((job / "other" / "hlo").glob("module_*.jit_train_step.cpu_after_optimizations.txt"))
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    shutil.copy(theirs, stale / ours.name)
+    return stale
+
+
+def test_stale_dump_never_overrides_the_profiles_hlo(job, tmp_path):
+    stale = _stale_dump(job, tmp_path)
+    a = analyze(job / "run" / "blocking", hlo=[stale], chip=str(HOST_CHIP))
+    assert a.summary.flops_per_step == pytest.approx(_flops(job), rel=1e-6)
+    note = next(n for n in a.summary.notes if "is not the HLO that ran" in n)
+    assert str(stale) in note and "host:metadata" in note
+
+
+def test_stale_dump_without_embedded_hlo_is_refused(job, tmp_path):
+    stale = _stale_dump(job, tmp_path)
+    trace = next((job / "run" / "blocking").rglob("*.trace.json.gz"))  # trace JSON carries no HLO
+    with pytest.raises(HloMismatchError, match="is not the HLO of the profiled jit_train_step"):
+        analyze(trace, hlo=[stale], chip=str(HOST_CHIP))
+    ok = analyze(trace, hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    assert ok.summary.join.events_joined == ok.summary.join.events_total
+
+
+def test_unparsable_extra_file_is_a_note(job, tmp_path):
+    folder = tmp_path / "dump"
+    shutil.copytree(job / "run" / "hlo", folder)
+    (folder / "module_9999.jit_broken.cpu_after_optimizations.txt").write_text("HloModule jit_broken\n((( nope\n")
+    a = analyze(job / "run" / "blocking", hlo=[folder], chip=str(HOST_CHIP))
+    assert a.summary.join.events_joined == a.summary.join.events_total
+
+
+def test_run_ids_wrap_and_alignment():
+    assert list(_unwrapped(np.array([2**31 - 2, 2**31 - 1, -(2**31), -(2**31) + 1]))) == [
+        2**31 - 2, 2**31 - 1, 2**31, 2**31 + 1]
+    # the profile started after launch 0 (its execution still ran) and stopped before the last one ran
+    launches = np.array([10, 20, 30, 40, 50])
+    first_op = np.array([15, 25, 60, 70])
+    assert _best_offset(np.arange(4), first_op, launches) == (0, 4)
+    ops = pd.DataFrame({"module": ["jit_f"] * 4, "run_id": pd.array([7, 8, 9, 10], "Int64"),
+                        "start_ps": [35, 45, 55, 100]})
+    lau = pd.DataFrame({"module": ["jit_f"] * 3, "start_ps": [30, 40, 50]})
+    when, matched = launch_times(ops, lau)
+    assert matched == 3 and list(when[:3]) == [30, 40, 50] and np.isnan(when[3])
