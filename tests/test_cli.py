@@ -25,7 +25,7 @@ def run(*args: str):
 def test_terminal_report_on_fixture():
     r = run("analyze", "fixtures/transformer", "--chip", HOST_CHIP)
     assert r.exit_code == 0, r.output
-    assert "layer_0/attention" in r.output and "Top 10 ops by lost time" in r.output
+    assert "layer_*/attention" in r.output and "Top 10 ops by lost time" in r.output
     assert "MFU" in r.output and "1,070 of 1,070 op events" in r.output
 
 
@@ -116,3 +116,9 @@ def test_inputs_are_not_modified(tmp_path):
 def test_trace_json_input_with_hlo():
     r = run("analyze", str(fixture_trace_json("scan_mlp")), "--hlo", "fixtures/scan_mlp/hlo", "--chip", HOST_CHIP)
     assert r.exit_code == 0 and "650 of 650 op events" in r.output
+
+
+def test_expand_shows_each_block_instance():
+    r = run("analyze", "fixtures/transformer", "--chip", HOST_CHIP, "--expand")
+    assert r.exit_code == 0, r.output
+    assert "layer_0/attention" in r.output and "layer_1/attention" in r.output and "layer_*" not in r.output

@@ -17,10 +17,11 @@ from traceroof.collectives import (bus_bandwidth, classify, default_topology, ex
                                    parse_topology)
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.findings import is_retiling, layout_findings
-from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, layer_of, parse_scope, phase_of, rollup
+from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of, rollup
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import HloMismatchError, Inputs, JoinReport, Profile, discover, load_profile, match_modules
 from traceroof.roofline import apply_roofline, main_matmul_peak, precision_notes
+from traceroof.scopes import ModuleScopes, ScopeInfo, assign_scopes
 from traceroof.xprof import export_op_table, per_core_chip
 
 # Finding thresholds: traceroof's own heuristics (no external source); each finding states the figure it used.
@@ -111,13 +112,15 @@ _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand
                  "cost_note", "called", "retiling", "collective", "dot_precision"]
 
 
-def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[str, object]:
+def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: ScopeInfo | None = None
+           ) -> dict[str, object]:
     cost = model.cost(inst)
     category, dtype = categorize(model, inst)
     coll = classify(model, inst)
     if coll is not None:
         category = "collective"
-    scope, phase = parse_scope(inst.metadata.op_name, optimizer_pattern)
+    scope, phase = (info.scope, info.phase) if info is not None else parse_scope(inst.metadata.op_name,
+                                                                                    optimizer_pattern)
     operand_shapes = []
     for i in range(len(inst.operands)):
         s = model.operand_shape(inst, i)
@@ -125,7 +128,7 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[
     return {
         "opcode": inst.opcode, "category": category, "fusion_kind": inst.fusion_kind, "dtype": dtype,
         "shape": str(inst.shape), "operand_shapes": ", ".join(operand_shapes), "scope": scope, "phase": phase,
-        "source": model.module.source_line(inst), "flops": cost.flops, "transcendentals": cost.transcendentals,
+        "source": info.source if info is not None and info.source else model.module.source_line(inst), "flops": cost.flops, "transcendentals": cost.transcendentals,
         "logical_bytes": cost.bytes_accessed, "padded_bytes": cost.padded_bytes, "hbm_bytes": cost.hbm_bytes,
         "opaque": cost.opaque, "cost_note": cost.note,
         "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),
@@ -134,14 +137,15 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str) -> dict[
     }
 
 
-def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
-                   ) -> tuple[pd.DataFrame, JoinReport]:
+def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN,
+                   expand: bool = False) -> tuple[pd.DataFrame, JoinReport]:
     """Join profile events to HLO instructions and their costs: one row per op execution.
 
     Columns: the profile's (``host``, ``device``, ``program_id``, ``module``, ``hlo_op``, ``start_ps``,
     ``duration_ps``, ``step``), ``measured_s``, ``joined`` (an instruction was found), the instruction's
     ``opcode``, ``category``, ``fusion_kind``, ``dtype``, ``shape``, ``operand_shapes``, ``scope``, ``layer``,
-    ``phase``, ``source``, ``flops``, ``transcendentals``, ``logical_bytes``, ``padded_bytes``, ``hbm_bytes``
+    ``phase``, ``source`` (scope, phase and source by :mod:`traceroof.scopes`; ``layer`` and ``instance`` of a
+    repeated block by :class:`~traceroof.layers.LayerNamer`, each instance its own layer with ``expand``), ``flops``, ``transcendentals``, ``logical_bytes``, ``padded_bytes``, ``hbm_bytes``
     (the row's share of its op's per-execution cost), ``opaque``, ``cost_note``, ``retiling`` (a layout-changing
     copy), ``kernels_per_execution`` and ``executions`` (GPU N:M estimate; 1 elsewhere), and ``counted`` (False
     for control ops such as ``while`` whose bodies' ops are events of their own, so time is not counted twice).
@@ -154,6 +158,7 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     keys, uniques = pd.factorize(mod_idx * (1 << 32) + op_codes)
     op_names = list(ev["hlo_op"].cat.categories)
     models: dict[int, CostModel] = {}
+    module_scopes: dict[int, ModuleScopes] = {}
     rows: list[dict[str, object] | None] = []
     for key in uniques:
         mi, oc = int(key) >> 32, int(key) & 0xFFFFFFFF
@@ -163,7 +168,10 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
         model = models.get(mi) or models.setdefault(mi, CostModel(modules[mi]))
         comp = model.comp_of.get(op_names[oc])  # name -> computation index the cost model already built
         inst = comp.by_name[op_names[oc]] if comp is not None else None
-        rows.append(_attrs(model, inst, optimizer_pattern) if inst is not None else None)
+        if inst is not None and mi not in module_scopes:
+            module_scopes[mi] = assign_scopes(modules[mi], optimizer_pattern)
+        rows.append(_attrs(model, inst, optimizer_pattern, module_scopes[mi].get(inst.name)) if inst is not None
+                    else None)
     joined_u = np.array([r is not None for r in rows] or [False])
     blank = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "",
              "operand_shapes": "", "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0,
@@ -235,9 +243,13 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
         for col, label in (("category", "unattributed kernel"), ("scope", "(unattributed kernels)")):
             out[col] = out[col].cat.add_categories([label]) if label not in out[col].cat.categories else out[col]
             out.loc[un, col] = label
-    layer_cat = pd.Categorical([layer_of(str(s), depth) for s in out["scope"].cat.categories])
-    out["layer"] = pd.Categorical.from_codes(layer_cat.codes[out["scope"].cat.codes.to_numpy()],
-                                             categories=layer_cat.categories) if len(ev) else pd.Categorical([])
+    namer = LayerNamer.build(out["scope"].astype(str).value_counts().to_dict() if len(ev) else {},
+                             {k: v for ms in module_scopes.values() for k, v in ms.repeats.items()})
+    for col, name in (("layer", lambda sc: namer.layer(sc, depth, expand)),
+                      ("instance", lambda sc: "" if expand else namer.instance(sc, depth))):
+        cat = pd.Categorical([name(str(sc)) for sc in out["scope"].cat.categories])
+        out[col] = pd.Categorical.from_codes(cat.codes[out["scope"].cat.codes.to_numpy()],
+                                             categories=cat.categories) if len(ev) else pd.Categorical([])
     joined_mask = out["joined"].to_numpy(bool)
     report = JoinReport(partial.events_total, int(joined_mask.sum()), partial.time_total_ps,
                         int(ev["duration_ps"].to_numpy()[joined_mask].sum()), partial.unmatched_modules,
@@ -266,16 +278,19 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
 def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] = (), chip: str | Chip | None = None,
             depth: int = 2, warmup_steps: int = 1, top: int = 10,
             optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None,
-            model_flops_per_step: float | None = None) -> Analysis:
+            model_flops_per_step: float | None = None, expand: bool = False) -> Analysis:
     """Analyze a profile: op table, roofline on ``chip``, per-layer rollup, top ops by lost time.
 
     :param paths: ``.xplane.pb`` / trace JSON files, run directories or logdirs (one capture; all hosts).
     :param hlo: HLO text files or ``--xla_dump_to`` folders (dumps found beside the profile are added).
     :param chip: chip id/name/alias, a chip ``.toml`` path, or a :class:`Chip`; CPU profiles default to the
         calibrated host.
-    :param depth: named-scope segments that make a layer (``layer_0/mlp`` at depth 2).
+    :param depth: scope units that make a layer (:class:`~traceroof.layers.LayerNamer`: the model wrapper
+        dropped, a repeated block ``h/*`` one unit and the units above it not counted: GPT-2's
+        ``transformer/h/*/attn`` at depth 2).
     :param warmup_steps: marked steps excluded from the start of the profile.
     :param top: number of ops in ``top_ops``.
+    :param expand: one layer per repeated-block instance (``h/0``, ``h/1``...) instead of ``h/*``.
     :param topology: ``4x4x4`` (TPU slice) or ``8x2`` (GPUs per node x nodes); default from the chip and the
         device count.
     :param model_flops_per_step: the model's FLOPs of one step over all devices (e.g. 6·N·T) for the MFU;
@@ -293,7 +308,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     chip_ici = target  # links stay per chip
     target, core_note = per_device_chip(target)
     chip_note = "; ".join(x for x in (chip_note or (chip_ici.note if core_note else ""), core_note) if x)
-    ops, join = build_op_table(profile, depth, optimizer_pattern)
+    ops, join = build_op_table(profile, depth, optimizer_pattern, expand)
     framework = "framework_scope" in ops
     unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
                       if not is_known_opcode(i.opcode)})

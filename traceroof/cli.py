@@ -56,7 +56,9 @@ def main() -> None:
 @click.option("--hlo", "hlo", multiple=True, help="HLO text file or --xla_dump_to folder (repeatable).")
 @click.option("--chip", help="Target chip id/name (see `traceroof chips`) or a chip .toml file.")
 @click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 32),
-              help="Named-scope segments per layer.")
+              help="Scope units per layer (model wrapper dropped; a repeated block h/* is one unit and the "
+                   "units above it do not count).")
+@click.option("--expand", is_flag=True, help="One layer per repeated-block instance (h/0, h/1...) instead of h/*.")
 @click.option("--warmup-steps", default=1, show_default=True, type=click.IntRange(0),
               help="Marked steps excluded at the start.")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(0), help="Ops listed by lost time.")
@@ -70,15 +72,15 @@ def main() -> None:
                    "executed FLOPs without the rematerialised forward.")
 @click.option("-o", "--output", help="Write the report to this file instead of stdout.")
 @_guarded
-def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: int, warmup_steps: int,
-            top: int, fmt: str, table: str, topology: str | None, model_flops_per_step: float | None,
-            output: str | None) -> None:
+def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: int, expand: bool,
+            warmup_steps: int, top: int, fmt: str, table: str, topology: str | None,
+            model_flops_per_step: float | None, output: str | None) -> None:
     """Per-layer roofline report of a profile (.xplane.pb, run directory, logdir or trace JSON)."""
     from traceroof.analysis import analyze as run
     from traceroof.report import render
 
     a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology,
-            model_flops_per_step=model_flops_per_step)
+            model_flops_per_step=model_flops_per_step, expand=expand)
     _write(render(a, fmt, table), output)
 
 

@@ -8,6 +8,8 @@ JAX writes each op's framework path into HLO metadata ``op_name``
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 import numpy as np
 import pandas as pd
@@ -20,6 +22,11 @@ DEFAULT_OPTIMIZER_PATTERN = (r"optimizer|optim|optax(_\w+)?|opt_update|apply_upd
 # segments JAX's transformations add to the name stack (loops, calls, remat), not user scopes
 STRUCTURAL_SEGMENTS = frozenset({"while", "body", "cond", "closed_call", "core_call", "remat", "checkpoint",
                                  "rematted_computation", "custom_jvp_call", "custom_vjp_call", "pjit", "scan"})
+# segments that only mark gradient code (TensorFlow/Keras ``gradient_tape/``): dropped so backward rows line up
+# with their forward rows (the phase still says backward)
+GRADIENT_SEGMENTS = frozenset({"gradient_tape"})
+# a Flax linen method scope (``attn._split_heads``, ``attn.setup``): the module's name, then the method's
+_METHOD_SEGMENT = re.compile(r"([A-Za-z_]\w*)\.(_*[a-z]\w*)")
 # jnp.einsum pushes its spec ("btd,df->btf") onto the name stack: not a user scope
 _EINSUM_SPEC = re.compile(r"[A-Za-z.,\s]*->[A-Za-z.\s]*")
 
@@ -57,8 +64,10 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     """(scope path, phase) of an ``op_name``.
 
     The scope path joins the named scopes with '/' after dropping ``jit(...)`` segments, unwrapping
-    ``jvp``/``transpose`` wrappers, dropping structural segments (``while``, ``body``, ``closed_call``,
-    ``checkpoint``...) and einsum specs, and removing the last segment (the primitive). Phase: ``backward`` when a
+    ``jvp``/``transpose`` wrappers, dropping ``jit(...)`` segments also where a wrapper held them
+    (``transpose(jvp(jit(_take)))``: helper jits fold into the caller's scope), structural segments (``while``,
+    ``body``, ``closed_call``, ``checkpoint``...), ``gradient_tape`` and einsum specs, folding Flax method
+    scopes (``attn._split_heads``) into their module, and removing the last segment (the primitive). Phase: ``backward`` when a
     ``transpose(`` wraps any segment, ``optimizer`` when a scope matches ``optimizer_pattern``, else
     ``forward``; ``remat`` for the forward recomputed in a backward pass (``checkpoint/rematted_computation``).
     ``optimizer_pattern`` must match a whole scope segment. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
@@ -70,14 +79,19 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     segs = _split_path(first)
     if len(segs) == 1:  # a bare compiler-made name ("broadcast.11") or a parameter name
         return NO_SCOPE, "forward"
-    backward = "transpose(" in first
-    scopes = []
+    backward = "transpose(" in first or any(s in GRADIENT_SEGMENTS for s in segs)
+    scopes: list[str] = []
     for s in segs[:-1]:
-        if re.fullmatch(r"jit\(.*\)", s):
-            continue
         inner, _ = _unwrap(s)
-        if inner and not _EINSUM_SPEC.fullmatch(inner) and inner not in STRUCTURAL_SEGMENTS:
-            scopes.append(inner)
+        if not inner or re.fullmatch(r"jit\(.*\)", inner) or _EINSUM_SPEC.fullmatch(inner) \
+                or inner in STRUCTURAL_SEGMENTS or inner in GRADIENT_SEGMENTS:
+            continue
+        m = _METHOD_SEGMENT.fullmatch(inner)
+        if m is not None:  # a Flax method scope: ``attn.setup`` -> ``attn``; ``attn/attn._split_heads`` -> ``attn``
+            if scopes and scopes[-1] == m.group(1):
+                continue
+            inner = m.group(1)
+        scopes.append(inner)
     path = "/".join(scopes) or TOP_LEVEL
     phase = phase_of(scopes, backward, optimizer_pattern)
     if phase == "backward" and "rematted_computation" in segs:
@@ -100,6 +114,87 @@ def layer_of(scope: str, depth: int) -> str:
     return "/".join(scope.split("/")[:depth])
 
 
+WRAPPER_SHARE = 0.9  # traceroof's heuristic: a first scope unit over this share of named ops is the model wrapper
+
+
+@dataclass(frozen=True)
+class LayerNamer:
+    """Layer names of scope paths: the model wrapper dropped, repeated blocks collapsed, depth counted in units.
+
+    Rule, for depth ``d``: a scope is cut into *units* (segments; a repeated block instance ``h/3`` is one unit
+    ``h/*``, ``Block_3`` is ``Block_*``); the first unit, when nearly all named ops share it (the model wrapper:
+    ``FlaxGPT2LMHeadModule``, ``CNN``; see :meth:`build`), is dropped; the layer is the first
+    ``d`` units, where units above the first repeated block do not count, so the default ``d = 2`` shows a
+    block stack's parts (GPT-2: ``transformer/h/*/attn``; a CNN: ``Conv_0``). A scope that is the wrapper
+    itself keeps its full name. With ``expand`` each instance keeps its index (``transformer/h/0/attn``).
+    Names in parentheses (``(no scope)``, ``(optimizer)``) are layers as they are.
+
+    :param repeats: repeated-block instance scope -> its collapsed scope (``M/h/0`` -> ``M/h/*``).
+    :param wrapper: the units dropped from the front (see :meth:`build`).
+    """
+
+    repeats: Mapping[str, str] = field(default_factory=dict)
+    wrapper: tuple[str, ...] = ()
+
+    @classmethod
+    def build(cls, scopes: Mapping[str, float] | Iterable[str], repeats: Mapping[str, str] | None = None
+              ) -> "LayerNamer":
+        """A namer whose wrapper is the first unit of the scopes holding at least ``WRAPPER_SHARE`` of the named
+        scopes' weight (``scopes``: scope -> op count; a plain iterable weighs each scope 1), when it is a class
+        name (capitalised: Flax's top module, a stack-frame class; a user's ``jax.named_scope("layers")`` stays)
+        and some scope goes deeper than it; else none. A stray op scoped outside the model (GPT-2's
+        ``FlaxGPT2PreTrainedModel`` position ids) does not hide the wrapper."""
+        base = cls(dict(repeats or {}))
+        weights = scopes if isinstance(scopes, Mapping) else {s: 1.0 for s in scopes}
+        first: dict[str, float] = {}
+        deeper: set[str] = set()
+        for sc, w in weights.items():
+            if not sc or sc.startswith("("):
+                continue
+            units = base.units(sc)
+            if not units[0][1]:
+                first[units[0][0]] = first.get(units[0][0], 0.0) + float(w)
+                if len(units) > 1:
+                    deeper.add(units[0][0])
+        total = sum(first.values())
+        best = max(sorted(first), key=lambda u: first[u], default=None)
+        if best is None or best not in deeper or first[best] < WRAPPER_SHARE * total or not best[:1].isupper():
+            return base
+        return cls(base.repeats, (best,))
+
+    def units(self, scope: str, expand: bool = False) -> list[tuple[str, bool]]:
+        """(unit, is a repeated block) of a scope, the wrapper included."""
+        segs = scope.split("/")
+        out: list[tuple[str, bool]] = []
+        for i, seg in enumerate(segs):
+            collapsed = self.repeats.get("/".join(segs[: i + 1]))
+            if collapsed is None:
+                out.append((seg, False))
+            elif collapsed.endswith("/*") and out:  # ``h/3``: the container and the index are one unit
+                out[-1] = (out[-1][0] + "/" + (seg if expand else "*"), True)
+            else:
+                out.append((seg if expand else collapsed.rsplit("/", 1)[-1], True))
+        return out
+
+    def layer(self, scope: str, depth: int, expand: bool = False) -> str:
+        """The layer of a scope at ``depth`` (see the class docstring)."""
+        if not scope or scope.startswith("(") or depth <= 0:
+            return scope
+        units = self.units(scope, expand)
+        w = len(self.wrapper) if tuple(u for u, _ in units[: len(self.wrapper)]) == self.wrapper else 0
+        if len(units) <= w:
+            return "/".join(u for u, _ in units)
+        rest = units[w:]
+        first_repeat = next((i for i, (_, rep) in enumerate(rest) if rep), None)
+        n = depth + (first_repeat or 0)
+        return "/".join(u for u, _ in rest[:n])
+
+    def instance(self, scope: str, depth: int) -> str:
+        """The expanded layer (``transformer/h/3/attn``) when the scope lies in a collapsed block, else ''."""
+        expanded = self.layer(scope, depth, expand=True)
+        return expanded if expanded != self.layer(scope, depth) else ""
+
+
 PHASE_ORDER = {"forward": 0, "remat": 1, "backward": 2, "optimizer": 3}
 
 
@@ -110,11 +205,14 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd
     Columns: ``layer``, ``phase``, ``ops`` (distinct HLO ops), ``time_per_step_s``, ``share_of_step`` (of the
     mean step time), ``flops_per_step``, ``hbm_bytes_per_step``, ``expected_per_step_s``, ``efficiency``
     (expected ÷ measured over ops with an expectation), ``bound`` (the bound holding most expected time),
-    ``lost_per_step_s``, ``exposed_comm_per_step_s`` (collective time no other op covered), ``worst_op`` (the op
-    losing most time). Sorted by time, largest first.
+    ``lost_per_step_s``, ``exposed_comm_per_step_s`` (collective time no other op covered), ``worst_op`` (see
+    :func:`worst_op`), and for a collapsed repeated block (``h/*``; op-table column ``instance``) ``instances``
+    with the ``instance_min_s`` / ``instance_median_s`` / ``instance_max_s`` time per step across them (NaN and
+    1 instance elsewhere). Sorted by time, largest first.
     """
     cols = ["layer", "phase", "ops", "time_per_step_s", "share_of_step", "flops_per_step", "hbm_bytes_per_step",
-            "expected_per_step_s", "efficiency", "bound", "lost_per_step_s", "exposed_comm_per_step_s", "worst_op"]
+            "expected_per_step_s", "efficiency", "bound", "lost_per_step_s", "exposed_comm_per_step_s", "worst_op",
+            "instances", "instance_min_s", "instance_median_s", "instance_max_s"]
     d = ops[ops["counted"] & ops["step"].notna()]
     if d.empty or per_step_divisor <= 0:
         return pd.DataFrame(columns=cols)
@@ -126,7 +224,7 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd
         exp_sum = g.loc[has_exp, "expected_s"].sum() * k
         meas_exp = g.loc[has_exp, "measured_s"].sum() * k
         by_bound = g[has_exp].groupby("bound", observed=True)["expected_s"].sum()
-        per_op = g.groupby("hlo_op", observed=True)["lost_s"].sum(min_count=1)
+        spread = _instance_spread(g, k)
         rows.append({
             "layer": layer, "phase": phase, "ops": g["hlo_op"].nunique(),
             "time_per_step_s": measured,
@@ -138,9 +236,40 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd
             "bound": str(by_bound.idxmax()) if len(by_bound) else ("opaque" if g["opaque"].any() else "unknown"),
             "lost_per_step_s": g["lost_s"].sum() * k,
             "exposed_comm_per_step_s": g["comm_exposed_s"].sum() * k if "comm_exposed_s" in g else 0.0,
-            "worst_op": str(per_op.idxmax()) if per_op.notna().any() else "",
+            "worst_op": worst_op(g, k),
+            "instances": len(spread) or 1,
+            "instance_min_s": float(spread.min()) if len(spread) else np.nan,
+            "instance_median_s": float(spread.median()) if len(spread) else np.nan,
+            "instance_max_s": float(spread.max()) if len(spread) else np.nan,
         })
     out = pd.DataFrame(rows, columns=cols)
     out["_p"] = out["phase"].map(PHASE_ORDER).fillna(9)
     out = out.sort_values(["time_per_step_s", "layer", "_p"], ascending=[False, True, True], kind="stable")
     return out.drop(columns="_p").reset_index(drop=True)
+
+
+def worst_op(g: pd.DataFrame, k: float) -> str:
+    """The op of ``g`` losing most time per step judged on its MEDIAN execution: (median measured per execution
+    − expected per execution) x executions per step (``k`` = 1 / per-step divisor), so one slow outlier run
+    does not make an op the worst. '' when no op has an expectation."""
+    d = g[g["expected_s"].notna()]
+    if d.empty:
+        return ""
+    execs = d["executions"].to_numpy(np.float64) if "executions" in d else np.ones(len(d))
+    execs = np.where(execs > 0, execs, 1.0)
+    d = d.assign(_m=d["measured_s"].to_numpy(np.float64) / execs, _e=d["expected_s"].to_numpy(np.float64) / execs,
+                 _n=execs)
+    per = d.groupby("hlo_op", observed=True).agg(m=("_m", "median"), e=("_e", "median"), n=("_n", "sum"))
+    lost = (per["m"] - per["e"]) * per["n"] * k
+    return str(lost.sort_index(kind="stable").idxmax())
+
+
+def _instance_spread(g: pd.DataFrame, k: float) -> pd.Series:
+    """Time per step of each repeated-block instance in ``g`` (empty when the rows hold no instances)."""
+    if "instance" not in g:
+        return pd.Series(dtype=float)
+    inst = g["instance"].astype(str)
+    d = g[inst != ""]
+    if d.empty:
+        return pd.Series(dtype=float)
+    return d.groupby(inst[inst != ""], observed=True)["measured_s"].sum() * k

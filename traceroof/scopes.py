@@ -1,0 +1,385 @@
+"""Every instruction's (scope, phase, source) for one HLO module, computed once per module.
+
+``op_name`` alone (:func:`traceroof.layers.parse_scope`) leaves gaps on real programs; these rules close them,
+each from evidence in jax 0.10 HLO of real framework code (flax linen + optax, flax NNX, Equinox,
+transformers FlaxGPT2, Keras on JAX):
+
+1. **Names from the fusion body.** A fusion without ``op_name`` (XLA CPU's ``transpose_copy_fusion`` feeding a
+   weight-gradient convolution) takes the name of a named instruction in its fused computation: a dot /
+   convolution / custom-call first, else the named instruction nearest the root. A bare compiler name
+   (``op_name="reduce_sum"``, a parameter's ``"st.step"``) counts as no name.
+2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users first, then from
+   their operands (in rounds, each round reading only the previous round's labels, until nothing changes),
+   then from the instruction that calls their computation.
+3. **Scopes from stack frames.** Where the named scopes are missing (Flax NNX writes none: its ops are
+   ``jit(step)/jvp()/dot_general``) or generic library names (Equinox writes ``eqx.nn.MLP/eqx.nn.Linear``
+   for the user's ``Block``), the scope comes from the metadata's ``stack_frame_id`` chain: model class methods
+   (``Block.__call__`` in the user's files, ``Linear.__call__`` in a layer library such as ``flax/nnx/nn`` or
+   ``equinox/nn``), outermost first, rendered as their class names (``Model/Block/MLP/Linear``). Frames are
+   read from the innermost outwards: library frames that are not model classes are skipped; after the first
+   model class, the first user frame that is not a method (the loss closure, ``step``) ends the path.
+4. **Optimizer phase.** An op outside the differentiated function (no ``jvp(``/``transpose(`` in its name) is
+   ``optimizer`` when (a) one of its stack frames lies in an optimizer library (``optax/`` except
+   ``optax/losses``, ``flax/training/``, ``flax/nnx/training/``, ``keras/src/optimizers/``,
+   ``equinox/_update``), or (b) it feeds only parameter updates: in a module with backward ops, an entry output
+   aliased to a parameter by ``input_output_alias`` — or, with no aliasing, an output with the shape of an entry
+   parameter it is computed from — that depends on a backward op is an update (new weights, Adam's ``mu`` /
+   ``nu``); walking back from the updates through ops outside the differentiated function (stopping at the
+   gradient) finds the optimizer ops, keeping those whose every user is an optimizer op or an update output.
+   The ``optimizer_pattern`` scope regex still wins. Optimizer ops without a model scope get
+   ``(optimizer)``.
+
+Repeated blocks (``h/0``…``h/11``, ``Block_3``, ``layers_2``) are found here too, since telling a block stack
+from ``Conv_0``/``Conv_1`` needs the HLO: instances (a numbered scope with child scopes) collapse when their
+dot / convolution ops — relative scope, phase, opcode and shape — are the same.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+from parsers.hlo import Computation, HloModule, Instruction, StackFrame
+from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, TOP_LEVEL, parse_scope
+
+OPTIMIZER_SCOPE = "(optimizer)"
+# files whose frames mark optimizer code (outside the differentiated function)
+OPTIMIZER_FILES = re.compile(r"(^|/)(optax/(?!losses/)|flax/training/|flax/nnx/training/|keras/src/optimizers/|"
+                             r"keras/src/backend/\w+/optimizer|equinox/_update)")
+# files of layer libraries whose ``Class.method`` frames are model classes
+MODEL_LIBRARY_FILES = re.compile(r"(^|/)(flax/linen|flax/nnx/nn|flax/nnx/bridge|equinox/nn|keras/src/layers|"
+                                 r"keras/src/models|transformers/models|haiku/_src|praxis/layers)/")
+# wrapper machinery inside those libraries (module base classes, transforms)
+NOT_MODEL_FILES = re.compile(r"(^|/)(flax/linen/(module|transforms|scan|partitioning|summary)\.py|"
+                             r"keras/src/layers/layer\.py|keras/src/models/(functional|model|sequential)\.py|"
+                             r"haiku/_src/(module|transform|stateful)\.py)$")
+# third-party or interpreter files: not the user's code
+LIBRARY_FILES = re.compile(r"(site-packages|dist-packages)/|/lib/python3[.\d]*/|(^|/)(jax|jaxlib)/_src/|^<")
+_METHOD = re.compile(r"([A-Za-z_]\w*)\.([A-Za-z_]\w*)")  # ``Block.__call__`` (not ``f.<locals>.g``)
+# a scope segment that is a library's dotted class path (``eqx.nn.MLP``), not a user-given name
+_GENERIC_SEGMENT = re.compile(r"[a-z_]\w*(\.[a-z_]\w*)*\.[A-Z]\w*")
+_PRIORITY_OPCODES = ("convolution", "dot", "custom-call")
+_GRAD_WRAPPERS = ("jvp(", "transpose(")
+_NUMBERED = re.compile(r"(.*[A-Za-z])_(\d+)")  # ``Block_3``, ``layers_2``
+
+
+@dataclass(frozen=True)
+class ScopeInfo:
+    """Scope path, phase and source line of one instruction, and how the scope was found: ``op_name``,
+    ``fused`` (a fused instruction's name), ``user`` / ``operand`` / ``caller`` (a neighbour's), ``frames``
+    (stack frames), or ``none``."""
+
+    scope: str
+    phase: str
+    source: str = ""
+    how: str = "op_name"
+    in_grad: bool = False  # inside the differentiated function (``jvp(`` / ``transpose(`` in the name)
+
+
+@dataclass(frozen=True)
+class ModuleScopes:
+    """Scopes of one module: ``infos`` by instruction name; ``repeats`` maps each repeated-block instance scope
+    (``M/transformer/h/0``) to its collapsed form (``M/transformer/h/*``)."""
+
+    infos: Mapping[str, ScopeInfo]
+    repeats: Mapping[str, str] = field(default_factory=dict)
+
+    def get(self, name: str) -> ScopeInfo:
+        """The instruction's scope info (``(no scope)`` for an unknown name)."""
+        return self.infos.get(name) or ScopeInfo(NO_SCOPE, "forward", how="none")
+
+
+def _named(inst: Instruction) -> bool:
+    """True when the instruction carries a framework path (not a bare compiler or parameter name)."""
+    return "/" in inst.metadata.op_name.split(";")[0]
+
+
+def _fused_carrier(module: HloModule, comp_name: str, depth: int = 0) -> Instruction | None:
+    """The instruction of a fused computation whose metadata names the fusion: a named dot / convolution /
+    custom-call first, else the named instruction nearest the root (breadth first over operands)."""
+    comp = module.computations.get(comp_name)
+    if comp is None or comp.root is None or depth > 8:
+        return None
+    for opcode in _PRIORITY_OPCODES:
+        for inst in comp.instructions:
+            if inst.opcode == opcode and _named(inst):
+                return inst
+    seen, queue = {comp.root.name}, [comp.root]
+    while queue:
+        inst = queue.pop(0)
+        if _named(inst):
+            return inst
+        if inst.opcode == "fusion":
+            for c in inst.called:
+                found = _fused_carrier(module, c, depth + 1)
+                if found is not None:
+                    return found
+        for op in inst.operands:
+            src = comp.by_name.get(op)
+            if src is not None and src.name not in seen:
+                seen.add(src.name)
+                queue.append(src)
+    return None
+
+
+class _Frames:
+    """Stack-frame chains of a module. The printed ``parent_frame_id`` of jax 0.10 HLO text is the proto's
+    value + 1 (frame 1 prints parent 1 where the proto says 0 = root); frames are created parents first, so the
+    reading (offset 0 or 1) under which parents precede their children is the one used."""
+
+    def __init__(self, frames: Mapping[int, StackFrame]) -> None:
+        self.frames = frames
+        fits = {d: sum(1 for i, f in frames.items() if 0 <= f.parent_frame_id - d < i) for d in (0, 1)}
+        self.offset = 1 if fits[1] > fits[0] else 0
+        self._paths: dict[int, tuple[str, bool]] = {}
+
+    def chain(self, fid: int) -> list[StackFrame]:
+        """Frames from the innermost (``fid``) outwards."""
+        out, seen = [], set()
+        while fid and fid in self.frames and fid not in seen:
+            seen.add(fid)
+            f = self.frames[fid]
+            out.append(f)
+            fid = f.parent_frame_id - self.offset
+        return out
+
+    def resolve(self, fid: int) -> tuple[str, bool]:
+        """(model path from the frames, whether a frame lies in an optimizer library)."""
+        if fid not in self._paths:
+            chain = self.chain(fid)
+            self._paths[fid] = (_model_path(chain), any(OPTIMIZER_FILES.search(f.file_name) for f in chain))
+        return self._paths[fid]
+
+
+def _model_path(chain: list[StackFrame]) -> str:
+    """Class names of the model-class frames of a chain (innermost first), outermost first, '/'-joined."""
+    classes: list[str] = []
+    for f in chain:
+        parts = f.function_name.split(".")  # qualified: ``make.<locals>.Block.__call__`` is a method of Block
+        m = _METHOD.fullmatch(".".join(parts[-2:])) if len(parts) >= 2 and parts[-2] != "<locals>" else None
+        library = bool(LIBRARY_FILES.search(f.file_name))
+        model = m is not None and (not library or (bool(MODEL_LIBRARY_FILES.search(f.file_name))
+                                                   and not NOT_MODEL_FILES.search(f.file_name)))
+        if model:
+            if not classes or classes[-1] != m.group(1):
+                classes.append(m.group(1))
+        elif classes and not library:
+            break  # the first user frame outside the model (loss closure, train step) ends the path
+    return "/".join(reversed(classes))
+
+
+def _generic(scope: str) -> bool:
+    """A scope made only of library class paths (``eqx.nn.MLP/eqx.nn.Linear``) or no scope at all."""
+    if scope in (NO_SCOPE, TOP_LEVEL):
+        return True
+    return all(_GENERIC_SEGMENT.fullmatch(s) for s in scope.split("/"))
+
+
+def _info(module: HloModule, carrier: Instruction, frames: _Frames, how: str, optimizer_pattern: str
+          ) -> tuple[ScopeInfo, bool]:
+    """Scope info from the carrier's metadata, and whether its frames touch an optimizer library."""
+    op_name = carrier.metadata.op_name
+    scope, phase = parse_scope(op_name, optimizer_pattern)
+    path, in_opt_lib = frames.resolve(carrier.metadata.stack_frame_id) if carrier.metadata.stack_frame_id \
+        else ("", False)
+    if path and _generic(scope):
+        scope, how = path, "frames"
+    in_grad = any(w in op_name for w in _GRAD_WRAPPERS)
+    return ScopeInfo(scope, phase, module.source_line(carrier), how, in_grad), in_opt_lib
+
+
+def _users(comp: Computation) -> dict[str, list[Instruction]]:
+    users: dict[str, list[Instruction]] = {}
+    for inst in comp.instructions:
+        for op in dict.fromkeys(inst.operands):
+            users.setdefault(op, []).append(inst)
+    return users
+
+
+def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]]) -> bool:
+    """Label unlabelled instructions from labelled users, then operands, in rounds; True if any changed."""
+    changed = False
+    while True:
+        new: dict[str, ScopeInfo] = {}
+        for inst in comp.instructions:
+            if inst.name in infos:
+                continue
+            src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos), None)
+            how = "user"
+            if src is None:
+                src = next((infos[o] for o in inst.operands if o in infos), None)
+                how = "operand"
+            if src is not None:
+                new[inst.name] = ScopeInfo(src.scope, src.phase, src.source, how, src.in_grad)
+        if not new:
+            return changed
+        infos.update(new)
+        changed = True
+
+
+def _alias_outputs(module: HloModule) -> dict[int, int]:
+    """``input_output_alias``: top-level output index -> parameter number."""
+    out = {}
+    for m in re.finditer(r"\{\s*(\d*)[^}]*\}\s*:\s*\(\s*(\d+)", module.attrs.get("input_output_alias", "")):
+        out[int(m.group(1) or 0)] = int(m.group(2))
+    return out
+
+
+def _update_optimizer(module: HloModule, infos: dict[str, ScopeInfo]) -> set[str]:
+    """Entry instructions that feed only parameter updates (rule 4b), by name."""
+    entry = module.entry
+    if entry.root is None or not any(i.phase == "backward" for i in infos.values()):
+        return set()
+    outputs = list(entry.root.operands) if entry.root.opcode == "tuple" else [entry.root.name]
+    params = entry.parameters()
+    # forward pass in text order (operands first): which parameters (bit mask) and whether a backward op
+    # each instruction depends on
+    mask: dict[str, int] = {}
+    grad: dict[str, bool] = {}
+    for inst in entry.instructions:
+        n = inst.parameter_number
+        mask[inst.name] = (1 << n) if n >= 0 else 0
+        info = infos.get(inst.name)
+        grad[inst.name] = info is not None and info.phase == "backward"
+        for op in inst.operands:
+            mask[inst.name] |= mask.get(op, 0)
+            grad[inst.name] = grad[inst.name] or grad.get(op, False)
+    alias = _alias_outputs(module)
+    by_name = entry.by_name
+    updates: set[str] = set()
+    for i, out in enumerate(outputs):
+        inst = by_name.get(out)
+        if inst is None or inst.opcode == "parameter" or not grad.get(out):
+            continue
+        if i in alias or any(mask[out] >> n & 1 and p.shape.element_type == inst.shape.element_type
+                             and p.shape.dims == inst.shape.dims for n, p in params.items()):
+            updates.add(out)
+    if not updates:
+        return set()
+    cand: set[str] = set()
+    stack = list(updates)
+    while stack:  # walk back from the updates, stopping at the differentiated function (the gradient)
+        n = stack.pop()
+        inst = by_name.get(n)
+        info = infos.get(n)
+        if n in cand or inst is None or inst.opcode == "parameter" or info is None or info.in_grad \
+                or info.phase in ("backward", "remat"):
+            continue
+        cand.add(n)
+        stack.extend(inst.operands)
+    users = _users(entry)
+    root = entry.root.name
+    other_outputs = {o for o in outputs if o not in updates}
+    work = list(cand)
+    while work:  # keep ops whose every user is an optimizer op or the root (at update positions only)
+        n = work.pop()
+        if n in cand and (n in other_outputs
+                          or any(u.name not in cand and u.name != root for u in users.get(n, ()))):
+            cand.discard(n)
+            work.extend(o for o in by_name[n].operands if o in cand)
+    return cand
+
+
+def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> ModuleScopes:
+    """(scope, phase, source) of every instruction of ``module`` by the rules of this module's docstring."""
+    frames = _Frames(module.stack_frames)
+    infos: dict[str, ScopeInfo] = {}
+    opt_lib: set[str] = set()
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            carrier, how = (inst, "op_name") if _named(inst) else (None, "")
+            if carrier is None and inst.opcode == "fusion":
+                carrier = next((c for c in (_fused_carrier(module, n) for n in inst.called) if c is not None), None)
+                how = "fused"
+            if carrier is None:
+                continue
+            infos[inst.name], in_opt = _info(module, carrier, frames, how, optimizer_pattern)
+            if in_opt:
+                opt_lib.add(inst.name)
+    callers: dict[str, Instruction] = {}
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            for c in inst.called:
+                callers.setdefault(c, inst)
+    users = {name: _users(comp) for name, comp in module.computations.items()}
+    for _ in range(len(module.computations) + 1):
+        changed = False
+        for name, comp in module.computations.items():
+            changed |= _inherit(comp, infos, users[name])
+            caller = callers.get(name)
+            src = infos.get(caller.name) if caller is not None else None
+            if src is not None:
+                for inst in comp.instructions:
+                    if inst.name not in infos:
+                        infos[inst.name] = ScopeInfo(src.scope, src.phase, src.source, "caller", src.in_grad)
+                        changed = True
+        if not changed:
+            break
+    optimizer = {n for n in opt_lib if not infos[n].in_grad} | _update_optimizer(module, infos)
+    for n in optimizer:
+        i = infos[n]
+        scope = OPTIMIZER_SCOPE if i.scope in (NO_SCOPE, TOP_LEVEL) else i.scope
+        infos[n] = ScopeInfo(scope, "optimizer", i.source, i.how, i.in_grad)
+    for n, i in infos.items():  # the optimizer_pattern override keeps its phase; name its scope-less ops too
+        if i.phase == "optimizer" and i.scope in (NO_SCOPE, TOP_LEVEL):
+            infos[n] = ScopeInfo(OPTIMIZER_SCOPE, "optimizer", i.source, i.how, i.in_grad)
+    return ModuleScopes(infos, _repeats(module, infos))
+
+
+def _instances(scope: str) -> Iterable[tuple[str, str]]:
+    """(instance prefix, collapsed prefix) of each numbered segment of a scope: ``a/h/0`` -> ``a/h/*``,
+    ``a/Block_3`` -> ``a/Block_*``."""
+    segs = scope.split("/")
+    for i, s in enumerate(segs):
+        head = "/".join(segs[:i])
+        if s.isdigit() and i > 0:
+            yield "/".join(segs[: i + 1]), "/".join(segs[:i] + ["*"])
+        elif (m := _NUMBERED.fullmatch(s)) is not None:
+            yield "/".join(segs[: i + 1]), (head + "/" if head else "") + m.group(1) + "_*"
+
+
+def _repeats(module: HloModule, infos: Mapping[str, ScopeInfo]) -> dict[str, str]:
+    """Instance scope -> collapsed scope for the repeated blocks of a module (see the module docstring)."""
+    scopes = {i.scope for i in infos.values()} - {NO_SCOPE, TOP_LEVEL, OPTIMIZER_SCOPE}
+    groups: dict[str, set[str]] = {}
+    for sc in scopes:
+        for inst, collapsed in _instances(sc):
+            groups.setdefault(collapsed, set()).add(inst)
+    groups = {c: members for c, members in groups.items() if len(members) > 1}
+    if not groups:
+        return {}
+    sig: dict[str, Counter] = {}
+    children: dict[str, set[str]] = {}
+    members = {m: c for c, ms in groups.items() for m in ms}
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            info = infos.get(inst.name)
+            if info is None:
+                continue
+            for prefix in _prefixes(info.scope, members):
+                rel = info.scope[len(prefix) + 1:]
+                if rel:
+                    children.setdefault(prefix, set()).add(rel.split("/")[0])
+                if inst.opcode in ("dot", "convolution"):
+                    sig.setdefault(prefix, Counter())[(rel, info.phase, inst.opcode, str(inst.shape))] += 1
+    out: dict[str, str] = {}
+    for collapsed, ms in sorted(groups.items()):
+        composite = [m for m in sorted(ms) if children.get(m)]
+        by_sig: dict[tuple, list[str]] = {}
+        for m in composite:
+            key = (tuple(sorted(sig.get(m, Counter()).items())), tuple(sorted(children[m])))
+            by_sig.setdefault(key, []).append(m)
+        for same in by_sig.values():
+            if len(same) > 1:
+                out.update({m: collapsed for m in same})
+    return out
+
+
+def _prefixes(scope: str, members: Mapping[str, str]) -> list[str]:
+    """The instance prefixes (keys of ``members``) that ``scope`` lies in."""
+    segs = scope.split("/")
+    return [p for p in ("/".join(segs[: i + 1]) for i in range(len(segs))) if p in members]
+
+
