@@ -248,3 +248,26 @@ def test_tpu_export_collectives_get_an_ici_expectation():
     v = 8388608
     per_exec = ag["expected_per_step_s"] / ag["executions_per_step"]
     assert per_exec == pytest.approx(max(v * 3 / 4 / (9e10 * 2), 2e-6))
+
+
+@pytest.mark.parametrize("rel", AMD[:4])
+def test_gpu_kernels_get_their_launch_by_correlation_id(rel):
+    """Each kernel's launch is the host API event with its correlation_id, read here from the raw protobuf."""
+    from traceroof.profile import discover, load_profile
+
+    path = third_party(rel)
+    events = load_profile(discover([path])).events
+    xs = parse_full(path)
+    api = {}
+    for plane in xs.planes:
+        if plane.name != "/host:CPU":
+            continue
+        names = {k: v.name for k, v in plane.stat_metadata.items()}
+        for line in plane.lines:
+            for ev in line.events:
+                for st in ev.stats:
+                    if names.get(st.metadata_id) == "correlation_id":
+                        api.setdefault(st.int64_value or st.uint64_value, line.timestamp_ns * 1000 + ev.offset_ps)
+    assert api and events["launch_ps"].notna().all()
+    assert (events["start_ps"] >= events["launch_ps"]).all()  # a kernel starts after its launch
+    assert set(events["launch_ps"].astype("int64")) <= set(api.values())
