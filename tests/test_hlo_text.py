@@ -11,7 +11,8 @@ from parsers.hlo_text import async_pairs, is_known_opcode, parse_hlo_file, parse
 from tests.conftest import FIXTURES, THIRD_PARTY, third_party
 
 
-@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*/hlo/*.txt")), ids=lambda p: p.name)
+# the HLO modules (*_optimizations.txt): a dump folder also has buffer-assignment, live-range, ... reports
+@pytest.mark.parametrize("path", sorted(FIXTURES.glob("*/hlo/*optimizations.txt")), ids=lambda p: p.name)
 def test_every_fixture_dump_parses(path):
     (module,) = parse_hlo_file(path)
     assert module.program_id == int(path.name.split(".")[0].split("_")[1])
