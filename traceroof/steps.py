@@ -103,16 +103,21 @@ def launch_times(ops: pd.DataFrame, launches: pd.DataFrame) -> tuple[np.ndarray,
     has = ~np.isnan(rid)
     if not has.any():
         return out, 0
+    pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1) if "program_id" in ops else np.full(len(ops), -1.0)
     sub = pd.DataFrame({"row": np.flatnonzero(has), "module": ops["module"].astype(str).to_numpy()[has],
-                        "run": rid[has].astype(np.int64), "start": ops["start_ps"].to_numpy(np.int64)[has]})
+                        "pid": pid[has], "run": rid[has].astype(np.int64),
+                        "start": ops["start_ps"].to_numpy(np.int64)[has]})
     matched = 0
     by_module = {m: g["start_ps"].to_numpy(np.int64) for m, g in launches.groupby("module", sort=False) if m}
+    programs = sub.groupby("module")["pid"].nunique()
     for module, g in sub.groupby("module", sort=False):
         starts = by_module.get(module)
-        if starts is None:
+        if starts is None or programs[module] > 1:  # several programs share the name: launches are ambiguous
             continue
         first = g.groupby("run")["start"].min()
         runs = _unwrapped(first.index.to_numpy())
+        if runs.max() - runs.min() > 4 * (len(runs) + len(starts)):  # not one launch counter: do not guess
+            continue
         order = np.argsort(runs, kind="stable")
         runs, first_start, run_keys = runs[order], first.to_numpy()[order], first.index.to_numpy()[order]
         o, _ = _best_offset(runs - runs[0], first_start, starts)
