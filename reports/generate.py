@@ -1,6 +1,7 @@
 """Regenerate the example reports of every fixture: ``python reports/generate.py`` (from the project root).
 
-Each fixture gets ``reports/<fixture>.txt`` (terminal), ``.md`` (Markdown) and ``.json``; the ``diff``
+Each fixture gets ``reports/<fixture>.txt`` (terminal), ``.md`` (Markdown) and ``.json`` (the real-framework
+fixtures: their README-loop profile, terminal and Markdown); the ``diff``
 fixtures also get ``reports/<base>_vs_<new>.md`` (``traceroof diff`` with ``--fail-above 5``). The reports judge
 the CPU fixtures against ``fixtures/fixture_host.toml`` (a ``traceroof calibrate`` of the machine that recorded
 them) so that they do not depend on the machine regenerating them. ``tests/test_reports.py`` fails when a
@@ -16,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ("transformer", "scan_mlp", "sharded_mlp", "diff_base", "diff_rerun", "diff_wide")
 DIFFS = (("diff_base", "diff_rerun"), ("diff_base", "diff_wide"))
+# real-framework fixtures profiled with the README's non-blocking loop: terminal and Markdown reports
+FRAMEWORKS = ("fw_gpt2", "fw_flax_cnn", "fw_keras_cnn")
 CHIP = "fixtures/fixture_host.toml"
 
 
@@ -36,6 +39,10 @@ def reports() -> dict[str, str]:
             out[f"{name}.txt"] = render(a, "terminal")
             out[f"{name}.md"] = render(a, "markdown")
             out[f"{name}.json"] = render(a, "json")
+        for name in FRAMEWORKS:
+            a = analyze(f"fixtures/{name}/readme/logdir", hlo=[f"fixtures/{name}/hlo"], chip=CHIP)
+            out[f"{name}.txt"] = render(a, "terminal")
+            out[f"{name}.md"] = render(a, "markdown")
         for base, new in DIFFS:
             r = diff(side_from_analysis(analyses[base], f"fixtures/{base}"),
                      side_from_analysis(analyses[new], f"fixtures/{new}"))
