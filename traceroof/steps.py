@@ -28,6 +28,7 @@ import pandas as pd
 LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnSingleDevice|Helper|Sharded|"
                           r"Portable)?(?: \((?P<module>[^()]*)\))?$")
 PJIT_EVENT = re.compile(r"^PjitFunction\((?P<fn>.*)\)$")
+MAX_PJIT_LOOKBACK = 100_000  # PjitFunction events (tracing, nested calls) searched back for a launch's caller
 MAX_OFFSET_WORK = 20_000_000  # candidate offsets x executions above which only start/end alignments are tried
 
 
@@ -47,16 +48,26 @@ def launch_events(events: pd.DataFrame) -> pd.DataFrame:
                         .to_numpy(object)})
     pj = events[names.str.match(PJIT_EVENT.pattern).to_numpy(bool)]
     if len(pj) and (out["module"] == "").any():
+        pj = pj.sort_values(["line_id", "start_ps"], kind="stable")
         fn = pj["name"].astype(str).str.extract(PJIT_EVENT.pattern)["fn"].to_numpy(object)
-        pstart = pj["start_ps"].to_numpy(np.int64)
-        pend = pstart + pj["duration_ps"].to_numpy(np.int64)
         pline = pj["line_id"].to_numpy(np.int64)
-        for i in np.flatnonzero(out["module"].to_numpy(object) == ""):
-            s, e, ln = out.at[i, "start_ps"], out.at[i, "end_ps"], out.at[i, "line_id"]
-            inside = np.flatnonzero((pline == ln) & (pstart <= s) & (pend >= e))
-            if len(inside):
-                innermost = inside[np.argmax(pstart[inside])]
-                out.at[i, "module"] = f"jit_{fn[innermost]}"
+        # per line, by start: the innermost enclosing event is the latest started one that is still open
+        key = pj["start_ps"].to_numpy(np.int64)
+        pend = pj["start_ps"].to_numpy(np.int64) + pj["duration_ps"].to_numpy(np.int64)
+        for ln in np.unique(out["line_id"].to_numpy()):
+            on_line = np.flatnonzero(pline == ln)
+            todo = np.flatnonzero((out["module"].to_numpy(object) == "") & (out["line_id"].to_numpy() == ln))
+            if not len(on_line) or not len(todo):
+                continue
+            starts, ends = key[on_line], pend[on_line]
+            for i in todo:
+                s, e = out.at[i, "start_ps"], out.at[i, "end_ps"]
+                j = int(np.searchsorted(starts, s, side="right")) - 1
+                stop = max(j - MAX_PJIT_LOOKBACK, -1)
+                while j > stop and ends[j] < e:  # a sibling that ended before the launch: look further out
+                    j -= 1
+                if j > stop:
+                    out.at[i, "module"] = f"jit_{fn[on_line[j]]}"
     return out.sort_values("start_ps", kind="stable").reset_index(drop=True)
 
 
