@@ -72,7 +72,8 @@ def _corrupt_inputs(tmp: Path) -> dict[str, list[str]]:
     (tmp / "empty").mkdir()
     bad_hlo = tmp / "bad_hlo"
     bad_hlo.mkdir()
-    (bad_hlo / "module_0001.x.cpu_after_optimizations.txt").write_text("HloModule x\nENTRY e {\n a = f32[2 p(\n")
+    (bad_hlo / "module_0020.jit_train_step.cpu_after_optimizations.txt").write_text(
+        "HloModule jit_train_step\nENTRY e {\n a = f32[2 p(\n")  # the only HLO of the program the trace ran
     return {
         "missing path": ["analyze", str(tmp / "nope")],
         "unknown format": ["analyze", str(tmp / "notes.csv")],
@@ -81,10 +82,10 @@ def _corrupt_inputs(tmp: Path) -> dict[str, list[str]]:
         "corrupt protobuf": ["analyze", str(tmp / "noise.xplane.pb"), "--chip", "h100"],
         "corrupt gzip": ["analyze", str(tmp / "bad.trace.json.gz"), "--chip", "h100"],
         "truncated json": ["analyze", str(tmp / "bad.trace.json"), "--chip", "h100"],
-        "hlo not matching": ["analyze", str(fixture_xplane("transformer")), "--hlo",
+        "hlo not matching": ["analyze", str(fixture_trace_json("transformer")), "--hlo",
                              str(FIXTURES / "scan_mlp" / "hlo" / "module_0020.jit_train_step.cpu_after_optimizations.txt"),
                              "--chip", "h100"],
-        "bad hlo text": ["analyze", str(fixture_xplane("scan_mlp")), "--hlo", str(bad_hlo), "--chip", "h100"],
+        "bad hlo text": ["analyze", str(fixture_trace_json("scan_mlp")), "--hlo", str(bad_hlo), "--chip", "h100"],
         "missing hlo": ["analyze", str(fixture_xplane("scan_mlp")), "--hlo", str(tmp / "nohlo"), "--chip", "h100"],
         "unknown chip": ["analyze", "fixtures/scan_mlp", "--chip", "tpu_v9"],
         "bad chip file": ["analyze", "fixtures/scan_mlp", "--chip", str(tmp / "notes.csv.toml")],
@@ -122,3 +123,14 @@ def test_expand_shows_each_block_instance():
     r = run("analyze", "fixtures/transformer", "--chip", HOST_CHIP, "--expand")
     assert r.exit_code == 0, r.output
     assert "layer_0/attention" in r.output and "layer_1/attention" in r.output and "layer_*" not in r.output
+
+
+def test_hlo_of_another_program_is_ignored_when_the_profile_carries_its_own():
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli", "analyze", str(fixture_xplane("transformer")), "--hlo",
+                        str(FIXTURES / "scan_mlp" / "hlo" / "module_0020.jit_train_step.cpu_after_optimizations.txt"),
+                        "--chip", str(FIXTURES / "fixture_host.toml"), "--format", "json"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)["summary"]
+    assert any("describes none of the profiled programs" in n for n in summary["notes"])
+    assert summary["join"]["events_joined"] == summary["join"]["events_total"]

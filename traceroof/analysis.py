@@ -275,7 +275,7 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
     return detect_chip(profile.plane_stats)
 
 
-def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] = (), chip: str | Chip | None = None,
+def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence[str | Path] = (), chip: str | Chip | None = None,
             depth: int = 2, warmup_steps: int = 1, top: int = 10,
             optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None,
             model_flops_per_step: float | None = None, expand: bool = False) -> Analysis:
@@ -299,6 +299,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
     """
     if isinstance(paths, (str, Path)):
         paths = [paths]
+    if isinstance(hlo, (str, Path)):
+        hlo = [hlo]
     inputs = discover(paths, hlo)
     if inputs.kind == "xprof_hlo_stats":
         return _analyze_export(inputs, chip, depth, top, topology, model_flops_per_step)
@@ -318,9 +320,13 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         notes += _cost_disagreements(ops)
     user = {str(f) for f in profile.inputs.user_hlo_files}
     if user and not user & (set(join.matched_sources) | profile.dump_sources):
-        raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given "
-                               f"(profile modules: {', '.join(join.unmatched_modules[:4]) or '?'}); "
-                               "pass the after-optimization dumps of the profiled run")
+        ran = sorted({f"{m}({p})" if pd.notna(p) else str(m) for m, p in
+                      profile.events[["module", "program_id"]].drop_duplicates().itertuples(index=False)})
+        if join.events_joined < join.events_total:
+            raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given (the profile "
+                                   f"ran {', '.join(ran[:4])}); pass the after-optimization dumps of the profiled run")
+        notes.append(f"the HLO given (--hlo) describes none of the profiled programs ({', '.join(ran[:4])}): "
+                     "ignored; the profile carries its own")
     if not profile.modules and not framework:
         notes.append("no HLO found (no dumps, no HloProto in the profile): times only; pass --hlo DIR "
                      "(an --xla_dump_to folder) for the roofline")
@@ -375,7 +381,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
         warmup_steps = 0
     used = tuple(all_steps[warmup_steps:])
     sel = steps[steps["step"].isin(used)]
-    durations, host_mean = _step_durations(sel, notes)
+    durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
     step_mean = float(durations.mean()) if len(durations) else float("nan")
     step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
     ops["step"] = ops["step"].where(ops["step"].isin(used))
@@ -415,20 +421,22 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: Sequence[str | Path] 
                     coll_table, topo.describe(), per)
 
 
-def _step_durations(sel: pd.DataFrame, notes: list[str]) -> tuple[np.ndarray, float]:
+def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) -> tuple[np.ndarray, float]:
     """Per-step times (s) of the used steps: the device time (first launch -> last op end, see
     :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
-    annotations' mean. A note says when the two differ by more than ``STEP_TIME_DISAGREEMENT``."""
+    annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
+    than ``STEP_TIME_DISAGREEMENT``, and which side waits."""
     host = (sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12
     host_mean = float(host.mean()) if len(host) else float("nan")
     if not len(sel) or "device_end_ps" not in sel or sel["device_end_ps"].isna().any():
         return host, host_mean
     device = (sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12
     dev_mean = float(device.mean())
-    if abs(dev_mean - host_mean) > STEP_TIME_DISAGREEMENT * max(dev_mean, 1e-30):
+    if marked and abs(dev_mean - host_mean) > STEP_TIME_DISAGREEMENT * max(dev_mean, 1e-30):
+        why = ("asynchronous dispatch: the host runs ahead of the device" if dev_mean > host_mean else
+               "the host spends longer per step than the device: Python, dispatch or input work")
         notes.append(f"device step time (first launch -> last op end) {dev_mean * 1e3:.3f} ms differs from the "
-                     f"step annotations' {host_mean * 1e3:.3f} ms (asynchronous dispatch: the host runs ahead of "
-                     "the device); per-step figures use the device time")
+                     f"step annotations' {host_mean * 1e3:.3f} ms ({why}); per-step figures use the device time")
     return device, host_mean
 
 

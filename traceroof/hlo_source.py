@@ -78,20 +78,23 @@ def relevant_dumps(files: Sequence[Path], events: pd.DataFrame) -> list[Path]:
     return [f for f in files if not (m := _DUMP_NAME.match(f.name)) or int(m.group(1)) in ids or m.group(2) in names]
 
 
-def parse_dumps(files: Sequence[Path], events: pd.DataFrame, notes: list[str]) -> list[HloModule]:
+def parse_dumps(files: Sequence[Path], events: pd.DataFrame, notes: list[str], covered: set[int] = frozenset()
+                ) -> list[HloModule]:
     """Parse HLO text files; a file that fails to parse becomes a note, unless it is the only HLO of a profiled
-    program (a dump named for a program the profile ran) or the only file given.
+    program (a dump named for a program the profile ran and whose HLO the profile does not carry: ``covered``)
+    or the only file given.
 
     :raises HloParseError: that file does not parse.
     """
     ids, _ = _profiled(events)
+    ids = ids - set(covered)
     modules: list[HloModule] = []
     for f in files:
         try:
             modules += parse_hlo_file(f)
         except HloParseError as e:
             m = _DUMP_NAME.match(f.name)
-            if len(files) == 1 or (m and int(m.group(1)) in ids):
+            if (len(files) == 1 and not covered) or (m and int(m.group(1)) in ids):
                 raise
             notes.append(f"skipped {f.name}: it looks like HLO but does not parse ({e})")
     return modules

@@ -20,8 +20,11 @@ TOP_LEVEL = "(top level)"
 DEFAULT_OPTIMIZER_PATTERN = (r"optimizer|optim|optax(_\w+)?|opt_update|apply_updates|apply_gradients|adam\w*|sgd|"
                              r"momentum|lamb|lion|adafactor|rmsprop|shampoo")
 # segments JAX's transformations add to the name stack (loops, calls, remat), not user scopes
-STRUCTURAL_SEGMENTS = frozenset({"while", "body", "cond", "closed_call", "core_call", "remat", "checkpoint",
+STRUCTURAL_SEGMENTS = frozenset({"while", "closed_call", "core_call", "remat", "checkpoint",
                                  "rematted_computation", "custom_jvp_call", "custom_vjp_call", "pjit", "scan"})
+# the parts of a loop (``while/body``, ``while/cond``): structural only right after ``while`` (a user module may
+# be called ``body``)
+LOOP_PARTS = frozenset({"body", "cond"})
 # segments that only mark gradient code (TensorFlow/Keras ``gradient_tape/``): dropped so backward rows line up
 # with their forward rows (the phase still says backward)
 GRADIENT_SEGMENTS = frozenset({"gradient_tape"})
@@ -81,10 +84,12 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
         return NO_SCOPE, "forward"
     backward = "transpose(" in first or any(s in GRADIENT_SEGMENTS for s in segs)
     scopes: list[str] = []
+    prev = ""
     for s in segs[:-1]:
         inner, _ = _unwrap(s)
+        after_while, prev = prev == "while", inner
         if not inner or re.fullmatch(r"jit\(.*\)", inner) or _EINSUM_SPEC.fullmatch(inner) \
-                or inner in STRUCTURAL_SEGMENTS or inner in GRADIENT_SEGMENTS:
+                or inner in STRUCTURAL_SEGMENTS or inner in GRADIENT_SEGMENTS or (after_while and inner in LOOP_PARTS):
             continue
         m = _METHOD_SEGMENT.fullmatch(inner)
         if m is not None:  # a Flax method scope: ``attn.setup`` -> ``attn``; ``attn/attn._split_heads`` -> ``attn``

@@ -215,14 +215,16 @@ def load_profile(inputs: Inputs) -> Profile:
         notes.append(f"{counts['async_thunks']:,} op events are launches of asynchronous thunks: their time runs "
                      f"to the thunk's `end:` event (+{counts['async_extra_ps'] / counts['op_ps']:.0%} op time)")
     events, steps, annotation = _steps_by_execution(events, steps, annotation, notes)
-    texts = parse_dumps(relevant_dumps(inputs.hlo_files, events), events, notes)
     extra = profile_hlo(events, embedded, inputs.hlo_proto_files)
     truth = [m for m, _ in extra]
+    texts = parse_dumps(relevant_dumps(inputs.hlo_files, events), events, notes,
+                        covered={m.program_id for m in truth if m.program_id is not None})
     dumps, superseded = reconcile(texts, truth, notes)
     check_dumps(dumps, events)
     sources = {"HLO text dumps": len(dumps),
                "HloProtos embedded in the profile": sum(1 for _, how in extra if how == "embedded"),
-               "HloProto files beside the profile": sum(1 for _, how in extra if how == "sidecar")}
+               "HloProto files beside the profile": sum(1 for _, how in extra if how == "sidecar"),
+               "HLO text dumps of the same programs (not needed)": len(superseded)}
     return Profile(inputs, events, steps, truth + dumps, device_kind, device_desc, annotation, plane_stats, notes,
                    {k: v for k, v in sources.items() if v}, superseded)
 

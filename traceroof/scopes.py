@@ -198,16 +198,30 @@ def _users(comp: Computation) -> dict[str, list[Instruction]]:
     return users
 
 
+def _is_contraction(inst: Instruction) -> bool:
+    """A dot or convolution, or a fusion XLA named after one (``convolution_add_fusion``)."""
+    return inst.opcode in ("dot", "convolution") or (
+        inst.opcode == "fusion" and any(k in inst.name for k in ("convolution", "dot")))
+
+
 def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]]) -> bool:
-    """Label unlabelled instructions from labelled users, then operands, in rounds; True if any changed."""
+    """Label unlabelled instructions from labelled users, then operands, in rounds; True if any changed. An
+    unnamed dot / convolution with an operand from the backward pass takes that operand's label first: it computes
+    a gradient (a weight-gradient convolution whose user is the optimizer's gradient clipping is not optimizer)."""
     changed = False
     while True:
         new: dict[str, ScopeInfo] = {}
         for inst in comp.instructions:
             if inst.name in infos:
                 continue
-            src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos), None)
-            how = "user"
+            src = None
+            if _is_contraction(inst):  # an unnamed matmul fed by the backward pass computes a gradient
+                src = next((infos[o] for o in inst.operands if o in infos and infos[o].in_grad
+                            and infos[o].phase == "backward"), None)
+            how = "operand"
+            if src is None:
+                src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos), None)
+                how = "user"
             if src is None:
                 src = next((infos[o] for o in inst.operands if o in infos), None)
                 how = "operand"
