@@ -209,8 +209,10 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
     unnamed dot / convolution with an operand from the backward pass takes that operand's label first: it computes
     a gradient (a weight-gradient convolution whose user is the optimizer's gradient clipping is not optimizer)."""
     changed = False
+    wait = True  # contractions wait for all their operands' labels before taking a user's
     while True:
         new: dict[str, ScopeInfo] = {}
+        deferred = False
         for inst in comp.instructions:
             if inst.name in infos:
                 continue
@@ -218,6 +220,9 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
             if _is_contraction(inst):  # an unnamed matmul fed by the backward pass computes a gradient
                 src = next((infos[o] for o in inst.operands if o in infos and infos[o].in_grad
                             and infos[o].phase == "backward"), None)
+                if src is None and wait and any(o not in infos for o in inst.operands):
+                    deferred = True
+                    continue
             how = "operand"
             if src is None:
                 src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos), None)
@@ -228,6 +233,9 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
             if src is not None:
                 new[inst.name] = ScopeInfo(src.scope, src.phase, src.source, how, src.in_grad)
         if not new:
+            if deferred and wait:
+                wait = False
+                continue
             return changed
         infos.update(new)
         changed = True
