@@ -114,11 +114,45 @@ def test_chip_projection_changes_expected_only(transformer):
     assert h100.summary.expected_per_step_s < transformer.summary.expected_per_step_s / 100
 
 
-def test_top_ops_sorted_by_lost_time(transformer):
+def test_top_ops_sorted_by_median_lost_time(transformer):
     top = transformer.top_ops
     assert len(top) == 10
-    assert list(top["lost_per_step_s"]) == sorted(top["lost_per_step_s"], reverse=True)
-    assert {"opcode", "category", "shape", "bound"} <= set(top.columns)
+    assert list(top["median_lost_per_step_s"]) == sorted(top["median_lost_per_step_s"], reverse=True)
+    assert {"opcode", "category", "shape", "bound", "median_s", "p90_s", "spread"} <= set(top.columns)
+    assert (top["median_s"] <= top["p90_s"]).all() and (top["spread"] >= 1).all()
+    # the median of one op, read independently from its executions
+    first = top.iloc[0]
+    runs = transformer.ops[(transformer.ops["hlo_op"] == first["hlo_op"]) & transformer.ops["counted"]
+                           & transformer.ops["step"].notna()]["measured_s"].sort_values().to_numpy()
+    assert first["median_s"] == runs[(len(runs) - 1) // 2]  # inverted CDF: the lower middle execution
+
+
+def test_one_slow_execution_is_flagged_not_ranked_worst(transformer):
+    from traceroof.analysis import execution_stats, outlier_findings, top_ops
+
+    counted = transformer.ops[transformer.ops["counted"] & transformer.ops["step"].notna()].copy()
+    per = transformer.per_step_divisor
+    before = top_ops(counted, per, 1000)
+    # an op of about 90 µs per run, outside the top 3, with one execution made 16 ms (a preempted run)
+    ranked = before.iloc[3:].assign(gap=(before["median_s"] - 90e-6).abs())
+    victim = ranked[ranked["executions_per_step"] >= 1].sort_values("gap").iloc[0]
+    assert 20e-6 < victim["median_s"] < 500e-6 and victim["outlier_executions"] == 0
+    key = (victim["module"], victim["hlo_op"])
+    rows = counted.index[(counted["module"] == key[0]) & (counted["hlo_op"] == key[1])]
+    assert len(rows) >= 4
+    counted.loc[rows[1], "measured_s"] = 16e-3
+    counted.loc[rows[1], "lost_s"] = 16e-3 - counted.loc[rows[1], "expected_s"]
+    stats = execution_stats(counted)
+    after = top_ops(counted, per, 1000, stats).set_index(["module", "hlo_op"])
+    # by its total (mean) lost time the op would now be the worst; by its median it is not
+    assert after["lost_per_step_s"].idxmax() == key
+    assert after.index[0] != key and after.index.get_loc(key) > 2
+    row = after.loc[key]
+    assert row["outlier_executions"] == 1 and row["median_s"] == pytest.approx(victim["median_s"], rel=0.5)
+    (line,) = outlier_findings(stats)
+    assert victim["hlo_op"] in line and "noise, contention or first-run effects" in line
+    assert outlier_findings(execution_stats(transformer.ops[transformer.ops["counted"]
+                                                            & transformer.ops["step"].notna()])) == []
 
 
 def test_trace_json_gives_the_same_op_times(transformer):

@@ -118,8 +118,9 @@ def test_capture_errors_are_one_line(tmp_path):
         server.bind(("127.0.0.1", 0))
         server.listen(1)
         r = _cli("capture", f"127.0.0.1:{server.getsockname()[1]}", "--duration", "200ms", "--logdir", str(tmp_path),
-                 timeout=90)
-    assert r.returncode == 2 and "sent no profile" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+                 "--retry-for", "0s", timeout=90)
+    assert r.returncode == 2 and "answered but sent no profile" in r.stderr, r.stderr
+    assert "no jax.profiler.start_server port" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert _cli("capture", "nonsense", "--logdir", str(tmp_path)).returncode == 2
 
 
@@ -135,12 +136,19 @@ time.sleep(60)
                          env=ENV)
     try:
         assert p.stdout.readline().strip() == "ready"
-        r = _cli("capture", f"127.0.0.1:{port}", "--duration", "300ms", "--logdir", str(tmp_path), "--chip", HOST_CHIP)
+        r = _cli("capture", f"127.0.0.1:{port}", "--duration", "300ms", "--logdir", str(tmp_path), "--chip", HOST_CHIP,
+                 "--retry-for", "1s")
     finally:
         p.kill()
         p.wait(timeout=30)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert "traceroof: error:" in r.stderr
+    # it tried again while the bound lasted (one line per retry), then ended with one line
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and r.stdout == "", r.stderr
+    retries, error = lines[:-1], lines[-1]
+    assert retries and all("held no op events" in line and "capturing again" in line for line in retries), r.stderr
+    assert error.startswith("traceroof: error: no op events in ") and "still compiling" in error
+    assert f"no op events in {len(retries) + 1} capture(s)" in error
+    assert not list((tmp_path / "plugins" / "profile").glob("*"))  # the empty captures were removed
 
 
 def test_watch_reports_new_runs(tmp_path):

@@ -86,3 +86,82 @@ def test_calibration_file_round_trips(tmp_path):
 
 def test_bundled_dir_is_packaged_data():
     assert len(list(BUNDLED_DIR.glob("*.toml"))) >= 16
+
+
+def test_empty_or_relative_xdg_dirs_fall_back_to_home(monkeypatch, tmp_path):
+    from traceroof.chips import _user_dirs, host_cache_path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for value in ("", "relative/cache"):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        monkeypatch.setenv("XDG_CONFIG_HOME", value)
+        assert host_cache_path() == tmp_path / "home" / ".cache" / "traceroof" / "host.toml"
+        assert _user_dirs() == [tmp_path / "home" / ".config" / "traceroof" / "chips"]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert host_cache_path() == tmp_path / "xdg" / "traceroof" / "host.toml"
+
+
+def test_host_chip_with_empty_xdg_cache_never_writes_the_working_directory(monkeypatch, tmp_path):
+    import traceroof.chips as chips
+
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "")
+    cal = Calibration({"f32": 1e11}, 2e10, 1e10, "Test CPU", 2, "2026-01-02T03:04:05Z", "numpy")
+    monkeypatch.setattr(chips, "calibrate", lambda: cal)
+    chip = chips.host_chip()
+    assert list(work.iterdir()) == []
+    assert (tmp_path / "home" / ".cache" / "traceroof" / "host.toml").is_file()
+    assert chip.calibrated_at == "2026-01-02T03:04:05Z"
+
+
+def test_calibration_takes_the_best_of_several_runs_and_dates_the_file(monkeypatch, tmp_path):
+    import traceroof.chips as chips
+
+    busy = iter([0.02, 0.03])
+    monkeypatch.setattr(chips, "cpu_busy_share", lambda window_s=0.0: next(busy))
+    cal = chips.calibrate(seconds_per_test=1e-4, matmul_n=32, copy_bytes=1 << 16)
+    assert set(cal.runs_per_figure) == {*cal.matmul_flops_per_s, "vector_f32", "memory"}
+    assert min(cal.runs_per_figure.values()) >= chips.CALIBRATION_MIN_RUNS == 3
+    assert cal.busy_share_before == 0.02 and cal.busy_share_after == 0.03 and cal.load_note == ""
+    assert all(v > 0 for v in (*cal.matmul_flops_per_s.values(), cal.vector_flops_per_s,
+                               cal.memory_bandwidth_bytes_per_s))
+    f = tmp_path / "host.toml"
+    f.write_text(calibration_toml(cal))
+    chip = load_chip_file(f)
+    assert chip.calibrated_at == cal.measured_at and chip.load_note == "" and "loaded" not in chip.note
+    assert f"best of {cal.runs_per_figure['memory']} runs" in chip.figure("memory.hbm_bandwidth_bytes_per_s").source
+
+
+def test_a_loaded_machine_is_named_in_the_chip_note(monkeypatch, tmp_path):
+    import traceroof.chips as chips
+
+    note = chips.load_note(0.6, 0.1)
+    assert "loaded while calibrating (60% of CPU busy with other work before, 10% after" in note
+    assert chips.load_note(0.05, 0.1) == "" and chips.load_note(float("nan"), float("nan")) == ""
+    cal = Calibration({"f32": 1e11}, 2e10, 1e10, 'CPU "quoted"', 2, "2026-01-02T03:04:05Z", "numpy",
+                      {"f32": 3}, 0.6, 0.1, note)
+    f = tmp_path / "host.toml"
+    f.write_text(calibration_toml(cal))
+    chip = load_chip_file(f)
+    assert chip.load_note == note and note in chip.note and 'CPU "quoted"' in chip.note
+    # a CPU profile judged against the cached calibration carries the warning and the date into its report
+    monkeypatch.setattr(chips, "host_cache_path", lambda: f)
+    import traceroof.analysis as analysis
+    from traceroof import analyze
+    from traceroof.report import render
+
+    monkeypatch.setattr(analysis, "host_cache_path", lambda: f)
+    a = analyze("fixtures/scan_mlp")
+    assert note in a.summary.chip_note and a.summary.chip_calibrated_at == "2026-01-02T03:04:05Z"
+    chip_line = next(line for line in render(a, "terminal").splitlines() if line.startswith("chip "))
+    assert chip_line.endswith("; calibrated 2026-01-02T03:04:05Z")
+
+
+def test_cpu_busy_share_measures_the_whole_machine():
+    from traceroof.chips import cpu_busy_share
+
+    share = cpu_busy_share(0.05)
+    assert 0.0 <= share <= 1.0

@@ -25,7 +25,7 @@ def run(*args: str):
 def test_terminal_report_on_fixture():
     r = run("analyze", "fixtures/transformer", "--chip", HOST_CHIP)
     assert r.exit_code == 0, r.output
-    assert "layer_*/attention" in r.output and "Top 10 ops by lost time" in r.output
+    assert "layer_*/attention" in r.output and "Top 10 ops by median lost time" in r.output
     assert "MFU" in r.output and "1,070 of 1,070 op events" in r.output
 
 

@@ -32,6 +32,8 @@ STRAGGLER_LAST_SHARE_MIN = 0.5  # a device last at more than this share of colle
 STRAGGLER_WAIT_SHARE_MIN = 0.01  # ... while the others wait more than this share of the step
 STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
+OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
+OUTLIER_MIN_EXECUTIONS = 3  # ops with fewer executions than this have no median to judge outliers by
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
                    "executed work incl. rematerialisation, while bodies x trip count)")
@@ -79,6 +81,7 @@ class Summary:
     model_flops_per_step: float = float("nan")
     model_flops_source: str = ""
     hfu: float = float("nan")
+    chip_calibrated_at: str = ""  # when a calibrated host chip was measured (UTC, from its chip file)
 
 
 @dataclass(frozen=True, eq=False)
@@ -270,8 +273,9 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
         return get_chip(chip), ""
     if profile.device_kind == "cpu":
         c = host_chip()
-        return c, (f"CPU profile judged against this machine's calibration ({host_cache_path()}; "
-                   "`traceroof calibrate` re-measures it)")
+        note = (f"CPU profile judged against this machine's calibration ({host_cache_path()}; "
+                "`traceroof calibrate` re-measures it)")
+        return c, note + (f"; {c.load_note}" if c.load_note else "")
     return detect_chip(profile.plane_stats)
 
 
@@ -411,12 +415,15 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         step_times_s=tuple(float(x) for x in durations),
         hlo_sources=dict(profile.hlo_sources), notes=tuple(notes), host_step_time_mean_s=host_mean,
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
+        chip_calibrated_at=target.calibrated_at,
     )
     layers = rollup(ops, per, step_mean)
     skew = arrival_skew(ops)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
-    return Analysis(summary, ops, layers, top_ops(counted, per, top), steps, depth,
-                    tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)
+    stats = execution_stats(counted)
+    return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
+                    tuple(_findings(summary, counted, per, target.kind) + outlier_findings(stats)
+                          + layout_findings(counted, per)
                           + communication_findings(coll_table, skew, summary, len(used))),
                     coll_table, topo.describe(), per)
 
@@ -440,17 +447,88 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     return device, host_mean
 
 
-def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
-    """The ``n`` ops (module, HLO op) losing most time per step, with opcode, category, shapes and bound."""
+OP_ID = ["module", "program_id", "hlo_op"]
+
+
+def _weighted_quantiles(samples: pd.DataFrame, qs: Sequence[float]) -> pd.DataFrame:
+    """Per op (``OP_ID``), the weighted quantiles ``qs`` of ``t_s`` (weights ``w``): the smallest sample whose
+    cumulative weight reaches ``q`` of the op's total (numpy's ``inverted_cdf`` method; for unit weights an
+    actual execution time, the lower middle one for an even count)."""
+    d = samples.sort_values(OP_ID + ["t_s"], kind="stable")
+    g = d.groupby(OP_ID, observed=True, sort=False)
+    cum = g["w"].cumsum()
+    total = g["w"].transform("sum")
+    out = {}
+    for q in qs:
+        reached = d[cum >= q * total - 1e-9 * total]
+        out[q] = reached.groupby(OP_ID, observed=True, sort=False)["t_s"].first()
+    return pd.DataFrame(out)
+
+
+def execution_stats(counted: pd.DataFrame) -> pd.DataFrame:
+    """Robust per-execution statistics of every op (index ``OP_ID``): ``median_s`` and ``p90_s`` (measured time
+    of one execution), ``spread`` = p90 ÷ median (1 = every execution alike; how far the slow tail reaches),
+    ``max_s``, ``samples`` and ``outlier_executions``: executions slower than ``OUTLIER_RATIO`` x the op's median
+    (counted only for ops with at least ``OUTLIER_MIN_EXECUTIONS`` executions, so the median is a fair typical
+    value), e.g. one 16 ms run among 90 µs runs: noise, contention or first-run effects.
+
+    One sample per execution where a row is one execution (CPU, TPU; one per XProf export row, its mean). Ops
+    whose executions launch several kernels (GPU, ``kernels_per_execution`` > 1) are sampled per device and step:
+    the step's time of the op ÷ its executions, weighted by those executions (kernels of one execution cannot
+    be told apart in the trace).
+    """
+    cols = ["median_s", "p90_s", "spread", "max_s", "samples", "outlier_executions"]
+    if counted.empty:
+        return pd.DataFrame(columns=cols, index=pd.MultiIndex.from_tuples([], names=OP_ID))
+    d = counted[OP_ID + ["device", "step", "measured_s", "executions", "kernels_per_execution"]]
+    d = d.assign(program_id=d["program_id"].fillna(-1))
+    single = d["kernels_per_execution"].to_numpy(np.float64) <= 1.0
+    one = d[single]
+    parts = [pd.DataFrame({c: one[c] for c in OP_ID}).assign(
+        t_s=(one["measured_s"] / one["executions"]).to_numpy(np.float64), w=one["executions"].to_numpy(np.float64))]
+    if not single.all():
+        many = d[~single].assign(step=d.loc[~single, "step"].astype("float64").fillna(-1))
+        per_step = many.groupby(OP_ID + ["device", "step"], observed=True, sort=False)[
+            ["measured_s", "executions"]].sum().reset_index()
+        parts.append(pd.DataFrame({c: per_step[c] for c in OP_ID}).assign(
+            t_s=(per_step["measured_s"] / per_step["executions"]).to_numpy(np.float64),
+            w=per_step["executions"].to_numpy(np.float64)))
+    samples = pd.concat(parts, ignore_index=True)
+    for c in ("module", "hlo_op"):
+        samples[c] = samples[c].astype(str)
+    q = _weighted_quantiles(samples, (0.5, 0.9))
+    out = pd.DataFrame({"median_s": q[0.5], "p90_s": q[0.9]})
+    g = samples.groupby(OP_ID, observed=True, sort=False)
+    out["spread"] = out["p90_s"] / out["median_s"].where(out["median_s"] > 0)
+    out["max_s"] = g["t_s"].max()
+    out["samples"] = g["w"].sum()
+    median = out["median_s"].reindex(pd.MultiIndex.from_frame(samples[OP_ID])).to_numpy()
+    far = samples["t_s"].to_numpy() > OUTLIER_RATIO * median
+    outliers = samples.assign(_far=np.where(far, samples["w"], 0.0)).groupby(OP_ID, observed=True, sort=False)[
+        "_far"].sum()
+    out["outlier_executions"] = np.where(out["samples"] >= OUTLIER_MIN_EXECUTIONS,
+                                         np.rint(outliers.reindex(out.index).to_numpy()), 0).astype(np.int64)
+    return out[cols]
+
+
+def top_ops(counted: pd.DataFrame, per: float, n: int, stats: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The ``n`` ops (module, HLO op) losing most time per step, ranked by their *median* lost time per step:
+    ``median_lost_per_step_s`` = (median measured per execution − expected per execution) x executions per step,
+    so a few slow executions (noise, contention, a first run) do not make an op the worst; ``lost_per_step_s``
+    keeps the total (mean) figure that the layer table sums. Per execution: ``median_s``, ``p90_s``, ``spread``
+    (p90 ÷ median) and ``outlier_executions`` (see :func:`execution_stats`, passed as ``stats`` when already
+    computed). With opcode, category, layer, phase, bound and shapes. Ops without an expectation (nothing joined
+    to HLO) are ranked by median time per step."""
     cols = ["module", "program_id", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step",
-            "time_per_step_s", "expected_per_step_s", "lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
+            "time_per_step_s", "expected_per_step_s", "lost_per_step_s", "median_s", "p90_s", "spread",
+            "outlier_executions", "median_lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
     d = counted[counted["joined"]]
     if d.empty:  # nothing joined to HLO: rank by measured time instead
         d = counted
     if d.empty:
         return pd.DataFrame(columns=cols)
     d = d.assign(program_id=d["program_id"].fillna(-1))
-    g = d.groupby(["module", "program_id", "hlo_op"], observed=True, sort=False)
+    g = d.groupby(OP_ID, observed=True, sort=False)
     first = g.first()
     agg = pd.DataFrame({
         "executions_per_step": g["executions"].sum() / per,
@@ -463,11 +541,36 @@ def top_ops(counted: pd.DataFrame, per: int, n: int) -> pd.DataFrame:
         agg[c] = first[c].astype(str)
     agg = agg.reset_index()
     agg["module"] = agg["module"].astype(str)
-    agg["program_id"] = agg["program_id"].astype("Int64").where(agg["program_id"] >= 0)
     agg["hlo_op"] = agg["hlo_op"].astype(str)
-    agg = agg.sort_values(["lost_per_step_s", "time_per_step_s", "hlo_op"], ascending=[False, False, True],
+    if stats is None:
+        stats = execution_stats(d)
+    st = stats.reindex(pd.MultiIndex.from_frame(agg[OP_ID]))
+    for c in ("median_s", "p90_s", "spread", "outlier_executions"):
+        agg[c] = st[c].to_numpy()
+    agg["outlier_executions"] = agg["outlier_executions"].fillna(0).astype(np.int64)
+    expected_per_exec = agg["expected_per_step_s"] / agg["executions_per_step"]
+    agg["median_lost_per_step_s"] = (agg["median_s"] - expected_per_exec) * agg["executions_per_step"]
+    agg["_median_time"] = agg["median_s"] * agg["executions_per_step"]
+    agg["program_id"] = agg["program_id"].astype("Int64").where(agg["program_id"] >= 0)
+    agg = agg.sort_values(["median_lost_per_step_s", "_median_time", "hlo_op"], ascending=[False, False, True],
                           kind="stable", na_position="last")
     return agg[cols].head(n).reset_index(drop=True)
+
+
+def outlier_findings(stats: pd.DataFrame) -> list[str]:
+    """One line naming the ops with outlier executions (see :func:`execution_stats`), worst excess first: their
+    time is not typical of the op (noise, contention or first-run effects), and the top-ops ranking uses medians."""
+    flagged = stats[stats["outlier_executions"] > 0]
+    if flagged.empty:
+        return []
+    flagged = flagged.assign(_excess=flagged["max_s"] - flagged["median_s"]).sort_values(
+        ["_excess"], ascending=False, kind="stable")
+    names = ", ".join(f"{op} ({int(r.outlier_executions)} of {r.samples:g} runs, up to {r.max_s * 1e3:.3f} ms vs "
+                      f"median {r.median_s * 1e3:.3f} ms)"
+                      for (_, _, op), r in zip(flagged.index[:4], flagged.itertuples(index=False)))
+    more = f" and {len(flagged) - 4} more" if len(flagged) > 4 else ""
+    return [f"{len(flagged)} op(s) have executions more than {OUTLIER_RATIO:g}x their median time: {names}{more}: "
+            "noise, contention or first-run effects, not the op's typical cost (top ops are ranked by median)"]
 
 
 def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") -> list[str]:
@@ -563,11 +666,14 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
         exposed_comm_per_step_s=float("nan"),  # an export has no timeline
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
+        chip_calibrated_at=target.calibrated_at,
     )
     layers = rollup(ops, per, step_mean)
     coll_table = collectives_table(ops[ops["counted"]], collectives, estimates, per, pd.DataFrame(), 0)
-    return Analysis(summary, ops, layers, top_ops(counted, per, top), pd.DataFrame(), depth,
-                    tuple(_findings(summary, counted, per, target.kind) + layout_findings(counted, per)),
+    stats = execution_stats(counted)
+    return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), pd.DataFrame(), depth,
+                    tuple(_findings(summary, counted, per, target.kind) + outlier_findings(stats)
+                          + layout_findings(counted, per)),
                     coll_table, topo.describe() + " (chips of the program's replica groups)", per)
 
 

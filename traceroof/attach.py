@@ -1,7 +1,8 @@
 """Profile a running job and analyze what it captures: in-process hook, remote capture, watched logdir.
 
 * :func:`attach` profiles a window of steps of the calling JAX program (schedule: ``wait_steps``,
-  ``warmup_steps``, ``active_steps``, ``repeat`` times) with ``jax.profiler``; when a window closes it analyzes the capture
+  ``warmup_steps``, ``active_steps``, ``repeat`` times) with ``jax.profiler``; when a window closes it waits for
+  the steps dispatched so far to run (JAX dispatches asynchronously), stops the trace, analyzes the capture
   in a background thread (the HLO comes from the profile itself) and writes the reports. It never raises into
   the training loop: every error is logged and the job goes on.
 * :func:`capture` asks a job that called ``jax.profiler.start_server(PORT)`` for a profile over gRPC (the
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -53,6 +55,23 @@ def one_line(analysis: object) -> str:
     return (f"step {s.step_time_mean_s * 1e3:.3f} ms over {len(s.steps_used)} steps, MFU {s.mfu:.1%}, "
             f"roofline efficiency {s.roofline_efficiency:.1%}, exposed comm {s.exposed_comm_per_step_s * 1e3:.3f} "
             f"ms{worst}")
+
+
+def wait_for_dispatched_work() -> None:
+    """Block until the JAX work dispatched so far has run, by waiting on every live array (the last step's
+    outputs among them). JAX dispatches steps asynchronously: a trace stopped before they run holds their
+    launches but none of their op events. Arrays deleted meanwhile (donated buffers) are skipped."""
+    import jax
+
+    arrays = jax.live_arrays()
+    try:
+        jax.block_until_ready(arrays)
+    except Exception:  # noqa: BLE001 - one deleted array fails the batch: wait on the others one by one
+        for a in arrays:
+            try:
+                a.block_until_ready()
+            except Exception:  # noqa: BLE001
+                pass
 
 
 @dataclass
@@ -140,6 +159,7 @@ class Attachment:
         try:
             import jax
 
+            wait_for_dispatched_work()
             jax.profiler.stop_trace()
         except Exception as e:  # noqa: BLE001
             self._error(f"could not stop the profiler: {e}")
@@ -191,19 +211,41 @@ def attach(out_dir: str | Path = "traceroof_reports", wait_steps: int = 1, warmu
 
 # -- remote capture ------------------------------------------------------------------------------------------------
 
-def capture(address: str, duration_s: float, logdir: str | Path) -> Path:
+CAPTURE_RETRY_FOR_S = 60.0  # default: how long capture keeps trying when a capture holds no op events
+CAPTURE_RETRY_PAUSE_S = 0.5  # pause between two captures of a job that ran nothing
+
+
+def op_events_problem(run: Path) -> str:
+    """Why the capture in ``run`` cannot be analyzed for want of op events (the profile reader's one-line
+    reason), or ``""`` when it holds op events. Reads the capture as :func:`traceroof.analysis.analyze` does."""
+    from parsers.errors import InputError
+    from traceroof.profile import discover, load_profile
+
+    try:
+        load_profile(discover([run]))
+    except InputError as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ""
+
+
+def capture(address: str, duration_s: float, logdir: str | Path, retry_for_s: float = CAPTURE_RETRY_FOR_S,
+            on_retry: Callable[[int, str], None] | None = None) -> Path:
     """Capture a profile from a job's profiler server (``jax.profiler.start_server(PORT)``) into ``logdir``;
     returns the new run directory.
 
-    :raises CaptureError: nothing listens at ``address``, the job has no profiler server, or the capture holds
-        no events.
+    A job still compiling (or idle, or waiting for input) answers with no trace, or with a capture that holds no
+    op events: such a capture is removed and another taken, for up to ``retry_for_s`` seconds after the first
+    one started (``on_retry(attempt, reason)`` is called before each new try). A port where nothing listens
+    fails at once.
+
+    :raises CaptureError: nothing listens at ``address``, the job has no profiler server, or no capture held op
+        events within ``retry_for_s``.
     """
     try:
         from xprof.convert import _pywrap_profiler_plugin as plugin
     except ImportError as e:
         raise CaptureError(f"the profiler client is missing ({e}); pip install tensorboard-plugin-profile") from None
     root = Path(logdir)
-    before = set((root / "plugins" / "profile").glob("*")) if (root / "plugins" / "profile").exists() else set()
     addr = address.removeprefix("grpc://")
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
@@ -214,19 +256,53 @@ def capture(address: str, duration_s: float, logdir: str | Path) -> Path:
     except OSError as e:
         raise CaptureError(f"nothing listens at {addr} ({e.strerror or e}); start the job with "
                            f"jax.profiler.start_server({port}) or check the address") from None
+    started = time.monotonic()
+    attempt = 0
+    while True:
+        attempt += 1
+        run, problem = _capture_once(plugin, addr, address, duration_s, root)
+        if not problem:
+            return run  # type: ignore[return-value]
+        if run is not None:
+            shutil.rmtree(run, ignore_errors=True)  # this call's own capture, without op events
+        waited_s = time.monotonic() - started
+        if waited_s >= retry_for_s:
+            raise CaptureError(f"no op events in {attempt} capture(s) of {duration_s:g} s from {address} over "
+                               f"{waited_s:.0f} s (last: {problem}): the job ran no XLA program while traced "
+                               "(still compiling, idle or waiting for input), or the port is no "
+                               "jax.profiler.start_server port; capture again once the job runs steps, or wait "
+                               "longer with --retry-for")
+        if on_retry is not None:
+            on_retry(attempt, problem)
+        time.sleep(CAPTURE_RETRY_PAUSE_S)
+
+
+def _capture_once(plugin: object, addr: str, address: str, duration_s: float, root: Path
+                  ) -> tuple[Path | None, str]:
+    """One capture into ``root``: (its new run directory or None, why it has no op events or "")."""
+    profiles = root / "plugins" / "profile"
+    before = set(profiles.glob("*")) if profiles.exists() else set()
     try:
         with _quiet_native_output():
-            plugin.trace(addr, str(root), "", True, max(int(duration_s * 1000), 1), 1, {})
+            plugin.trace(addr, str(root), "", True, max(int(duration_s * 1000), 1), 1, {})  # type: ignore[attr-defined]
     except Exception as e:  # noqa: BLE001 - the client raises RuntimeError with gRPC status text
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "no responses" in text or "UNAVAILABLE" in text:
+        if "No trace event was collected" in text or "no responses" in text:
+            # what a profiler server that traced nothing answers (a job compiling or idle), and also what any
+            # other server at the port makes the client say: the two cannot be told apart from here
+            for run in (set(profiles.glob("*")) - before) if profiles.exists() else ():
+                shutil.rmtree(run, ignore_errors=True)  # the client's own empty run directory
+            return None, f"{addr} answered but sent no profile"
+        if "UNAVAILABLE" in text:
             raise CaptureError(f"{addr} answered but sent no profile ({text[:120]}); is it a "
                                "jax.profiler.start_server port of a running job?") from None
         raise CaptureError(f"capture from {address} failed: {text}") from None
-    runs = sorted(set((root / "plugins" / "profile").glob("*")) - before)
-    if not runs or not any(p.stat().st_size > 0 for p in runs[-1].glob("*.xplane.pb")):
-        raise CaptureError(f"the capture from {address} is empty: the job ran nothing during {duration_s:g} s")
-    return runs[-1]
+    runs = sorted(set(profiles.glob("*")) - before) if profiles.exists() else []
+    if not runs:
+        return None, "nothing was written"
+    if not any(p.stat().st_size > 0 for p in runs[-1].glob("*.xplane.pb")):
+        return runs[-1], "the capture is empty"
+    return runs[-1], op_events_problem(runs[-1])
 
 
 @contextlib.contextmanager

@@ -61,6 +61,8 @@ class Chip:
     path: str = ""
     note: str = ""
     detect: dict[str, Any] = field(default_factory=dict)
+    calibrated_at: str = ""  # a calibrated host's measurement time (UTC, ISO 8601); "" for datasheet chips
+    load_note: str = ""  # a calibrated host's warning that the machine was busy while measured; "" when idle
 
     def figure(self, key: str) -> Figure | None:
         """The figure at ``section.key`` (value and source), or ``None``."""
@@ -156,12 +158,21 @@ def per_device_chip(chip: Chip) -> tuple[Chip, str]:
             f"each {chip.name} device is one of its {n} TensorCores: peak FLOP/s and HBM bandwidth / {n}")
 
 
+def xdg_dir(variable: str, default: str) -> Path:
+    """An XDG base directory: ``$variable`` when it is set to an absolute path, else ``~/default``. An empty or
+    relative value is ignored, as the XDG Base Directory Specification asks ("If an implementation encounters a
+    relative path in any of these variables it should consider the path invalid and ignore it"), so that
+    ``XDG_CACHE_HOME=""`` never makes traceroof write into the working directory."""
+    value = os.environ.get(variable, "")
+    return Path(value) if value and os.path.isabs(value) else Path.home() / default
+
+
 def _user_dirs() -> list[Path]:
     dirs = []
     env = os.environ.get("TRACEROOF_CHIPS_DIR")
     if env:
         dirs.append(Path(env))
-    dirs.append(Path(os.environ.get("XDG_CONFIG_HOME", Path.home() / ".config")) / "traceroof" / "chips")
+    dirs.append(xdg_dir("XDG_CONFIG_HOME", ".config") / "traceroof" / "chips")
     return dirs
 
 
@@ -192,7 +203,8 @@ def load_chip_file(path: str | Path) -> Chip:
         raise ChipError(f"chip file {p} has no 'name'")
     return Chip(id=p.stem, name=str(data["name"]), vendor=str(data.get("vendor", "")),
                 kind=str(data.get("kind", "")), aliases=tuple(data.get("aliases", ())), figures=figures,
-                path=str(p), note=str(data.get("note", "")), detect=dict(data.get("detect", {})))
+                path=str(p), note=str(data.get("note", "")), detect=dict(data.get("detect", {})),
+                calibrated_at=str(data.get("calibrated_at", "")), load_note=str(data.get("load_note", "")))
 
 
 def all_chips() -> list[Chip]:
@@ -301,13 +313,25 @@ def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
 # -- host calibration -------------------------------------------------------------------------------------
 
 def host_cache_path() -> Path:
-    """Where the calibrated host chip file is cached (``$XDG_CACHE_HOME/traceroof/host.toml``)."""
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "traceroof" / "host.toml"
+    """Where the calibrated host chip file is cached: ``$XDG_CACHE_HOME/traceroof/host.toml``, or
+    ``~/.cache/traceroof/host.toml`` when that variable is unset, empty or relative (see :func:`xdg_dir`)."""
+    return xdg_dir("XDG_CACHE_HOME", ".cache") / "traceroof" / "host.toml"
+
+
+CALIBRATION_MIN_RUNS = 3  # timed runs per figure at least (the best one counts), however short seconds_per_test
+LOADED_BUSY_SHARE = 0.25  # other work using more than this share of the machine's CPU time: a loaded machine
+LOAD_SAMPLE_S = 0.25  # how long the CPU-busy share is sampled before and after calibrating
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Measured peaks of this machine: matmul FLOP/s per dtype, vector FLOP/s and memory bandwidth."""
+    """Measured peaks of this machine: matmul FLOP/s per dtype, vector FLOP/s and memory bandwidth.
+
+    ``runs_per_figure``: timed runs behind each figure (its best counts); ``busy_share_before`` /
+    ``busy_share_after``: share of the machine's CPU time (all cores) used by other work in the
+    ``LOAD_SAMPLE_S`` before and after measuring (``/proc/stat``; else the 1-minute load average ÷ cores);
+    ``load_note``: a sentence saying the machine was loaded (figures may be low), empty when it was idle.
+    """
 
     matmul_flops_per_s: dict[str, float]
     vector_flops_per_s: float
@@ -316,31 +340,88 @@ class Calibration:
     threads: int
     measured_at: str
     engine: str = ""
+    runs_per_figure: dict[str, int] = field(default_factory=dict)
+    busy_share_before: float = float("nan")
+    busy_share_after: float = float("nan")
+    load_note: str = ""
 
 
-def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: int = 1 << 28) -> Calibration:
-    """Measure this machine: best-of-runs square matmul FLOP/s (2·n³ per matmul) per dtype, vector FLOP/s of
-    a fused elementwise chain on a cache-resident array (2 FLOPs per multiply-add), and DRAM bandwidth from a
-    large array copy (read + write bytes).
+def _cpu_times() -> tuple[float, float] | None:
+    """(busy, total) CPU time of the whole machine in clock ticks from ``/proc/stat`` (Linux), or ``None``.
+    Idle time is the ``idle`` and ``iowait`` columns (proc(5))."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 4:
+        return None
+    total = sum(fields[:8])
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)
+    return total - idle, total
+
+
+def cpu_busy_share(window_s: float = LOAD_SAMPLE_S) -> float:
+    """Share (0..1) of the machine's CPU time in use over the next ``window_s`` seconds, while this process
+    sleeps (so: other work). Without ``/proc/stat``, the 1-minute load average ÷ CPU count (capped at 1); NaN
+    when neither is available."""
+    a = _cpu_times()
+    if a is None:
+        try:
+            return min(os.getloadavg()[0] / (os.cpu_count() or 1), 1.0)
+        except (OSError, AttributeError):
+            return float("nan")
+    time.sleep(window_s)
+    b = _cpu_times()
+    if b is None or b[1] <= a[1]:
+        return float("nan")
+    return max(0.0, min((b[0] - a[0]) / (b[1] - a[1]), 1.0))
+
+
+def load_note(busy_before: float, busy_after: float) -> str:
+    """The chip-note sentence for a calibration measured while other work used more than ``LOADED_BUSY_SHARE``
+    of the CPU (before or after it); empty otherwise."""
+    if not max(busy_before, busy_after, 0.0) > LOADED_BUSY_SHARE:  # NaN-safe: unknown load is no warning
+        return ""
+    try:
+        avg = f"; load average {os.getloadavg()[0]:.2f} on {os.cpu_count() or 1} CPUs"
+    except (OSError, AttributeError):
+        avg = ""
+    return (f"the machine was loaded while calibrating ({busy_before:.0%} of CPU busy with other work before, "
+            f"{busy_after:.0%} after{avg}): the figures may be low; run `traceroof calibrate` again on an idle "
+            "machine")
+
+
+def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: int = 1 << 28,
+              min_runs: int = CALIBRATION_MIN_RUNS) -> Calibration:
+    """Measure this machine: square matmul FLOP/s (2·n³ per matmul) per dtype, vector FLOP/s of a fused
+    elementwise chain on a cache-resident array (2 FLOPs per multiply-add), and DRAM bandwidth from a large array
+    copy (read + write bytes). Each figure is the best of at least ``min_runs`` timed runs (after one untimed
+    warm-up run), more while ``seconds_per_test`` lasts.
 
     With JAX installed the matmuls and the vector chain run on XLA:CPU (what a CPU profile ran on; f32 and
     bf16); otherwise numpy runs them (f32 and f64, vector rate of numpy's in-cache add). The figures are a
-    practical roof for this machine under its current load, not a datasheet.
+    practical roof for this machine under its current load, not a datasheet: the CPU-busy share of other work
+    is sampled before and after (:func:`cpu_busy_share`) and a loaded machine is named in ``load_note``.
     """
     import platform
 
     import numpy as np
 
-    def best(fn: Any) -> float:
+    runs: dict[str, int] = {}
+
+    def best(name: str, fn: Any) -> float:
         fn()
-        t_best, deadline = float("inf"), time.perf_counter() + seconds_per_test
-        while True:
+        t_best, n, deadline = float("inf"), 0, time.perf_counter() + seconds_per_test
+        while n < min_runs or time.perf_counter() < deadline:
             t0 = time.perf_counter()
             fn()
             t_best = min(t_best, time.perf_counter() - t0)
-            if time.perf_counter() > deadline:
-                return t_best
+            n += 1
+        runs[name] = n
+        return t_best
 
+    busy_before = cpu_busy_share()
     matmul: dict[str, float] = {}
     try:
         import jax
@@ -350,7 +431,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
         for key, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
             a = jax.device_put(jnp.ones((matmul_n, matmul_n), dt), cpu0)
             mm = jax.jit(lambda a: a @ a)
-            matmul[key] = 2 * matmul_n**3 / best(lambda mm=mm, a=a: mm(a).block_until_ready())
+            matmul[key] = 2 * matmul_n**3 / best(key, lambda mm=mm, a=a: mm(a).block_until_ready())
         chain = 32
 
         def fma_chain(x: Any) -> Any:
@@ -360,20 +441,22 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
 
         x = jax.device_put(jnp.ones(1 << 16, jnp.float32), cpu0)
         f = jax.jit(fma_chain)
-        vec = 2 * chain * x.size / best(lambda: f(x).block_until_ready())
+        vec = 2 * chain * x.size / best("vector_f32", lambda: f(x).block_until_ready())
         engine = f"XLA:CPU (jax {jax.__version__})"
     except ImportError:
         for key, np_dtype in (("f32", "float32"), ("f64", "float64")):
             a = np.random.default_rng(0).standard_normal((matmul_n, matmul_n)).astype(np_dtype)
-            matmul[key] = 2 * matmul_n**3 / best(lambda a=a: a @ a)
+            matmul[key] = 2 * matmul_n**3 / best(key, lambda a=a: a @ a)
         xs = np.ones(1 << 14, np.float32)
         ys = np.empty_like(xs)
-        vec = xs.size / best(lambda: np.add(xs, xs, out=ys))
+        vec = xs.size / best("vector_f32", lambda: np.add(xs, xs, out=ys))
         engine = f"numpy {np.__version__}"
     n = copy_bytes // 8
     src = np.ones(n, np.float64)
     dst = np.empty_like(src)
-    bw = 2 * src.nbytes / best(lambda: np.copyto(dst, src))
+    bw = 2 * src.nbytes / best("memory", lambda: np.copyto(dst, src))
+    del src, dst
+    busy_after = cpu_busy_share()
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -383,23 +466,40 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
     except OSError:
         pass
     return Calibration(matmul, vec, bw, cpu, os.cpu_count() or 1,
-                       datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), engine)
+                       datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), engine, runs, busy_before,
+                       busy_after, load_note(busy_before, busy_after))
+
+
+def _toml_str(text: str) -> str:
+    """A TOML basic string of ``text`` (quotes and backslashes escaped)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def calibration_toml(cal: Calibration, name: str = "calibrated host") -> str:
-    """A chip file for a calibration (the same format as the bundled chips)."""
+    """A chip file for a calibration (the same format as the bundled chips), with ``calibrated_at`` (UTC) and,
+    when the machine was loaded, ``load_note`` (also appended to ``note``)."""
     src = f"traceroof calibrate on {cal.cpu}, {cal.threads} threads, {cal.engine}, {cal.measured_at}"
+    note = f"measured, not a datasheet: {src}" + (f"; {cal.load_note}" if cal.load_note else "")
+
+    def runs(key: str) -> str:
+        n = cal.runs_per_figure.get(key)
+        return f"best of {n} runs" if n else "best of runs"
+
     lines = [
-        f'name = "{name}"', 'vendor = "host"', 'kind = "cpu"', 'aliases = ["host"]',
-        f'note = "measured, not a datasheet: {src}"', "", "[peak_flops_per_s]",
+        f"name = {_toml_str(name)}", 'vendor = "host"', 'kind = "cpu"', 'aliases = ["host"]',
+        f"note = {_toml_str(note)}", f"calibrated_at = {_toml_str(cal.measured_at)}",
     ]
+    if cal.load_note:
+        lines.append(f"load_note = {_toml_str(cal.load_note)}")
+    lines += ["", "[peak_flops_per_s]"]
     for k, v in sorted(cal.matmul_flops_per_s.items()):
-        lines.append(f'{k} = {{ value = {v:.4e}, source = "{src}: {k} square matmul, best of runs" }}')
-    lines.append(f'vector_f32 = {{ value = {cal.vector_flops_per_s:.4e}, '
-                 f'source = "{src}: f32 elementwise multiply-add chain in cache" }}')
-    lines += ["", "[memory]",
-              f'hbm_bandwidth_bytes_per_s = {{ value = {cal.memory_bandwidth_bytes_per_s:.4e}, '
-              f'source = "{src}: DRAM bandwidth from a 256 MiB copy (read + write)" }}', ""]
+        lines.append(f"{k} = {{ value = {v:.4e}, source = {_toml_str(f'{src}: {k} square matmul, {runs(k)}')} }}")
+    vector_src = f"{src}: f32 elementwise multiply-add chain in cache, {runs('vector_f32')}"
+    memory_src = f"{src}: DRAM bandwidth from an array copy (read + write), {runs('memory')}"
+    lines += [f"vector_f32 = {{ value = {cal.vector_flops_per_s:.4e}, source = {_toml_str(vector_src)} }}",
+              "", "[memory]",
+              f"hbm_bandwidth_bytes_per_s = {{ value = {cal.memory_bandwidth_bytes_per_s:.4e}, "
+              f"source = {_toml_str(memory_src)} }}", ""]
     return "\n".join(lines)
 
 

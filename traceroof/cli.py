@@ -140,9 +140,11 @@ def _duration(text: str) -> float:
               help="With --every: flag a regression above this percent, beyond noise.")
 @click.option("--chip", help="Target chip (default: detected; CPU jobs: the calibrated host).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS[:3] + ("html",)), default="terminal", show_default=True)
+@click.option("--retry-for", "retry_for", default="60s", show_default=True,
+              help="Keep capturing this long while captures hold no op events (the job is still compiling).")
 @_guarded
 def capture(address: str, duration: str, logdir: str | None, every: str | None, count: int | None,
-            baseline: str | None, fail_above: float, chip: str | None, fmt: str) -> None:
+            baseline: str | None, fail_above: float, chip: str | None, fmt: str, retry_for: str) -> None:
     """Capture a profile from a job that called jax.profiler.start_server(PORT), and analyze it."""
     import tempfile
     import time
@@ -156,10 +158,16 @@ def capture(address: str, duration: str, logdir: str | None, every: str | None, 
     seconds = _duration(duration)
     interval = _duration(every) if every else None
     base = load_side(baseline, chip=chip) if baseline else None
+    retry_s = _duration(retry_for)
     n = 0
     regressed = False
+
+    def retrying(attempt: int, reason: str) -> None:
+        click.echo(f"traceroof: capture {attempt} from {address} held no op events (the job may still be "
+                   "compiling): capturing again", err=True)
+
     while True:
-        run_dir = grab(address, seconds, root)
+        run_dir = grab(address, seconds, root, retry_s, retrying)
         a = run(run_dir, chip=chip)
         n += 1
         if interval is None:

@@ -202,7 +202,7 @@ def render_html(a: Analysis) -> str:
         "<h2>Time per layer</h2>", '<div id="layer-bars" class="chart"></div>',
         f"<h2>Per layer (named-scope depth {a.depth}; per step, per device)</h2>",
         table_html(layers_table(a), layers_raw, "layers-table"),
-        f"<h2>Top {len(a.top_ops)} ops by lost time</h2>", table_html(top_table(a), None, "top-ops-table"),
+        f"<h2>Top {len(a.top_ops)} ops by median lost time</h2>", table_html(top_table(a), None, "top-ops-table"),
     ]
     if len(a.collectives):
         body += ["<h2>Collectives</h2>", table_html(collectives_table(a), None, "collectives-table")]

@@ -50,7 +50,8 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
     lines = [
         ("input", s.input),
         ("device", f"{s.device}; {s.devices} device(s) with op events"),
-        ("chip", f"{s.chip_name} [{s.chip_id}]: {peaks}; HBM {hbm}"),
+        ("chip", f"{s.chip_name} [{s.chip_id}]: {peaks}; HBM {hbm}"
+                 + (f"; calibrated {s.chip_calibrated_at}" if s.chip_calibrated_at else "")),
     ]
     if s.chip_note:
         lines.append(("", s.chip_note))
@@ -108,13 +109,18 @@ def collectives_table(a: Analysis) -> pd.DataFrame:
 
 
 def top_table(a: Analysis) -> pd.DataFrame:
-    """The top-ops table with formatted cells."""
+    """The top-ops table with formatted cells: per step (runs, time, expected, lost in total and at the median
+    execution) and per execution (median and p90 time; outliers: executions > 10x the median)."""
     d = a.top_ops
     return pd.DataFrame({
         "op": d["hlo_op"], "opcode": d["opcode"], "category": d["category"], "layer": d["layer"],
         "phase": d["phase"], "runs/step": d["executions_per_step"].map(lambda x: f"{x:g}"),
         "time/step": d["time_per_step_s"].map(fmt_time), "expected": d["expected_per_step_s"].map(fmt_time),
-        "lost/step": d["lost_per_step_s"].map(fmt_time), "efficiency": d["efficiency"].map(fmt_pct),
+        "lost/step": d["lost_per_step_s"].map(fmt_time),
+        "median lost/step": d["median_lost_per_step_s"].map(fmt_time),
+        "median run": d["median_s"].map(fmt_time), "p90 run": d["p90_s"].map(fmt_time),
+        "outliers": d["outlier_executions"].map(lambda x: str(int(x)) if x else "-"),
+        "efficiency": d["efficiency"].map(fmt_pct),
         "bound": d["bound"], "shape": d["shape"], "operands": d["operand_shapes"],
     })
 
@@ -158,7 +164,7 @@ def render_terminal(a: Analysis) -> str:
     width = max(len(k) for k, _ in header_lines(a))
     out += [f"{k.ljust(width)}  {v}" for k, v in header_lines(a)]
     out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", text_table(layers_table(a))]
-    out += ["", f"Top {len(a.top_ops)} ops by lost time", text_table(top_table(a))]
+    out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a))]
     if len(a.collectives):
         out += ["", "Collectives (per step, per device)", text_table(collectives_table(a))]
     if a.findings:
@@ -173,7 +179,7 @@ def render_markdown(a: Analysis) -> str:
     out = ["# traceroof: per-layer roofline report", ""]
     out += [f"- **{k or ' '}**: {v.replace('|', '/')}" for k, v in header_lines(a)]
     out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", md_table(layers_table(a))]
-    out += ["", f"## Top {len(a.top_ops)} ops by lost time", "", md_table(top_table(a))]
+    out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
     if a.findings:
