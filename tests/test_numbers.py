@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pandas as pd
 import pytest
 

@@ -455,7 +455,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
     src = np.ones(n, np.float64)
     dst = np.empty_like(src)
     bw = 2 * src.nbytes / best("memory", lambda: np.copyto(dst, src))
-    del src, dst
+    src = dst = np.zeros(0)  # release the copy buffers before the rest
     busy_after = cpu_busy_share()
     cpu = platform.processor() or platform.machine()
     try:

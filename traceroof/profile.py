@@ -18,12 +18,12 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from parsers.errors import InputError, TraceroofError
+from parsers.errors import InputError
 from parsers.hlo import HloModule
 from parsers.trace_json import read_trace_json
 from parsers.xprof_export import is_hlo_stats
 from parsers.xspace import AGGREGATE_START_PS, read_xspace
-from traceroof.hlo_source import (HloMismatchError, check_dumps, embedded_hlo, hlo_files, parse_dumps,
+from traceroof.hlo_source import (check_dumps, embedded_hlo, hlo_files, parse_dumps,
                                   profile_hlo, reconcile, relevant_dumps)
 from traceroof.steps import (assign_steps, device_step_spans, dominant_program_steps, kernel_launch_times,
                              launch_events, launch_times)
