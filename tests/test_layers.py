@@ -52,3 +52,9 @@ def test_rollup_arithmetic():
     assert r.loc["a", "lost_per_step_s"] == 1.0
     assert r.loc["b", "bound"] == "opaque" and np.isnan(r.loc["b", "efficiency"])
     assert list(r.index) == ["a", "b"]
+
+
+def test_a_module_named_body_keeps_its_name():
+    # only the loop parts right after `while` are structural (JAX's while/body, while/cond)
+    assert parse_scope("jit(f)/jvp(Net)/body/Conv_0/conv_general_dilated")[0] == "Net/body/Conv_0"
+    assert parse_scope("jit(f)/jvp(Net)/while/body/layers/Dense_0/dot_general")[0] == "Net/layers/Dense_0"

@@ -389,3 +389,32 @@ def test_rollup_instance_spread():
     assert (r.loc["h/*", "instance_min_s"], r.loc["h/*", "instance_max_s"]) == (1.0, 5.0)
     assert r.loc["h/*", "instance_median_s"] == 3.0
     assert r.loc["emb", "instances"] == 1 and np.isnan(r.loc["emb", "instance_median_s"])
+
+
+def test_weight_gradient_convolution_behind_gradient_clipping_is_backward():
+    """An unnamed weight-gradient convolution whose only user is optax's global-norm clipping computes a
+    gradient: it is backward, not optimizer (a new user's linen model with optax.chain(clip, adamw))."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Conv(16, (3, 3), name="stem")(x))
+            return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+    net = Net()
+    x, y = jnp.ones((4, 16, 16, 3)), jnp.zeros((4,), jnp.int32)
+    params = net.init(jax.random.PRNGKey(0), x)["params"]
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+    def step(params, opt, x, y):
+        g = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(net.apply({"params": p}, x), y)
+                     .mean())(params)
+        updates, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    m, ms = _module(jax.jit(step).lower(params, tx.init(params), x, y).compile().as_text())
+    convs = [i for c in m.computations.values() for i in c.instructions if i.opcode == "convolution"]
+    assert len(convs) >= 2  # forward and the weight gradient
+    assert all(ms.get(i.name).phase in ("forward", "backward") for i in convs)
+    assert any(ms.get(i.name).phase == "backward" for i in convs)

@@ -122,7 +122,7 @@ def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, byte
     """Modules decoded from the profile's own HloProtos (embedded, then sidecar files) for the programs the
     events ran, with how each was found (``embedded`` / ``sidecar``). Matched by program id (by name only
     for events without ids)."""
-    ids = {int(x) for x in events["program_id"].dropna().unique()}
+    ids, _ = _profiled(events)
     names = set(events.loc[events["program_id"].isna(), "module"].astype(str).unique())
     candidates: list[tuple[int | None, str, str, Callable[[], HloModule]]] = [
         (pid, name, "embedded", lambda d=data, src=src, pid=pid: module_from_proto(d, src, pid))

@@ -255,7 +255,10 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     elif gpu and any(line.event_count for p in gpu for line in p.lines):
         kind = "gpu"
         active = []
-        api = cpu.events(stats=("correlation_id",), require=("correlation_id",)) if cpu else pd.DataFrame()
+        host_ev = cpu.events(stats=("correlation_id", "step_num"), require=("correlation_id", "step_num")) \
+            if cpu else pd.DataFrame()
+        api = host_ev[host_ev["correlation_id"].notna()] if len(host_ev) else host_ev
+        step_events = host_ev[host_ev["step_num"].notna()] if len(host_ev) else host_ev
         api_calls = ((api["correlation_id"].to_numpy(dtype="float64", na_value=np.nan), api["start_ps"].to_numpy())
                      if len(api) else (np.zeros(0), np.zeros(0, np.int64)))
         for p in gpu:
@@ -292,8 +295,9 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
                           names=HOST_EVENT_NAMES)
         step_events = both[both["step_num"].notna()]
         ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
-        ev, (info["async_thunks"], info["async_extra_ps"], info["op_ps"]) = _async_thunk_ends(ev, both[both["name"].astype(str).str.startswith("end: ")])
-        launches = launch_events(both[both["name"].astype(str).str.match(HOST_EVENT_NAMES).to_numpy(bool)
+        ends = _name_mask(both["name"], r"end: ")
+        ev, (info["async_thunks"], info["async_extra_ps"], info["op_ps"]) = _async_thunk_ends(ev, both[ends])
+        launches = launch_events(both[_name_mask(both["name"], HOST_EVENT_NAMES) & ~ends
                                       & both["hlo_op"].isna().to_numpy()])
         info["launches"] = len(launches)
         host_ops = ev.assign(module=ev["hlo_module"])
@@ -332,7 +336,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
             out[f"profile_{st}"] = events[f"profile_{st}"].to_numpy(np.float64)
     if fw_steps is not None and len(fw_steps):
         return out, fw_steps.reset_index(drop=True), kind, desc, "Steps", stats, info
-    if kind != "cpu":
+    if kind == "tpu":
         step_events = cpu.events(stats=("step_num",), require=("step_num",)) if cpu else pd.DataFrame()
     steps, ann = _steps_from_events(step_events, host)
     return out, steps, kind, desc, ann, stats, info
@@ -355,6 +359,13 @@ def _device_steps(plane, host: str) -> list[pd.DataFrame]:
                                      "start_ps": st["start_ps"].to_numpy(np.int64),
                                      "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
     return out
+
+
+def _name_mask(names: pd.Series, pattern: str) -> np.ndarray:
+    """Events whose (categorical) name matches ``pattern`` at its start, tested once per distinct name."""
+    cat = pd.Categorical(names)
+    hit = np.array([re.match(pattern, str(c)) is not None for c in cat.categories] + [False])
+    return hit[np.where(cat.codes >= 0, cat.codes, len(cat.categories))]
 
 
 def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> tuple[pd.DataFrame, tuple[int, int, int]]:
@@ -490,11 +501,19 @@ def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
     return steps, name
 
 
+def _json_ids(values: pd.Series) -> pd.arrays.IntegerArray:
+    """Integer ids (program / run ids) from trace JSON ``args`` strings; anything not an integer below 2^62
+    (text, fractions, NaN, 2^70) becomes NA instead of failing the cast."""
+    raw = pd.to_numeric(values.astype(object), errors="coerce").to_numpy(np.float64)
+    ok = np.isfinite(raw) & (raw == np.floor(raw)) & (np.abs(raw) < 2.0**62)
+    return pd.arrays.IntegerArray(np.where(ok, raw, 0).astype(np.int64), ~ok)
+
+
 def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     host = _host_of(str(path))
     ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num", "run_id"))
     ops = ev[ev["hlo_op"].notna() & ev["plane"].astype(str).str.startswith(("/host:CPU", "/device:"))]
-    run_id = pd.array(pd.to_numeric(ops["run_id"].astype(object), errors="coerce"), "Int64")
+    run_id = _json_ids(ops["run_id"])
     named = ev[ev["name"].astype(str).str.match(HOST_EVENT_NAMES).to_numpy(bool) & ev["hlo_op"].isna().to_numpy()]
     launches = launch_events(named.assign(line_id=named["tid"]))
     launch, _ = launch_times(pd.DataFrame({"module": ops["hlo_module"].astype(str).to_numpy(), "run_id": run_id,
@@ -503,7 +522,7 @@ def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]
     out = pd.DataFrame({
         "host": pd.Categorical([host] * len(ops)),
         "device": pd.Categorical(host + "/cpu:" + ordinal.astype(str)),
-        "program_id": pd.array(pd.to_numeric(ops["program_id"].astype(object), errors="coerce"), "Int64"),
+        "program_id": _json_ids(ops["program_id"]),
         "module": ops["hlo_module"].astype(str).astype("category"),
         "hlo_op": ops["hlo_op"].astype(str).astype("category"),
         "start_ps": ops["start_ps"].to_numpy(np.int64),
@@ -524,13 +543,14 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
     """Put every op event in the step whose launch produced it (:mod:`traceroof.steps`); without step markers,
     each execution of the dominant program is a step. Steps gain ``device_start_ps`` / ``device_end_ps``."""
     if not steps.empty and "device" in steps and steps["device"].notna().all():  # TPU / framework Steps lines
-        events = _assign_steps(events, steps)
+        step = assign_steps(events["start_ps"].to_numpy(np.int64), events["device"], steps, by="device")
+        events = events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0))
         return events, steps.assign(device_start_ps=steps["start_ps"], device_end_ps=steps["end_ps"]), annotation
     launch = events["launch_ps"].to_numpy(dtype="float64", na_value=np.nan)
     known = ~np.isnan(launch)
     start = events["start_ps"].to_numpy(np.int64)
     when = np.where(known, np.nan_to_num(launch), start).astype(np.int64)
-    hosts = events["host"].astype(str).to_numpy()
+    hosts = pd.Categorical(events["host"])
     if steps.empty:
         steps, module = dominant_program_steps(events, when)
         if module:
@@ -552,25 +572,6 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
                      "figures")
     steps = device_step_spans(step, hosts, when, start + events["duration_ps"].to_numpy(np.int64), steps)
     return events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0)), steps, annotation
-
-
-def _assign_steps(events: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
-    values = np.zeros(len(events), np.int64)
-    missing = np.ones(len(events), bool)
-    if not steps.empty:
-        by = "device" if "device" in steps and steps["device"].notna().all() else "host"
-        for key, st in steps.groupby(by, sort=False):
-            st = st.sort_values("start_ps", kind="stable")
-            mask = (events[by] == key).to_numpy(dtype=bool, na_value=False)
-            starts = st["start_ps"].to_numpy()
-            ends = st["end_ps"].to_numpy()
-            t = events.loc[mask, "start_ps"].to_numpy()
-            idx = np.searchsorted(starts, t, side="right") - 1
-            ok = (idx >= 0) & (t < ends[np.maximum(idx, 0)])
-            vals = st["step"].to_numpy(dtype=np.int64, na_value=-1)[np.maximum(idx, 0)]
-            values[mask] = np.where(ok, vals, 0)
-            missing[mask] = ~ok
-    return events.assign(step=pd.arrays.IntegerArray(values, missing))
 
 
 # -- join ------------------------------------------------------------------------------------------------

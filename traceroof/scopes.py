@@ -198,13 +198,16 @@ def _users(comp: Computation) -> dict[str, list[Instruction]]:
     return users
 
 
-def _is_contraction(inst: Instruction) -> bool:
-    """A dot or convolution, or a fusion XLA named after one (``convolution_add_fusion``)."""
-    return inst.opcode in ("dot", "convolution") or (
-        inst.opcode == "fusion" and any(k in inst.name for k in ("convolution", "dot")))
+def _contractions(module: HloModule) -> set[str]:
+    """Names of the dots and convolutions of ``module`` and of the fusions whose fused computation holds one."""
+    holds = {name for name, comp in module.computations.items()
+             if any(i.opcode in ("dot", "convolution") for i in comp.instructions)}
+    return {i.name for comp in module.computations.values() for i in comp.instructions
+            if i.opcode in ("dot", "convolution") or (i.opcode == "fusion" and holds.intersection(i.called))}
 
 
-def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]]) -> bool:
+def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]],
+             contractions: set[str] = frozenset()) -> bool:
     """Label unlabelled instructions from labelled users, then operands, in rounds; True if any changed. An
     unnamed dot / convolution with an operand from the backward pass takes that operand's label first: it computes
     a gradient (a weight-gradient convolution whose user is the optimizer's gradient clipping is not optimizer)."""
@@ -217,7 +220,7 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
             if inst.name in infos:
                 continue
             src = None
-            if _is_contraction(inst):  # an unnamed matmul fed by the backward pass computes a gradient
+            if inst.name in contractions:  # an unnamed matmul fed by the backward pass computes a gradient
                 src = next((infos[o] for o in inst.operands if o in infos and infos[o].in_grad
                             and infos[o].phase == "backward"), None)
                 if src is None and wait and any(o not in infos for o in inst.operands):
@@ -326,10 +329,11 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
             for c in inst.called:
                 callers.setdefault(c, inst)
     users = {name: _users(comp) for name, comp in module.computations.items()}
+    contractions = _contractions(module)
     for _ in range(len(module.computations) + 1):
         changed = False
         for name, comp in module.computations.items():
-            changed |= _inherit(comp, infos, users[name])
+            changed |= _inherit(comp, infos, users[name], contractions)
             caller = callers.get(name)
             src = infos.get(caller.name) if caller is not None else None
             if src is not None:

@@ -29,7 +29,9 @@ LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnS
                           r"Portable)?(?: \((?P<module>[^()]*)\))?$")
 PJIT_EVENT = re.compile(r"^PjitFunction\((?P<fn>.*)\)$")
 MAX_PJIT_LOOKBACK = 100_000  # PjitFunction events (tracing, nested calls) searched back for a launch's caller
-MAX_OFFSET_WORK = 20_000_000  # candidate offsets x executions above which only start/end alignments are tried
+MAX_OFFSET_WORK = 20_000_000
+# run ids of one program spanning more than this x (executions + launches) are not one launch counter: no guess
+RUN_ID_GAP_FACTOR = 4  # candidate offsets x executions above which only start/end alignments are tried
 
 
 def launch_events(events: pd.DataFrame) -> pd.DataFrame:
@@ -127,7 +129,7 @@ def launch_times(ops: pd.DataFrame, launches: pd.DataFrame) -> tuple[np.ndarray,
             continue
         first = g.groupby("run")["start"].min()
         runs = _unwrapped(first.index.to_numpy())
-        if runs.max() - runs.min() > 4 * (len(runs) + len(starts)):  # not one launch counter: do not guess
+        if runs.max() - runs.min() > RUN_ID_GAP_FACTOR * (len(runs) + len(starts)):  # not one launch counter
             continue
         order = np.argsort(runs, kind="stable")
         runs, first_start, run_keys = runs[order], first.to_numpy()[order], first.index.to_numpy()[order]
@@ -154,19 +156,27 @@ def kernel_launch_times(kernel_correlation: np.ndarray, api_correlation: np.ndar
     return out
 
 
-def assign_steps(when_ps: np.ndarray, hosts: np.ndarray, steps: pd.DataFrame) -> np.ndarray:
-    """The step (int64, -1 outside every step) whose annotation on the same host contains each time."""
+def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: pd.DataFrame,
+                 by: str = "host") -> np.ndarray:
+    """The step (int64, -1 outside every step) whose interval in ``steps`` (``by``, ``step``, ``start_ps``,
+    ``end_ps``) on the same ``by`` key (host annotations; a TPU device's ``Steps`` line) contains each time (ps).
+    ``keys``: the ``by`` value of every time, compared through categorical codes."""
     out = np.full(len(when_ps), -1, np.int64)
     if steps.empty:
         return out
-    for host, st in steps.groupby("host", sort=False):
+    cat = pd.Categorical(keys)
+    codes = cat.codes
+    for key, st in steps.groupby(by, sort=False):
+        pos = cat.categories.get_indexer([key])[0]
+        if pos < 0:
+            continue
         st = st.sort_values("start_ps", kind="stable")
-        mask = hosts == host
+        mask = codes == pos
         t = when_ps[mask]
         starts, ends = st["start_ps"].to_numpy(np.int64), st["end_ps"].to_numpy(np.int64)
         idx = np.searchsorted(starts, t, side="right") - 1
         ok = (idx >= 0) & (t < ends[np.maximum(idx, 0)])
-        out[mask] = np.where(ok, st["step"].to_numpy(np.int64)[np.maximum(idx, 0)], -1)
+        out[mask] = np.where(ok, st["step"].to_numpy(np.int64, na_value=-1)[np.maximum(idx, 0)], -1)
     return out
 
 
@@ -180,27 +190,29 @@ def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.D
     if dur.empty:
         return pd.DataFrame(columns=["host", "step", "start_ps", "end_ps"]), ""
     module, pid = dur.idxmax()
-    mask = (ops["module"].astype(str) == str(module)).to_numpy()
+    mask = (ops["module"] == module).to_numpy(dtype=bool, na_value=False)
     if not pd.isna(pid):
         mask = mask & (ops["program_id"] == pid).to_numpy(dtype=bool, na_value=False)
     if "run_id" not in ops or ops.loc[mask, "run_id"].isna().any():  # executions cannot be told apart
         return pd.DataFrame(columns=["host", "step", "start_ps", "end_ps"]), ""
+    hosts = pd.Categorical(ops["host"])
+    end_ps = (ops["start_ps"] + ops["duration_ps"]).to_numpy(np.int64)
     rows = []
-    for host in pd.unique(ops["host"].astype(str)):
-        hmask = mask & (ops["host"].astype(str) == host).to_numpy()
-        sel = ops[hmask]
-        key = _unwrapped(sel["run_id"].to_numpy(np.int64))
-        begin = pd.Series(when_ps[hmask]).groupby(key).min().sort_index()
-        starts = begin.to_numpy(np.int64)
-        host_end = int((ops["start_ps"] + ops["duration_ps"])[(ops["host"].astype(str) == host).to_numpy()].max())
-        ends = np.append(starts[1:], max(host_end, int(starts[-1]) + 1))
+    for code, host in enumerate(hosts.categories):
+        on_host = hosts.codes == code
+        hmask = mask & on_host
+        if not hmask.any():
+            continue
+        key = _unwrapped(ops.loc[hmask, "run_id"].to_numpy(np.int64))
+        starts = pd.Series(when_ps[hmask]).groupby(key).min().sort_index().to_numpy(np.int64)
+        ends = np.append(starts[1:], max(int(end_ps[on_host].max()), int(starts[-1]) + 1))
         rows.append(pd.DataFrame({"host": host, "step": np.arange(len(starts)), "start_ps": starts, "end_ps": ends}))
     steps = pd.concat(rows, ignore_index=True)
     steps["step"] = steps["step"].astype("Int64")
     return steps, str(module)
 
 
-def device_step_spans(ops_step: np.ndarray, hosts: np.ndarray, when_ps: np.ndarray, end_ps: np.ndarray,
+def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, when_ps: np.ndarray, end_ps: np.ndarray,
                       steps: pd.DataFrame) -> pd.DataFrame:
     """``steps`` with ``device_start_ps`` / ``device_end_ps``: per host and step, the first launch (no earlier
     than the previous step's last op end) and the last op end of the step's events; NA for steps without ops."""
