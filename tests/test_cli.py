@@ -134,3 +134,18 @@ def test_hlo_of_another_program_is_ignored_when_the_profile_carries_its_own():
     summary = json.loads(r.stdout)["summary"]
     assert any("describes none of the profiled programs" in n for n in summary["notes"])
     assert summary["join"]["events_joined"] == summary["join"]["events_total"]
+
+
+def test_a_bug_is_one_line_and_exit_3_never_1(monkeypatch):
+    import traceroof.analysis
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("division by zero")
+
+    monkeypatch.setattr(traceroof.analysis, "analyze", broken)
+    monkeypatch.delenv("TRACEROOF_DEBUG", raising=False)
+    r = run("analyze", "fixtures/scan_mlp", "--chip", HOST_CHIP)
+    assert r.exit_code == 3, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("traceroof: internal error: ZeroDivisionError at test_cli.py:")
+    assert "please report it" in lines[0]

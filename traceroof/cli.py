@@ -1,7 +1,13 @@
-"""Command line: every command is one library call and a renderer. Bad input exits 2 with one line."""
+"""Command line: every command is one library call and a renderer.
+
+Exit status: 0 ok, 1 a measured regression (``diff --fail-above``, ``capture --every``), 2 bad input (one line,
+from any :class:`TraceroofError`), 3 an internal error (a bug: one line asking for a report; ``TRACEROOF_DEBUG=1``
+shows the traceback).
+"""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 from pathlib import Path
@@ -29,6 +35,21 @@ def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
             _fail("out of memory while reading the input; analyze fewer hosts or a shorter capture")
         except OSError as e:
             _fail(f"{e.filename or ''}: {e.strerror}" if e.strerror else str(e))
+        except (SystemExit, KeyboardInterrupt, click.exceptions.ClickException, click.exceptions.Exit,
+                click.exceptions.Abort):
+            raise
+        except Exception as e:  # a bug, never "bad input" nor "regression"
+            if os.environ.get("TRACEROOF_DEBUG"):
+                raise
+            where = e.__traceback__
+            while where is not None and where.tb_next is not None:
+                where = where.tb_next
+            place = f" at {Path(where.tb_frame.f_code.co_filename).name}:{where.tb_lineno}" if where else ""
+            detail = " ".join(str(e).split())[:200]
+            click.echo(f"traceroof: internal error: {type(e).__name__}{place}: {detail} -- this is a bug in "
+                       "traceroof; please report it with the command line (TRACEROOF_DEBUG=1 shows the traceback)",
+                       err=True)
+            sys.exit(3)
 
     wrapper.__name__ = fn.__name__
     wrapper.__doc__ = fn.__doc__
