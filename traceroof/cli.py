@@ -56,12 +56,35 @@ def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
-def _write(text: str, output: str | None) -> None:
+def _inputs(paths: Sequence[str], hlo: Sequence[str] = (), chip: str | None = None) -> list[Path]:
+    """The files a command reads, which ``-o`` must never name: the paths given (files), the profile, HLO and
+    HloProto files found from them, every file of a run directory given as a directory, and a chip file."""
+    from traceroof.profile import discover
+
+    given = [Path(p) for p in (*paths, *hlo, *([chip] if chip else [])) if p]
+    files = [p for p in given if p.is_file()]
+    try:
+        found = discover(paths, hlo)
+    except TraceroofError:
+        return files  # a saved JSON report (a diff baseline), or bad input that the analysis reports
+    files += [*found.profiles, *found.hlo_files, *found.hlo_proto_files]
+    dirs = [p.resolve() for p in given if p.is_dir()]
+    for run in {f.parent for f in found.profiles}:
+        if any(run.resolve() == d or d in run.resolve().parents for d in dirs):
+            files += [f for f in run.iterdir() if f.is_file()]
+    return files
+
+
+def _write(text: str, output: str | None, inputs: Sequence[Path] = ()) -> None:
+    """Print ``text``, or write it to ``output`` atomically, never over one of ``inputs``."""
+    from traceroof.report.output import refuse_inputs, write_atomic
+
     if output:
+        refuse_inputs(output, inputs)
         try:
-            Path(output).write_text(text, encoding="utf-8")
+            write_atomic(output, text)
         except OSError as e:
-            raise TraceroofError(f"cannot write {output}: {e.strerror}") from None
+            raise TraceroofError(f"cannot write {output}: {e.strerror or e}") from None
     else:
         click.echo(text, nl=False)
 
@@ -100,9 +123,14 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
     from traceroof.analysis import analyze as run
     from traceroof.report import render
 
+    inputs = _inputs(paths, hlo, chip) if output else []
+    if output:
+        from traceroof.report.output import refuse_inputs
+
+        refuse_inputs(output, inputs)  # before the analysis, not after minutes of it
     a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology,
             model_flops_per_step=model_flops_per_step, expand=expand)
-    _write(render(a, fmt, table), output)
+    _write(render(a, fmt, table), output, inputs)
 
 
 @main.command()
@@ -126,6 +154,11 @@ def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], c
     from traceroof.diff import diff as compare, gate, load_side
     from traceroof.report.diff import render_diff_html, render_diff_json, render_diff_text
 
+    inputs = [*_inputs([base], hlo_base, chip), *_inputs([new], hlo_new)] if output else []
+    if output:
+        from traceroof.report.output import refuse_inputs
+
+        refuse_inputs(output, inputs)
     b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base)
     n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new)
     result = compare(b, n)
@@ -137,7 +170,7 @@ def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], c
         text = render_diff_html(result, shown)
     else:
         text = render_diff_text(result, shown, markdown=fmt == "markdown")
-    _write(text, output)
+    _write(text, output, inputs)
     if failed:
         click.echo(f"traceroof: regression: {why}", err=True)
         sys.exit(1)
@@ -261,7 +294,7 @@ def calibrate(output: str | None, name: str) -> None:
     path = Path(output) if output else host_cache_path()
     text = calibration_toml(measure(), name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write(text, str(path))
+    _write(text, str(path))  # atomic: an interrupted calibrate leaves the previous chip file whole
     click.echo(f"wrote {path}", err=True)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.report.safe import csv_cell, json_text
 
 TABLES = ("layers", "top-ops", "collectives", "op-stats", "ops")
 
@@ -63,9 +64,16 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     for t in tables:
         doc[t.replace("-", "_")] = records(table(a, t))
     doc["findings"] = list(a.findings)
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 
 
 def render_csv(a: Analysis, name: str = "layers") -> str:
-    """CSV of one table (``layers`` by default); quantities keep full precision, units in column names."""
-    return table(a, name).to_csv(index=False, lineterminator="\n")
+    """CSV of one table (``layers`` by default); quantities keep full precision, units in column names. Text
+    cells that a spreadsheet would run as formulas are neutralised (:func:`~traceroof.report.safe.csv_cell`);
+    numeric columns are written as numbers."""
+    df = table(a, name)
+    text_columns = [c for c in df.columns if not (pd.api.types.is_numeric_dtype(df[c])
+                                                  or pd.api.types.is_bool_dtype(df[c]))]
+    if text_columns:
+        df = df.assign(**{c: df[c].astype(object).map(csv_cell) for c in text_columns})
+    return df.to_csv(index=False, lineterminator="\n")

@@ -8,6 +8,7 @@ import pandas as pd
 
 from traceroof.diff import DiffResult
 from traceroof.report.data import clean_value, records
+from traceroof.report.safe import json_text, markdown as markdown_text, printable
 from traceroof.report.text import md_table, text_table, fmt_pct, fmt_si, fmt_time
 
 
@@ -40,14 +41,14 @@ def _unmatched(r: DiffResult, n: int = 10) -> pd.DataFrame:
 
 def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False) -> str:
     """Terminal (or, with ``markdown``, Markdown) text of a diff: contributors, gate, layers, ops, unmatched."""
-    table = md_table if markdown else text_table
+    table, safe = (md_table, markdown_text) if markdown else (text_table, printable)
     h = "## " if markdown else ""
     out = [("# " if markdown else "") + "traceroof diff", "",
-           f"base: {r.base.label} ({r.base.chip}); new: {r.new.label} ({r.new.chip})",
+           f"base: {safe(r.base.label)} ({safe(r.base.chip)}); new: {safe(r.new.label)} ({safe(r.new.chip)})",
            f"FLOPs per step {fmt_si(r.base.flops_per_step, 'FLOP')} -> {fmt_si(r.new.flops_per_step, 'FLOP')}"]
-    out += [f"- {c}" for c in r.contributors]
+    out += [f"- {safe(c)}" for c in r.contributors]
     if gate_line:
-        out.append(f"gate: {gate_line}")
+        out.append(f"gate: {safe(gate_line)}")
     out += ["", f"{h}Per layer (per step, per device)", table(_layers(r))]
     out += ["", f"{h}Matched ops with the largest changes", table(_ops(r))]
     if len(r.unmatched):
@@ -64,7 +65,7 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
         "contributors": list(r.contributors), "gate": {"failed": failed, "reason": gate_line},
         "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
     }
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 
 
 def render_diff_html(r: DiffResult, gate_line: str = "") -> str:

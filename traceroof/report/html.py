@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.report.safe import printable
 from traceroof.report.text import collectives_table, fmt_si, fmt_time, header_lines, layers_table, top_table
 
 PAGE_TEMPLATE = """<!DOCTYPE html>
@@ -61,8 +62,8 @@ _TEXT_COLUMNS = {"layer", "phase", "worst op", "op", "opcode", "category", "boun
 
 
 def esc(value: object) -> str:
-    """HTML-escape any value (quotes included)."""
-    return html.escape(str(value), quote=True)
+    """HTML-escape any value (quotes included), control characters shown as escapes."""
+    return html.escape(printable(value), quote=True)
 
 
 def table_html(shown: pd.DataFrame, raw: pd.DataFrame | None = None, table_id: str = "") -> str:

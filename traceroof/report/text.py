@@ -7,6 +7,7 @@ import math
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.report.safe import markdown, markdown_cell, printable
 
 
 def fmt_time(s: float) -> str:
@@ -129,12 +130,12 @@ MAX_CELL = 64  # terminal cells longer than this are shortened in the middle (Ma
 
 
 def _short(v: object) -> str:
-    s = str(v)
+    s = printable(v)
     return s if len(s) <= MAX_CELL else s[: MAX_CELL // 2 - 1] + "…" + s[-(MAX_CELL // 2) :]
 
 
 def text_table(df: pd.DataFrame) -> str:
-    """A plain-text table, columns aligned, long cells shortened in the middle."""
+    """A plain-text table, columns aligned, control characters escaped, long cells shortened in the middle."""
     if df.empty:
         return "(none)"
     cols = list(df.columns)
@@ -148,13 +149,11 @@ def text_table(df: pd.DataFrame) -> str:
 
 
 def md_table(df: pd.DataFrame) -> str:
-    """A GitHub-flavoured Markdown table ('|' in cells escaped)."""
+    """A GitHub-flavoured Markdown table (cells through :func:`~traceroof.report.safe.markdown_cell`)."""
     if df.empty:
         return "_none_"
-    def esc(v: object) -> str:
-        return str(v).replace("|", "\\|").replace("\n", " ")
-    rows = ["| " + " | ".join(esc(c) for c in df.columns) + " |", "|" + "---|" * len(df.columns)]
-    rows += ["| " + " | ".join(esc(v) for v in r) + " |" for r in df.itertuples(index=False)]
+    rows = ["| " + " | ".join(markdown_cell(c) for c in df.columns) + " |", "|" + "---|" * len(df.columns)]
+    rows += ["| " + " | ".join(markdown_cell(v) for v in r) + " |" for r in df.itertuples(index=False)]
     return "\n".join(rows)
 
 
@@ -162,28 +161,28 @@ def render_terminal(a: Analysis) -> str:
     """Plain-text report for a terminal: header, per-layer table, top ops, findings and notes."""
     out = ["traceroof: per-layer roofline report", ""]
     width = max(len(k) for k, _ in header_lines(a))
-    out += [f"{k.ljust(width)}  {v}" for k, v in header_lines(a)]
+    out += [f"{k.ljust(width)}  {printable(v)}" for k, v in header_lines(a)]
     out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", text_table(layers_table(a))]
     out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a))]
     if len(a.collectives):
         out += ["", "Collectives (per step, per device)", text_table(collectives_table(a))]
     if a.findings:
-        out += ["", "Findings"] + [f"- {f}" for f in a.findings]
+        out += ["", "Findings"] + [f"- {printable(f)}" for f in a.findings]
     if a.summary.notes:
-        out += ["", "Missing or partial input"] + [f"- {n}" for n in a.summary.notes]
+        out += ["", "Missing or partial input"] + [f"- {printable(n)}" for n in a.summary.notes]
     return "\n".join(out) + "\n"
 
 
 def render_markdown(a: Analysis) -> str:
     """GitHub-flavoured Markdown report with the same content as the terminal report."""
     out = ["# traceroof: per-layer roofline report", ""]
-    out += [f"- **{k or ' '}**: {v.replace('|', '/')}" for k, v in header_lines(a)]
+    out += [f"- **{k or ' '}**: {markdown(v.replace('|', '/'))}" for k, v in header_lines(a)]
     out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", md_table(layers_table(a))]
     out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
     if a.findings:
-        out += ["", "## Findings", ""] + [f"- {f}" for f in a.findings]
+        out += ["", "## Findings", ""] + [f"- {markdown(f)}" for f in a.findings]
     if a.summary.notes:
-        out += ["", "## Missing or partial input", ""] + [f"- {n}" for n in a.summary.notes]
+        out += ["", "## Missing or partial input", ""] + [f"- {markdown(n)}" for n in a.summary.notes]
     return "\n".join(out) + "\n"
