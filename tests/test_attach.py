@@ -37,18 +37,24 @@ def _cli(*args, timeout=120):
 
 def test_attach_profiles_a_window_and_writes_reports(tmp_path):
     script = LOOP + f"""
-import logging, traceroof
+import logging, traceroof, traceroof.analysis
 logging.basicConfig(level=logging.WARNING)
+def in_the_job(*args, **kwargs):
+    raise RuntimeError("the analysis ran inside the training process")
+traceroof.analysis.analyze = in_the_job  # the analysis must run in its own process, which imports the real one
+seen = []
 with traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait_steps=2, warmup_steps=1, active_steps=3, repeat=2,
-                      chip={HOST_CHIP!r}) as hook:
+                      chip={HOST_CHIP!r}, on_report=seen.append) as hook:
     for i in range(10):
         with hook.step():
             a = f(a).block_until_ready()
 print("done", i + 1, hook.errors)
+print("seen", sorted((w.window, w.summary["steps_used"], len(w.reports)) for w in seen))
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "done 10 []" in r.stdout
+    assert "seen [(0, [3, 4, 5], 3), (1, [7, 8, 9], 3)]" in r.stdout
     out = tmp_path / "out" / "window_0"
     assert {p.name for p in out.iterdir()} == {"traceroof_report.txt", "traceroof_report.md", "traceroof_report.json"}
     doc = json.loads((out / "traceroof_report.json").read_text())
@@ -71,6 +77,39 @@ print("done", i + 1, len(hook.errors))
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=180)
     assert r.returncode == 0 and "done 5 1" in r.stdout, r.stderr[-2000:]
     assert "analysis of window 0 failed" in r.stderr and "the job goes on" in r.stderr
+
+
+def test_interrupted_window_reports_complete_steps_without_calibrating(tmp_path):
+    """Ctrl-C inside traced step 3: the job exits at once; the report (written by the analysis process on its
+    own) holds steps 1-2 only, says why, and, with no chip and no cached host calibration, has no roofline
+    rather than a calibration run inside the job."""
+    cache = tmp_path / "cache"
+    script = LOOP + f"""
+import traceroof
+try:
+    with traceroof.attach(out_dir={str(tmp_path / 'out')!r}, wait_steps=0, warmup_steps=1, active_steps=6) as hook:
+        for i in range(10):
+            with hook.step():
+                a = f(a)
+                if i == 3:
+                    raise KeyboardInterrupt  # what Ctrl-C raises
+                a.block_until_ready()
+except KeyboardInterrupt:
+    print("interrupted", i, hook.errors)
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180,
+                       env=dict(ENV, XDG_CACHE_HOME=str(cache)))
+    assert r.returncode == 0 and "interrupted 3 []" in r.stdout, r.stderr[-2000:]
+    report = tmp_path / "out" / "window_0" / "traceroof_report.json"
+    deadline = time.monotonic() + 120
+    while not report.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    s = json.loads(report.read_text())["summary"]
+    assert s["steps_used"] == [1, 2] and s["steps_total"] == 3  # step 0 warm-up; step 3 interrupted
+    assert any("interrupted in step 3 (KeyboardInterrupt): that step is left out" in n for n in s["notes"])
+    assert s["chip_id"] == "uncalibrated-host" and s["peak_flops_per_s"] == {}
+    assert any("attach never calibrates inside a job" in n for n in s["notes"])
+    assert not (cache / "traceroof" / "host.toml").exists()  # nothing calibrated
 
 
 @pytest.fixture()

@@ -1,10 +1,26 @@
 """Profile a running job and analyze what it captures: in-process hook, remote capture, watched logdir.
 
 * :func:`attach` profiles a window of steps of the calling JAX program (schedule: ``wait_steps``,
-  ``warmup_steps``, ``active_steps``, ``repeat`` times) with ``jax.profiler``; when a window closes it waits for
-  the steps dispatched so far to run (JAX dispatches asynchronously), stops the trace, analyzes the capture
-  in a background thread (the HLO comes from the profile itself) and writes the reports. It never raises into
-  the training loop: every error is logged and the job goes on.
+  ``warmup_steps``, ``active_steps``, ``repeat`` times) with ``jax.profiler``. When a window closes, the training
+  process only waits for the steps dispatched so far to run (JAX dispatches asynchronously), stops the trace and
+  hands the run directory to a **separate analysis process** (a fresh interpreter started with
+  ``subprocess``, in its own session, at lower priority, with one BLAS/OpenMP thread): the analysis never holds
+  the training process's GIL, and a Ctrl-C of the job does not reach it. ``multiprocessing``'s ``spawn`` and
+  ``forkserver`` would re-run the job's main script in the child (``__mp_main__``) unless it is guarded by
+  ``if __name__ == "__main__"``, and ``fork`` copies a process with JAX threads running: neither is safe for a
+  hook dropped into any training script. The child writes the reports and sends one JSON line back; a thread of
+  the job waits for it (blocked in ``communicate``, GIL released), logs the one-line summary and calls
+  ``on_report`` with a :class:`WindowReport` (paths and the summary figures, not the analysis itself).
+* **No calibration inside the job.** The report is judged against ``chip`` when given; a CPU job without it uses
+  the cached host calibration (``traceroof calibrate`` writes it) and, when there is none, is analyzed without
+  a roofline (an uncalibrated host chip with no peaks; the report says so and how to calibrate): measuring the
+  host while the job runs would both slow the job and measure a loaded machine. Device jobs use the chip
+  detected from the profile.
+* **An interrupted window reports complete steps only.** An exception inside a traced step (Ctrl-C's
+  ``KeyboardInterrupt``, an error) stops the trace while that step's annotation is still open, so the step is
+  not marked: its work is left out of the per-step figures (with a note) and the window is analyzed from the
+  complete steps before it. The job is not kept waiting for that report.
+* It never raises into the training loop: every error is logged and the job goes on.
 * :func:`capture` asks a job that called ``jax.profiler.start_server(PORT)`` for a profile over gRPC (the
   profiler client that tensorboard-plugin-profile ships, ``xprof.convert._pywrap_profiler_plugin.trace``).
 * :func:`watch` analyzes every new run directory that appears under a TensorBoard logdir.
@@ -13,21 +29,29 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from parsers.errors import TraceroofError
 
 log = logging.getLogger("traceroof")
 REPORT_FORMATS = {"txt": "terminal", "md": "markdown", "json": "json"}
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # where the analysis process imports traceroof from
+NO_CALIBRATION_NOTE = ("no host calibration is cached and attach never calibrates inside a job: no roofline "
+                       "(expected times and efficiencies are not computed); run `traceroof calibrate` once on an "
+                       "idle machine, or pass chip=")
 
 
 class CaptureError(TraceroofError):
@@ -35,26 +59,31 @@ class CaptureError(TraceroofError):
 
 
 def write_reports(analysis: object, directory: Path, stem: str = "traceroof_report") -> list[Path]:
-    """Write the terminal, Markdown and JSON reports of an analysis into ``directory``; returns the paths."""
+    """Write the terminal, Markdown and JSON reports of an analysis into ``directory`` (each atomically: a
+    reader never sees half a report); returns the paths."""
     from traceroof.report import render
+    from traceroof.report.output import write_atomic
 
     directory.mkdir(parents=True, exist_ok=True)
     paths = []
     for ext, fmt in REPORT_FORMATS.items():
         p = directory / f"{stem}.{ext}"
-        p.write_text(render(analysis, fmt), encoding="utf-8")  # type: ignore[arg-type]
+        write_atomic(p, render(analysis, fmt))  # type: ignore[arg-type]
         paths.append(p)
     return paths
 
 
 def one_line(analysis: object) -> str:
-    """A one-line summary: step time, MFU, roofline efficiency, exposed communication, worst layer."""
+    """A one-line summary: step time, MFU, roofline efficiency, exposed communication, worst layer (control
+    characters of input names escaped)."""
+    from traceroof.report.safe import printable
+
     s = analysis.summary  # type: ignore[attr-defined]
     layers = analysis.layers  # type: ignore[attr-defined]
     worst = f"; worst layer {layers.iloc[0]['layer']} ({layers.iloc[0]['phase']})" if len(layers) else ""
-    return (f"step {s.step_time_mean_s * 1e3:.3f} ms over {len(s.steps_used)} steps, MFU {s.mfu:.1%}, "
-            f"roofline efficiency {s.roofline_efficiency:.1%}, exposed comm {s.exposed_comm_per_step_s * 1e3:.3f} "
-            f"ms{worst}")
+    return printable(f"step {s.step_time_mean_s * 1e3:.3f} ms over {len(s.steps_used)} steps, MFU {s.mfu:.1%}, "
+                     f"roofline efficiency {s.roofline_efficiency:.1%}, exposed comm "
+                     f"{s.exposed_comm_per_step_s * 1e3:.3f} ms{worst}")
 
 
 def wait_for_dispatched_work() -> None:
@@ -74,13 +103,86 @@ def wait_for_dispatched_work() -> None:
                 pass
 
 
+@dataclass(frozen=True)
+class WindowReport:
+    """What ``on_report`` receives when a window's reports are written: the window index, the report files,
+    the one-line summary, and the report's ``summary`` figures as in its JSON (``step_time_mean_s``, ``mfu``,
+    ``steps_used``, ``notes``...; units in the key names)."""
+
+    window: int
+    reports: tuple[Path, ...]
+    line: str
+    summary: dict[str, Any]
+
+
+# -- the analysis process ------------------------------------------------------------------------------------------
+
+def _analysis_chip(chip: str | None, platform: str) -> tuple[object, str]:
+    """The chip argument for the analysis and a note: ``chip`` when given; for a CPU job the cached host
+    calibration (``None``: the analysis reads the cache) or, when none is cached, a host chip with no figures."""
+    from traceroof.chips import Chip, host_cache_path
+
+    if chip or platform != "cpu" or host_cache_path().is_file():
+        return chip, ""
+    return Chip(id="uncalibrated-host", name="this host (not calibrated)", vendor="host", kind="cpu", aliases=(),
+                note="not calibrated: no roofline"), NO_CALIBRATION_NOTE
+
+
+def analyze_window(request: dict[str, Any]) -> dict[str, Any]:
+    """The analysis process's work: analyze ``request["logdir"]`` and write the reports of window
+    ``request["window"]`` under ``request["out_dir"]``; returns what is sent back to the job (report paths,
+    one-line summary, summary figures) or ``{"error": one line}``. Never raises."""
+    try:
+        from traceroof.analysis import analyze
+        from traceroof.report.data import clean_value
+
+        chip, note = _analysis_chip(request.get("chip"), request.get("platform", ""))
+        a = analyze(request["logdir"], chip=chip, warmup_steps=int(request["warmup_steps"]))
+        notes = tuple(x for x in (note, request.get("interrupted", "")) if x)
+        if notes:
+            a = dataclasses.replace(a, summary=dataclasses.replace(a.summary, notes=a.summary.notes + notes))
+        paths = write_reports(a, Path(request["out_dir"]) / f"window_{request['window']}")
+        return {"reports": [str(p) for p in paths], "line": one_line(a),
+                "summary": clean_value(dataclasses.asdict(a.summary))}
+    except Exception as e:  # noqa: BLE001 - reported to the job as one line
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        return {"error": text}
+
+
+def _analysis_process_main() -> None:
+    """Entry point of the analysis process: the request is ``sys.argv[1]`` (JSON); the answer one JSON line on
+    stdout."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.nice(10)  # the job comes first
+    answer = analyze_window(json.loads(sys.argv[1]))
+    with contextlib.suppress(OSError, ValueError):  # the job may be gone (a pipe closed): the reports are written
+        sys.stdout.write(json.dumps(answer) + "\n")
+        sys.stdout.flush()
+
+
+_CHILD_CODE = "from traceroof.attach import _analysis_process_main; _analysis_process_main()"
+
+
+def _start_analysis_process(request: dict[str, Any]) -> subprocess.Popen:
+    """Start the analysis process for ``request`` (see :func:`analyze_window`)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(PACKAGE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    return subprocess.Popen([sys.executable, "-c", _CHILD_CODE, json.dumps(request)], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
+                            close_fds=True)
+
+
+# -- the hook --------------------------------------------------------------------------------------------------------
+
 @dataclass
 class Attachment:
     """The in-process profiler: call :meth:`step` around (or after) every training step.
 
     Steps are counted from 0; window ``k`` (``k < repeat``) starts tracing at step
     ``wait_steps + k*(warmup_steps+active_steps)``, marks steps with ``jax.profiler.StepTraceAnnotation`` and stops
-    after ``warmup_steps + active_steps`` steps; the report then excludes the warm-up steps. Reports go to ``out_dir/window_<k>/``.
+    after ``warmup_steps + active_steps`` steps; the report then excludes the warm-up steps. Reports go to
+    ``out_dir/window_<k>/``, written by a separate process (see the module docstring).
     """
 
     out_dir: Path
@@ -89,7 +191,7 @@ class Attachment:
     active_steps: int = 3
     repeat: int = 1
     chip: str | None = None
-    on_report: Callable[[object], None] | None = None
+    on_report: Callable[[WindowReport], None] | None = None
     logdir: Path | None = None
     step_name: str = "train"
     reports: list[Path] = field(default_factory=list)
@@ -97,6 +199,7 @@ class Attachment:
     _step: int = 0
     _tracing: bool = False
     _window: int = 0
+    _platform: str = ""
     _threads: list[threading.Thread] = field(default_factory=list)
 
     def _window_bounds(self) -> tuple[int, int] | None:
@@ -107,7 +210,8 @@ class Attachment:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        """Context manager around one training step; outside a window it costs a couple of comparisons."""
+        """Context manager around one training step; outside a window it costs a couple of comparisons. An
+        exception inside a traced step (Ctrl-C) closes the window without that step and goes on up."""
         bounds = self._window_bounds()
         annotate = None
         if bounds is not None and bounds[0] <= self._step < bounds[1]:
@@ -124,6 +228,12 @@ class Attachment:
                     annotate = None
         try:
             yield
+        except BaseException as e:
+            if self._tracing:  # stop with this step's annotation still open: the step is not marked
+                self._stop_and_analyze(interrupted=f"window {self._window} was interrupted in step {self._step} "
+                                                   f"({type(e).__name__}): that step is left out, the report "
+                                                   "covers the complete steps before it")
+            raise
         finally:
             if annotate is not None:
                 with contextlib.suppress(Exception):
@@ -146,13 +256,16 @@ class Attachment:
             import jax
 
             self._run_logdir = (self.logdir or self.out_dir / "profiles") / f"window_{self._window}"
+            if not self._platform:
+                self._platform = jax.devices()[0].platform
             jax.profiler.start_trace(str(self._run_logdir))
             self._tracing = True
         except Exception as e:  # noqa: BLE001
             self._error(f"could not start the profiler: {e}")
             self._window = self.repeat  # give up profiling, keep training
 
-    def _stop_and_analyze(self) -> None:
+    def _stop_and_analyze(self, interrupted: str = "") -> None:
+        """Stop the trace and hand the run directory to an analysis process; the job goes on at once."""
         window = self._window
         self._window += 1
         self._tracing = False
@@ -164,20 +277,35 @@ class Attachment:
         except Exception as e:  # noqa: BLE001
             self._error(f"could not stop the profiler: {e}")
             return
-        t = threading.Thread(target=self._analyze, args=(self._run_logdir, window), daemon=True,
+        request = {"logdir": str(self._run_logdir), "out_dir": str(self.out_dir), "window": window,
+                   "chip": self.chip, "warmup_steps": self.warmup_steps, "platform": self._platform,
+                   "interrupted": interrupted}
+        try:
+            proc = _start_analysis_process(request)
+        except Exception as e:  # noqa: BLE001
+            self._error(f"could not start the analysis of window {window}: {e}")
+            return
+        t = threading.Thread(target=self._collect, args=(proc, window), daemon=True,
                              name=f"traceroof-window-{window}")
         t.start()
         self._threads.append(t)
 
-    def _analyze(self, logdir: Path, window: int) -> None:
+    def _collect(self, proc: subprocess.Popen, window: int) -> None:
+        """Wait (GIL released) for the analysis process of ``window`` and take its answer."""
         try:
-            from traceroof.analysis import analyze
-
-            a = analyze(logdir, chip=self.chip, warmup_steps=self.warmup_steps)
-            self.reports += write_reports(a, self.out_dir / f"window_{window}")
-            log.warning("traceroof: %s", one_line(a))
+            out, err = proc.communicate()
+            lines = out.decode("utf-8", "replace").strip().splitlines()
+            answer = json.loads(lines[-1]) if lines else {}
+            if "error" in answer or "reports" not in answer:
+                why = answer.get("error") or (f"the analysis process exited with status {proc.returncode}: "
+                                              + (err.decode("utf-8", "replace").strip().splitlines() or [""])[-1])
+                self._error(f"analysis of window {window} failed: {why}")
+                return
+            paths = tuple(Path(p) for p in answer["reports"])
+            self.reports += paths
+            log.warning("traceroof: %s", answer["line"])
             if self.on_report is not None:
-                self.on_report(a)
+                self.on_report(WindowReport(window, paths, answer["line"], answer["summary"]))
         except Exception as e:  # noqa: BLE001 - a report failure must not reach the job
             self._error(f"analysis of window {window} failed: {e}")
 
@@ -192,18 +320,23 @@ class Attachment:
     def __enter__(self) -> "Attachment":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # leaving on an exception (Ctrl-C): the analysis process writes the reports on its own, the job exits now
+        self.close(timeout_s=0.0 if exc_type is not None else 120.0)
 
 
 def attach(out_dir: str | Path = "traceroof_reports", wait_steps: int = 1, warmup_steps: int = 1,
-           active_steps: int = 3, repeat: int = 1, chip: str | None = None, on_report: Callable[[object], None] | None = None,
+           active_steps: int = 3, repeat: int = 1, chip: str | None = None,
+           on_report: Callable[[WindowReport], None] | None = None,
            logdir: str | Path | None = None) -> Attachment:
     """Profile steps of this process and write traceroof reports when each window closes.
 
     Use as a context manager around the training loop, calling ``with hook.step(): ...`` for each step (or
-    ``hook.next_step()`` after it). Reports (``.txt``, ``.md``, ``.json``) go to ``out_dir/window_<k>/``; the
-    raw profiles to ``logdir`` (default ``out_dir/profiles``). Errors are logged, never raised.
+    ``hook.next_step()`` after it). Reports (``.txt``, ``.md``, ``.json``) go to ``out_dir/window_<k>/``,
+    written by a separate analysis process; the raw profiles to ``logdir`` (default ``out_dir/profiles``).
+    ``chip``: the target chip (id, name or chip file); default: detected (device jobs) or the cached host
+    calibration (CPU jobs; without one, no roofline: attach never calibrates). ``on_report`` is called in a
+    thread of the job with a :class:`WindowReport`. Errors are logged, never raised.
     """
     return Attachment(Path(out_dir), wait_steps, warmup_steps, active_steps, repeat, chip, on_report,
                       Path(logdir) if logdir else None)
