@@ -11,7 +11,8 @@ CPU) step after step, each timed to its end (``block_until_ready``), with a wind
 ``--wait`` steps. It prints the median step before the window, the step that closes the window (it waits for
 the dispatched work and stops the trace: that cost is the profiler's), and the worst and the 99th-percentile
 step while the window's analysis runs (from the closing step until the analysis is over), each over the
-median; the worst step before the window is the machine's own noise. ``--root`` measures another checkout (e.g. the previous commit, for before/after figures).
+median; the worst step before the window is the machine's own noise. ``--root`` measures another checkout
+(e.g. the previous commit, for before/after figures).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def overhead(steps: int) -> None:
 
 
 def stall(layers: int, width: int, wait: int, active: int, chip: str, max_s: float) -> dict[str, float]:
-    """Run the loop through one window; returns the figures printed (seconds)."""
+    """Run the loop through one window; returns the figures printed (times in seconds)."""
     import jax
     import jax.numpy as jnp
 
@@ -96,8 +97,8 @@ def stall(layers: int, width: int, wait: int, active: int, chip: str, max_s: flo
     worst = max(during)
     worst_at = next(j for j, t in times if close_step < j and t == worst) - close_step
     p99 = sorted(during)[max(int(len(during) * 0.99) - 1, 0)]
-    return {"median": median, "worst_before": max(before), "closing": closing, "worst": worst, "worst_at": worst_at, "p99": p99,
-            "steps_during": len(during),
+    return {"median": median, "worst_before": max(before), "closing": closing, "worst": worst,
+            "worst_at": worst_at, "p99": p99, "steps_during": len(during),
             "analysis_s": sum(during)}
 
 
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     for _ in range(args.repeat):
         r = stall(args.layers, args.width, args.wait, args.active, args.chip, args.max_s)
-        print(f"median step {r['median'] * 1e3:.2f} ms, worst {r['worst_before'] * 1e3:.1f} ms before the window; closing step {r['closing'] * 1e3:.1f} ms "
+        print(f"median step {r['median'] * 1e3:.2f} ms, worst {r['worst_before'] * 1e3:.1f} ms before the window; "
+              f"closing step {r['closing'] * 1e3:.1f} ms "
               f"(+{(r['closing'] - r['median']) * 1e3:.1f}); while analyzing ({r['steps_during']} steps, "
               f"{r['analysis_s']:.2f} s): worst step {r['worst'] * 1e3:.1f} ms "
               f"(+{(r['worst'] - r['median']) * 1e3:.1f} ms stall, {r['worst_at']} steps after the closing one), "

@@ -213,4 +213,26 @@ def test_interrupted_write_leaves_no_partial_file(tmp_path, monkeypatch):
         assert sorted(p.name for p in tmp_path.iterdir()) == ["link.md", "report.md"]  # no temporary left
     r = CliRunner().invoke(main, ["analyze", str(FIXTURES / "scan_mlp"), "--chip", HOST_CHIP, "-o",
                                   str(tmp_path / "no-such-dir" / "r.txt")])
-    assert r.exit_code == 2 and r.output.startswith("traceroof: error: cannot write") and len(r.output.splitlines()) == 1
+    assert r.exit_code == 2 and r.output.startswith("traceroof: error: cannot write")
+    assert len(r.output.splitlines()) == 1
+
+
+def test_calibrate_output_is_atomic(tmp_path, monkeypatch):
+    import traceroof.chips
+    import traceroof.report.output as output
+
+    cal = traceroof.chips.Calibration({"f32": 1e11, "bf16": 1e11}, 2e10, 2e10, "test cpu", 2, "2026-01-01T00:00:00Z")
+    monkeypatch.setattr(traceroof.chips, "calibrate", lambda: cal)  # measuring is not under test
+    chip = tmp_path / "host.toml"
+    chip.write_text("previous chip file\n")
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(output.os, "replace", full_disk)
+        r = CliRunner().invoke(main, ["calibrate", "-o", str(chip)])
+    assert r.exit_code == 2 and "cannot write" in r.output and "No space left" in r.output
+    assert chip.read_text() == "previous chip file\n" and [p.name for p in tmp_path.iterdir()] == ["host.toml"]
+    r = CliRunner().invoke(main, ["calibrate", "-o", str(chip)])
+    assert r.exit_code == 0 and traceroof.chips.load_chip_file(chip).peak_flops_per_s["f32"] == 1e11

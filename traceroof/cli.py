@@ -75,6 +75,18 @@ def _inputs(paths: Sequence[str], hlo: Sequence[str] = (), chip: str | None = No
     return files
 
 
+def _protected(output: str | None, *sides: tuple[Sequence[str], Sequence[str], str | None]) -> list[Path]:
+    """The input files of ``sides`` (paths, HLO paths, chip) that ``-o`` must not name; none without ``-o``.
+    Refuses at once, before the analysis runs."""
+    if not output:
+        return []
+    from traceroof.report.output import refuse_inputs
+
+    files = [f for side in sides for f in _inputs(*side)]
+    refuse_inputs(output, files)
+    return files
+
+
 def _write(text: str, output: str | None, inputs: Sequence[Path] = ()) -> None:
     """Print ``text``, or write it to ``output`` atomically, never over one of ``inputs``."""
     from traceroof.report.output import refuse_inputs, write_atomic
@@ -123,11 +135,7 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
     from traceroof.analysis import analyze as run
     from traceroof.report import render
 
-    inputs = _inputs(paths, hlo, chip) if output else []
-    if output:
-        from traceroof.report.output import refuse_inputs
-
-        refuse_inputs(output, inputs)  # before the analysis, not after minutes of it
+    inputs = _protected(output, (paths, hlo, chip))
     a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology,
             model_flops_per_step=model_flops_per_step, expand=expand)
     _write(render(a, fmt, table), output, inputs)
@@ -154,11 +162,7 @@ def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], c
     from traceroof.diff import diff as compare, gate, load_side
     from traceroof.report.diff import render_diff_html, render_diff_json, render_diff_text
 
-    inputs = [*_inputs([base], hlo_base, chip), *_inputs([new], hlo_new)] if output else []
-    if output:
-        from traceroof.report.output import refuse_inputs
-
-        refuse_inputs(output, inputs)
+    inputs = _protected(output, ([base], hlo_base, chip), ([new], hlo_new, None))
     b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base)
     n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new)
     result = compare(b, n)
