@@ -149,3 +149,12 @@ def test_a_bug_is_one_line_and_exit_3_never_1(monkeypatch):
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("traceroof: internal error: ZeroDivisionError at test_cli.py:")
     assert "please report it" in lines[0]
+
+
+def test_error_lines_carry_no_control_characters(tmp_path):
+    bad = tmp_path / "x\x1b]0;pwned\x07.trace.json"
+    bad.write_text('{"traceEvents": [')
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli", "analyze", str(bad), "--chip", "h100"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "\x1b" not in r.stderr and "\x07" not in r.stderr, r.stderr
+    assert "\\x1b]0;pwned\\x07" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -21,7 +21,9 @@ FORMATS = ("terminal", "markdown", "json", "csv", "html")
 
 
 def _fail(message: str) -> None:
-    click.echo(f"traceroof: error: {message}", err=True)
+    from traceroof.report.safe import printable
+
+    click.echo(f"traceroof: error: {printable(message)}", err=True)
     sys.exit(2)
 
 
@@ -41,11 +43,13 @@ def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
         except Exception as e:  # a bug, never "bad input" nor "regression"
             if os.environ.get("TRACEROOF_DEBUG"):
                 raise
+            from traceroof.report.safe import printable
+
             where = e.__traceback__
             while where is not None and where.tb_next is not None:
                 where = where.tb_next
             place = f" at {Path(where.tb_frame.f_code.co_filename).name}:{where.tb_lineno}" if where else ""
-            detail = " ".join(str(e).split())[:200]
+            detail = printable(" ".join(str(e).split())[:200])
             click.echo(f"traceroof: internal error: {type(e).__name__}{place}: {detail} -- this is a bug in "
                        "traceroof; please report it with the command line (TRACEROOF_DEBUG=1 shows the traceback)",
                        err=True)
@@ -259,15 +263,16 @@ def watch(logdir: str, interval: str, timeout: str | None, max_reports: int | No
           chip: str | None) -> None:
     """Analyze every new profile run under LOGDIR and write traceroof_report.* beside it."""
     from traceroof.attach import one_line, watch as follow
+    from traceroof.report.safe import printable
 
     if not Path(logdir).is_dir():
         raise TraceroofError(f"{logdir} is not a directory; pass the TensorBoard logdir the job writes to")
 
     def report(run_dir: Path, analysis: object | None, error: str) -> None:
         if analysis is None:
-            click.echo(f"{run_dir}: not analyzed: {error}", err=True)
+            click.echo(f"{printable(run_dir)}: not analyzed: {printable(error)}", err=True)
         else:
-            click.echo(f"{run_dir}: {one_line(analysis)}")
+            click.echo(f"{printable(run_dir)}: {one_line(analysis)}")
 
     try:
         follow(logdir, _duration(interval), _duration(timeout) if timeout else None, max_reports, chip, report,
