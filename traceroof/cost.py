@@ -27,6 +27,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from parsers.errors import HloParseError
 from parsers.hlo import Computation, HloModule, Instruction, Shape
 
 TRANSCENDENTAL_OPCODES = frozenset({
@@ -53,6 +54,8 @@ COLLECTIVE_OPCODES = frozenset({
     "send", "recv",
 })
 IMMEDIATE_CONSTANT_MAX_ELEMENTS = 1  # HloCostAnalysis base class (GPU: 8)
+MAX_TRIP_COUNT = 2**40  # a while trip count above this is garbage (a real loop of 1e12 iterations never ends)
+MAX_EXECUTIONS = 2.0**53  # executions of a computation per module run (nested trip counts multiplied)
 # -start forms whose tuple shape is (operands, outputs[, context scalars]) rather than the output itself
 START_WITH_OPERAND_COPY = frozenset({"all-gather-start", "collective-permute-start", "all-to-all-start"})
 # the second halves of async pairs: the -start carries the cost
@@ -168,46 +171,70 @@ class CostModel:
         """Trip count of a ``while`` and its source: ``known_trip_count`` in backend_config, else a
         ``compare(iv, constant(N)), direction=LT`` in the condition (init 0 assumed), else 1 ("unknown")."""
         bc = inst.backend_config
-        if isinstance(bc, dict):
-            n = bc.get("known_trip_count", {}).get("n")
+        known = bc.get("known_trip_count") if isinstance(bc, dict) else None
+        if isinstance(known, dict) and known.get("n") is not None:
+            n = _count(known["n"])
             if n is not None:
-                return int(n), "known_trip_count"
+                return n, "known_trip_count"
         cond = self.module.computations.get(inst.attrs.get("condition", "").lstrip("%"))
         if cond is not None and cond.root is not None and cond.root.opcode == "compare":
             direction = cond.root.attrs.get("direction", "")
             for op in cond.root.operands:
                 c = cond.by_name.get(op)
-                if c is not None and c.opcode == "constant" and re.fullmatch(r"-?\d+", c.literal.strip()):
+                if c is not None and c.opcode == "constant" and re.fullmatch(r"-?[0-9]{1,19}", c.literal.strip()):
                     n = int(c.literal)
-                    if direction in ("LT", "GT"):
+                    if direction in ("LT", "GT") and n <= MAX_TRIP_COUNT:
                         return max(n, 0), "condition"
-                    if direction in ("LE", "GE"):
+                    if direction in ("LE", "GE") and n < MAX_TRIP_COUNT:
                         return max(n + 1, 0), "condition"
         return 1, "unknown"
 
     def _execution_counts(self) -> dict[str, float]:
-        """Executions per module run of each non-fused computation (entry = 1, while bodies x trip count)."""
-        counts: dict[str, float] = {}
+        """Executions per module run of each non-fused computation (entry = 1, while bodies x trip count),
+        summed over call sites in topological order of the call graph (acyclic: the parsers refuse cycles).
 
-        def visit(name: str, k: float) -> None:
+        :raises HloParseError: a computation would run more than :data:`MAX_EXECUTIONS` times (trip counts
+            that multiply into garbage)."""
+        def calls(name: str) -> list[tuple[str, float]]:
             comp = self.module.computations.get(name)
-            if comp is None or name in self.fused:
-                return
-            counts[name] = counts.get(name, 0.0) + k
-            for inst in comp.instructions:
+            out: list[tuple[str, float]] = []
+            for inst in comp.instructions if comp is not None else ():
                 if inst.opcode == "while":
                     n, _ = self.trip_count(inst)
-                    visit(inst.attrs.get("body", "").lstrip("%"), k * n)
-                    visit(inst.attrs.get("condition", "").lstrip("%"), k * (n + 1))
-                elif inst.opcode == "conditional":
-                    for c in inst.called:  # which branch ran is unknown statically: each counted once
-                        visit(c, k)
-                elif inst.opcode in ("call", "async-start") or inst.opcode.endswith("-start") and inst.called:
-                    for c in inst.called:
-                        visit(c, k)
+                    out += [(inst.attrs.get("body", "").lstrip("%"), float(n)),
+                            (inst.attrs.get("condition", "").lstrip("%"), float(n + 1))]
+                elif inst.opcode in ("conditional", "call", "async-start") or \
+                        inst.opcode.endswith("-start") and inst.called:
+                    out += [(c, 1.0) for c in inst.called]  # conditional: each branch counted once
+            return [(c, k) for c, k in out if c in self.module.computations and c not in self.fused]
 
-        visit(self.module.entry_name, 1.0)
-        return counts
+        entry = self.module.entry_name
+        if entry not in self.module.computations or entry in self.fused:
+            return {}
+        edges: dict[str, list[tuple[str, float]]] = {}
+        order: list[str] = []  # post-order, iterative
+        stack: list[tuple[str, int]] = [(entry, 0)]
+        edges[entry] = calls(entry)
+        while stack:
+            name, i = stack[-1]
+            if i < len(edges[name]):
+                stack[-1] = (name, i + 1)
+                callee = edges[name][i][0]
+                if callee not in edges:
+                    edges[callee] = calls(callee)
+                    stack.append((callee, 0))
+                continue
+            stack.pop()
+            order.append(name)
+        counts: dict[str, float] = {entry: 1.0}
+        for name in reversed(order):
+            k = counts.get(name, 0.0)
+            if not k <= MAX_EXECUTIONS:
+                raise HloParseError(f"{self.module.source or self.module.name}: computation {name} would run {k:.3g} "
+                                    "times per module execution: its loops' trip counts are not real")
+            for callee, n in edges[name]:
+                counts[callee] = counts.get(callee, 0.0) + k * n
+        return {name: counts[name] for name in order[::-1] if name in counts}
 
     # -- costs ------------------------------------------------------------------------------------------
     def cost(self, inst: Instruction) -> OpCost:
@@ -216,7 +243,7 @@ class CostModel:
         key = (self.comp_of.get(inst.name).name if inst.name in self.comp_of else "", inst.name)
         c = self._cache.get(key)
         if c is None:
-            c = self._cost(inst)
+            c = _checked(self._cost(inst), inst)
             self._cache[key] = c
         return c
 
@@ -551,6 +578,26 @@ class CostModel:
         return total
 
 
+def _count(value: object) -> int | None:
+    """A trip count from a backend_config value (an int or a decimal string), or ``None`` when it is not an
+    integer in 0..MAX_TRIP_COUNT."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,19}", value.strip()):
+        value = int(value)
+    return value if isinstance(value, int) and 0 <= value <= MAX_TRIP_COUNT else None
+
+
+def _checked(cost: OpCost, inst: Instruction) -> OpCost:
+    """``cost`` when every figure is finite and non-negative; else an opaque zero cost whose note says why (a
+    figure derived from inconsistent shapes or attributes is dropped, never used)."""
+    figures = (cost.flops, cost.transcendentals, cost.bytes_accessed, cost.padded_bytes, cost.hbm_bytes)
+    if all(math.isfinite(v) and v >= 0 for v in figures):
+        return cost
+    return OpCost(opaque=True, note=f"cost of {inst.opcode} {inst.name} dropped: its shapes or attributes give "
+                                    f"non-finite or negative figures ({', '.join(f'{v:.3g}' for v in figures)})")
+
+
 def _parse_window(text: str, rank: int) -> list[dict[str, int]]:
     """``window={size=3x3 stride=2x2 pad=1_1x1_1 lhs_dilate=1x1 rhs_dilate=1x1}`` -> one dict per dim."""
     dims = [dict(size=1, stride=1, pad_lo=0, pad_hi=0, lhs_dilate=1, rhs_dilate=1) for _ in range(rank)]
@@ -682,13 +729,22 @@ def dot_precision(model: CostModel, inst: Instruction) -> str:
 
 
 def _fused_opcodes(model: CostModel, inst: Instruction) -> list[Instruction]:
+    """Instructions of the computations ``inst`` calls, each nested fusion's right after it (depth first,
+    iteratively; each computation once)."""
     out: list[Instruction] = []
-    for name in inst.called:
-        comp = model.module.computations.get(name)
-        if comp is None:
-            continue
-        for i in comp.instructions:
-            out.append(i)
-            if i.opcode == "fusion":
-                out.extend(_fused_opcodes(model, i))
+    seen: set[str] = set()
+    stack = [iter(inst.called)]
+    while stack:
+        item = next(stack[-1], None)
+        if item is None:
+            stack.pop()
+        elif isinstance(item, str):
+            comp = model.module.computations.get(item)
+            if comp is not None and item not in seen:
+                seen.add(item)
+                stack.append(iter(comp.instructions))
+        else:
+            out.append(item)
+            if item.opcode == "fusion":
+                stack.append(iter(item.called))
     return out
