@@ -256,6 +256,8 @@ class _Parser:
         for key in ("num_partitions", "replica_count"):
             if key in attrs and not (attrs[key].isascii() and attrs[key].isdigit() and 0 < int(attrs[key]) <= 2**24):
                 raise self.error(f"{key}={attrs[key]!r} is not a device count (1..{2**24})")
+        if int(attrs.get("num_partitions", 1)) * int(attrs.get("replica_count", 1)) > 2**24:
+            raise self.error(f"num_partitions x replica_count is more than {2**24} devices")
         frames = self.tables()
         comps: dict[str, Computation] = {}
         where: dict[str, int] = {}
