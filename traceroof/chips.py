@@ -4,6 +4,12 @@ Each chip is one TOML file (``traceroof/chips/*.toml``, bundled) whose every fig
 ``{ value = ..., source = "..." }`` naming its datasheet or paper section. Users add chips by writing the same
 kind of file into ``$TRACEROOF_CHIPS_DIR`` (or ``~/.config/traceroof/chips``), or by passing a file path to
 ``--chip``. ``calibrate`` measures this machine into such a file (``kind = "cpu"``).
+
+Every file is validated on load (:func:`load_chip_file`): peaks, bandwidths and sizes positive and finite, counts
+positive integers, dtypes known; a bad file is a :class:`ChipError` naming the file and the key. A bad *user* file
+in the chip folders is skipped by :func:`all_chips` (with a note where the caller takes notes: chip detection
+adds it to the report's chip note), so it never breaks a command that does not use it; asking for it by name
+raises its error. A corrupt calibration cache is measured again (:func:`host_chip`).
 """
 
 from __future__ import annotations
