@@ -407,3 +407,15 @@ def test_analyze_cli_with_a_garbage_topology_is_exit_2_and_one_line():
     r = CliRunner().invoke(main, ["analyze", str(FIXTURES / "scan_mlp"), "--chip",
                                   str(FIXTURES / "fixture_host.toml"), "--topology", "0x0"])
     assert r.exit_code == 2 and r.output.count("\n") == 1 and "--topology '0x0'" in r.output
+
+
+def test_garbage_device_stats_are_ignored_by_chip_detection():
+    from traceroof.chips import detect_chip
+
+    chip, note = detect_chip({"device_vendor": "Nvidia", "compute_cap_major": 9, "compute_cap_minor": "x",
+                              "memory_size": "lots", "memory_bandwidth": float("nan"),
+                              "peak_teraflops_per_second": "1e999"})
+    assert chip.id == "h100" and "claims" not in note
+    with pytest.raises(ChipError, match="unknown device") as err:
+        detect_chip({"compute_cap_major": "nine\nlines", "memory_size": -1})
+    assert "\n" not in str(err.value)

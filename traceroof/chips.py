@@ -346,6 +346,17 @@ def get_chip(name_or_path: str) -> Chip:
 
 # -- detection from profile plane stats -------------------------------------------------------------------
 
+def _stat(stats: dict[str, Any], key: str) -> float | None:
+    """A numeric device-plane stat as a positive finite float; ``None`` when absent or not such a number (a
+    profile's stats are input: a garbage value is ignored, never used)."""
+    v = stats.get(key)
+    try:
+        f = float(v) if v is not None and not isinstance(v, (bytes, bytearray)) else None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return f if f is not None and math.isfinite(f) and f > 0 else None
+
+
 def _matches(chip: Chip, stats: dict[str, Any]) -> bool:
     d = chip.detect
     if not d:
@@ -353,17 +364,18 @@ def _matches(chip: Chip, stats: dict[str, Any]) -> bool:
     dtype = str(stats.get("device_type_string") or stats.get("device_type") or "")
     if "device_type" in d:
         return bool(dtype) and _norm(dtype) in {_norm(x) for x in d["device_type"]}
-    major, minor = stats.get("compute_cap_major"), stats.get("compute_cap_minor")
-    if major is None or f"{int(major)}.{int(minor or 0)}" not in d.get("compute_capability", []):
+    major, minor = _stat(stats, "compute_cap_major"), _stat(stats, "compute_cap_minor") or 0.0
+    if major is None or major > 1000 or minor > 1000 or \
+            f"{int(major)}.{int(minor)}" not in d.get("compute_capability", []):
         return False
     vendor = stats.get("device_vendor")
     if vendor and d.get("vendor") and _norm(str(vendor)) != _norm(d["vendor"]):
         return False
-    mem = stats.get("memory_size")
+    mem = _stat(stats, "memory_size")
     if mem:
-        if "memory_bytes_min" in d and float(mem) < float(d["memory_bytes_min"]):
+        if "memory_bytes_min" in d and mem < float(d["memory_bytes_min"]):
             return False
-        if "memory_bytes_max" in d and float(mem) > float(d["memory_bytes_max"]):
+        if "memory_bytes_max" in d and mem > float(d["memory_bytes_max"]):
             return False
     return True
 
@@ -380,7 +392,7 @@ def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
     skipped: list[str] = []
     chips = all_chips(skipped)
     found = [c for c in chips if _matches(c, stats)]
-    described = ", ".join(f"{k}={stats[k]}" for k in ("device_vendor", "compute_cap_major", "compute_cap_minor",
+    described = ", ".join(f"{k}={' '.join(str(stats[k]).split())[:40]}" for k in ("device_vendor", "compute_cap_major", "compute_cap_minor",
                                                        "core_count", "memory_size", "device_type_string")
                           if k in stats)
     if not found:
@@ -394,18 +406,18 @@ def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
     if len(found) > 1:
         notes.append(f"also matches {', '.join(c.id for c in found[1:])}: pass --chip to choose")
     claims = []
-    bw = stats.get("memory_bandwidth")
+    bw = _stat(stats, "memory_bandwidth")
     ours = chip.hbm_bandwidth_bytes_per_s
-    if bw and ours and abs(float(bw) / ours - 1) > 0.05:
-        claims.append(f"HBM {float(bw) / 1e12:.3g} TB/s (database {ours / 1e12:.3g} TB/s)")
-    peak = stats.get("peak_teraflops_per_second")
+    if bw and ours and abs(bw / ours - 1) > 0.05:
+        claims.append(f"HBM {bw / 1e12:.3g} TB/s (database {ours / 1e12:.3g} TB/s)")
+    peak = _stat(stats, "peak_teraflops_per_second")
     if peak:
         best, key = chip.peak_for("bf16")
-        if best and abs(float(peak) * 1e12 / best - 1) > 0.05:
-            claims.append(f"peak {float(peak):.4g} TFLOP/s (database {key} {best / 1e12:.4g} TFLOP/s)")
-    hbm = stats.get("peak_hbm_bw_gigabytes_per_second")
-    if hbm and ours and abs(float(hbm) * 1e9 / ours - 1) > 0.05:
-        claims.append(f"HBM {float(hbm):.4g} GB/s (database {ours / 1e9:.4g} GB/s)")
+        if best and abs(peak * 1e12 / best - 1) > 0.05:
+            claims.append(f"peak {peak:.4g} TFLOP/s (database {key} {best / 1e12:.4g} TFLOP/s)")
+    hbm = _stat(stats, "peak_hbm_bw_gigabytes_per_second")
+    if hbm and ours and abs(hbm * 1e9 / ours - 1) > 0.05:
+        claims.append(f"HBM {hbm:.4g} GB/s (database {ours / 1e9:.4g} GB/s)")
     if claims:
         notes.append("the profile claims " + "; ".join(claims) + "; the database figures are used")
     return chip, "; ".join(notes)
