@@ -23,6 +23,14 @@ POINTER_BYTES = 8  # ShapeUtil tuple pointer table entry (hlo-text.md §5)
 
 HBM_MEMORY_SPACE = 0  # Layout::kDefaultMemorySpace (xla/layout.h); TPU S(1) = VMEM, S(5) = host
 
+# Limits on what a parsed module may hold; beyond them the input is garbage, not a program (HloParseError).
+# XLA's own check (ShapeUtil::ValidateShape) is that a shape's byte size fits in int64; no device or host holds
+# an array of more than 2**48 bytes (256 TiB; the largest accelerator memories are below 2**39), so a larger one
+# is a corrupted dimension that would turn into absurd FLOPs and bytes.
+MAX_ARRAY_BYTES = 2**48
+MAX_TUPLE_DEPTH = 64  # nesting of tuple shapes (real programs nest a few levels)
+MAX_CALL_DEPTH = 64  # nesting of calls (fusion, while, conditional, to_apply ...) below the entry computation
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -119,6 +127,100 @@ class Shape:
         return f"{self.element_type}[{dims}]"
 
 
+def shape_problem(shape: Shape, depth: int = 0) -> str:
+    """Why ``shape`` cannot be a real HLO shape, or ``""``: a negative dimension (other than ``-1``, an unbounded
+    dynamic one), more than :data:`MAX_ARRAY_BYTES` bytes in one array, tuples nested deeper than
+    :data:`MAX_TUPLE_DEPTH`, or a layout whose ``minor_to_major`` is not a permutation of the dimensions, whose
+    tiles are not positive or whose ``E(bits)`` is not in 1..128."""
+    if depth > MAX_TUPLE_DEPTH:
+        return f"tuple shapes nested deeper than {MAX_TUPLE_DEPTH} levels"
+    if shape.tuple_shapes is not None:
+        for s in shape.tuple_shapes:
+            why = shape_problem(s, depth + 1)
+            if why:
+                return why
+        return ""
+    if any(d < -1 for d in shape.dims):
+        return f"negative dimension in {shape}"
+    n = math.prod(max(d, 1) for d in shape.dims)
+    if n * max(ELEMENT_BITS.get(shape.element_type, 8), 8) // 8 > MAX_ARRAY_BYTES:
+        return f"{shape} holds more than {MAX_ARRAY_BYTES:.3g} bytes: not a real array"
+    lay = shape.layout
+    if lay is not None:
+        if lay.minor_to_major and sorted(lay.minor_to_major) != list(range(len(shape.dims))):
+            return f"layout {{{','.join(map(str, lay.minor_to_major))}}} is not a permutation of the dims of {shape}"
+        if any(t is not None and t <= 0 for tile in lay.tiles for t in tile):
+            return f"layout tile of {shape} is not positive"
+        if lay.element_size_bits is not None and not 0 <= lay.element_size_bits <= 128:
+            return f"layout E({lay.element_size_bits}) of {shape} is not 0..128 bits"
+        if lay.memory_space < 0:
+            return f"layout S({lay.memory_space}) of {shape} is negative"
+    return ""
+
+
+# attributes whose value is a list of integers (``{0,1}`` or ``0``); anything else there is a parse error
+INT_LIST_ATTRS = ("dimensions", "lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims",
+                  "feature_group_count", "batch_group_count", "index", "channel_id")
+
+
+def attr_problem(attrs: dict[str, str]) -> str:
+    """Why the integer attributes of an instruction (:data:`INT_LIST_ATTRS`) are not lists of non-negative
+    integers, or ``""``."""
+    for key in INT_LIST_ATTRS:
+        raw = attrs.get(key)
+        if raw is None:
+            continue
+        body = raw.strip()
+        if body.startswith("{") and body.endswith("}"):
+            body = body[1:-1]
+        items = [x.strip() for x in body.split(",")] if body.strip() else []
+        if not all(x.isdigit() and x.isascii() for x in items):
+            return f"{key}={raw!r} is not a list of non-negative integers"
+        if key in ("feature_group_count", "batch_group_count") and (len(items) != 1 or int(items[0]) < 1):
+            return f"{key}={raw!r} is not a positive integer"
+    return ""
+
+
+def call_graph_problem(computations: dict[str, "Computation"]) -> tuple[str, str]:
+    """(computation, why) when the calls between computations cannot be a program, else ``("", "")``: a computation that calls itself
+    (directly or through others: fusion ``calls``, while ``body``/``condition``, ``to_apply``, branches ...), or
+    calls nested deeper than :data:`MAX_CALL_DEPTH`. Calls to computations the module lacks are ignored (the
+    cost model reports them). Iterative: no recursion proportional to the input."""
+    callees = {name: [c for inst in comp.instructions for c in inst.called if c in computations]
+               for name, comp in computations.items()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    height: dict[str, int] = {}  # longest call chain below a computation
+    for root in computations:
+        if root in state:
+            continue
+        stack: list[tuple[str, int]] = [(root, 0)]
+        path: list[str] = [root]
+        state[root] = 1
+        while stack:
+            name, i = stack[-1]
+            calls = callees[name]
+            if i < len(calls):
+                stack[-1] = (name, i + 1)
+                nxt = calls[i]
+                if state.get(nxt) == 1:
+                    cycle = path[path.index(nxt):] + [nxt]
+                    via = " -> ".join(cycle[1:-1])
+                    return nxt, (f"computation {nxt} calls itself through {via}" if via else
+                                 f"computation {nxt} calls itself")
+                if nxt not in state:
+                    state[nxt] = 1
+                    stack.append((nxt, 0))
+                    path.append(nxt)
+                continue
+            stack.pop()
+            path.pop()
+            state[name] = 2
+            height[name] = 1 + max((height[c] for c in calls), default=-1)
+            if height[name] > MAX_CALL_DEPTH:
+                return name, f"calls below computation {name} nest deeper than {MAX_CALL_DEPTH} levels"
+    return "", ""
+
+
 @dataclass(frozen=True)
 class Metadata:
     """``metadata={...}`` of an instruction (OpMetadata). ``op_name`` is the JAX scope path."""
@@ -157,14 +259,19 @@ class Instruction:
     is_root: bool = False
 
     def attr_ints(self, key: str) -> tuple[int, ...]:
-        """An attribute like ``dimensions={0,2}`` or ``lhs_contracting_dims={1}`` as ints (empty if absent)."""
-        raw = self.attrs.get(key, "").strip().strip("{}")
-        return tuple(int(x) for x in raw.replace(" ", "").split(",") if x)
+        """An attribute like ``dimensions={0,2}`` or ``lhs_contracting_dims={1}`` as ints (empty if absent or,
+        for a value that is not a list of integers, empty too: the parsers check :data:`INT_LIST_ATTRS`)."""
+        raw = self.attrs.get(key, "").strip().strip("{}").replace(" ", "")
+        try:
+            return tuple(int(x) for x in raw.split(",") if x)
+        except ValueError:
+            return ()
 
     @property
     def parameter_number(self) -> int:
         """The ``i`` of ``parameter(i)``; -1 for other opcodes."""
-        return int(self.literal) if self.opcode == "parameter" and self.literal.strip().isdigit() else -1
+        text = self.literal.strip()
+        return int(text) if self.opcode == "parameter" and text.isdigit() and text.isascii() else -1
 
     @property
     def fusion_kind(self) -> str:

@@ -19,7 +19,8 @@ from typing import Any
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from parsers.errors import HloParseError, InputError
-from parsers.hlo import Computation, HloModule, Instruction, Layout, Metadata, Shape, StackFrame
+from parsers.hlo import (INT_LIST_ATTRS, MAX_TUPLE_DEPTH, Computation, HloModule, Instruction, Layout, Metadata,
+                         Shape, StackFrame, call_graph_problem, shape_problem)
 
 # xla/xla_data.proto PrimitiveType
 PRIMITIVE_TYPES = {
@@ -116,17 +117,26 @@ _CLASSES = _build()
 HloProtoMessage = _CLASSES["HloProto"]
 
 
-def _shape(p: Any) -> Shape:
+UNBOUNDED_DIM = -(2**63)  # Shape::kUnboundedSize (xla/shape.h): a dynamic dimension without a bound
+
+
+def _shape(p: Any, depth: int = 0) -> Shape:
+    """A :class:`Shape` from a ShapeProto; tuples nest at most :data:`MAX_TUPLE_DEPTH` levels.
+
+    :raises ValueError: deeper nesting."""
     etype = PRIMITIVE_TYPES.get(p.element_type, f"type{p.element_type}")
     if etype == "tuple":
-        return Shape("tuple", tuple_shapes=tuple(_shape(s) for s in p.tuple_shapes))
+        if depth >= MAX_TUPLE_DEPTH:
+            raise ValueError(f"tuple shapes nested deeper than {MAX_TUPLE_DEPTH} levels")
+        return Shape("tuple", tuple_shapes=tuple(_shape(s, depth + 1) for s in p.tuple_shapes))
     layout = None
     if p.HasField("layout"):
         lp = p.layout
         layout = Layout(tuple(lp.minor_to_major), tuple(tuple(t.dimensions) for t in lp.tiles),
                         lp.element_size_in_bits or None, lp.memory_space)
-    dyn = tuple(p.is_dynamic_dimension) or (False,) * len(p.dimensions)
-    return Shape(etype, tuple(p.dimensions), dyn, layout)
+    dims = tuple(-1 if d == UNBOUNDED_DIM else d for d in p.dimensions)
+    dyn = tuple(p.is_dynamic_dimension) or (False,) * len(dims)
+    return Shape(etype, dims, dyn, layout)
 
 
 def _ints(values: Any) -> str:
@@ -136,6 +146,8 @@ def _ints(values: Any) -> str:
 def _dim_labels(d: Any) -> str:
     def labels(batch: int, feature: int, spatial: Any, b: str, f: str) -> str:
         out = ["?"] * (2 + len(spatial))
+        if not all(0 <= x < len(out) for x in (batch, feature, *spatial)):
+            raise ValueError(f"convolution dimension numbers out of range ({batch}, {feature}, {list(spatial)})")
         out[batch], out[feature] = b, f
         for i, s in enumerate(spatial):
             out[s] = str(i)
@@ -246,8 +258,8 @@ def module_from_proto(data: bytes, source: str = "<HloProto>", program_id: int |
     msg = HloProtoMessage()
     try:
         msg.ParseFromString(data)
-    except Exception as e:  # protobuf DecodeError
-        raise HloParseError(f"{source}: not a valid xla.HloProto ({e})") from None
+    except Exception as e:  # protobuf DecodeError (and RecursionError beyond its nesting limit)
+        raise HloParseError(f"{source}: not a valid xla.HloProto ({' '.join(str(e).split())[:200]})") from None
     mod = msg.hlo_module
     if not mod.computations:
         alt = _CLASSES["HloModuleProto"]()
@@ -258,7 +270,24 @@ def module_from_proto(data: bytes, source: str = "<HloProto>", program_id: int |
         if alt is None or not alt.computations:
             raise HloParseError(f"{source}: HloProto without computations")
         mod = alt
-    comp_names = {c.id: c.name for c in mod.computations}
+    try:
+        return _module(mod, source, program_id)
+    except ValueError as e:
+        raise HloParseError(f"{source}: {e}") from None
+
+
+def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
+    """The :class:`HloModule` of a decoded HloModuleProto.
+
+    :raises ValueError: ids that name nothing (operands, called computations), computations or instructions
+        named twice, impossible shapes or attributes, a cyclic or too deep call graph."""
+    comp_names: dict[int, str] = {}
+    for c in mod.computations:
+        if not c.name:
+            raise ValueError(f"computation id {c.id} has no name")
+        if c.id in comp_names or c.name in comp_names.values():
+            raise ValueError(f"computation {c.name} (id {c.id}) appears twice")
+        comp_names[c.id] = c.name
     frames: dict[int, StackFrame] = {}
     sfi = mod.stack_frame_index
     for i, fr in enumerate(sfi.stack_frames, start=1):
@@ -272,16 +301,37 @@ def module_from_proto(data: bytes, source: str = "<HloProto>", program_id: int |
     comps: dict[str, Computation] = {}
     entry = mod.entry_computation_name or comp_names.get(mod.entry_computation_id, "")
     for c in mod.computations:
-        names = {i.id: i.name for i in c.instructions}
-        shapes = {i.id: _shape(i.shape) for i in c.instructions}
+        names: dict[int, str] = {}
+        for i in c.instructions:
+            if not i.name or i.id in names:
+                raise ValueError(f"computation {c.name}: instruction id {i.id} "
+                                 + ("has no name" if not i.name else "appears twice"))
+            names[i.id] = i.name
+        shapes = {}
+        for i in c.instructions:
+            shapes[i.id] = _shape(i.shape)
+            why = shape_problem(shapes[i.id])
+            if why:
+                raise ValueError(f"instruction {i.name}: {why}")
         insts = []
         for p in c.instructions:
+            missing = [o for o in p.operand_ids if o not in names]
+            if missing:
+                raise ValueError(f"instruction {p.name} in {c.name}: operand id {missing[0]} names no instruction "
+                                 "of its computation")
+            unknown = [i for i in p.called_computation_ids if i not in comp_names]
+            if unknown:
+                raise ValueError(f"instruction {p.name} in {c.name}: called computation id {unknown[0]} names no "
+                                 "computation of the module")
             attrs, called = _attrs(p, comp_names)
+            bad = [k for k in INT_LIST_ATTRS if k in attrs and any(v < 0 for v in _int_list(attrs[k]))]
+            if bad or p.feature_group_count < 0 or p.batch_group_count < 0:
+                raise ValueError(f"instruction {p.name}: negative {bad[0] if bad else 'group count'}")
             bc: Any = None
             if p.backend_config:
                 try:
                     bc = json.loads(p.backend_config)
-                except ValueError:
+                except (ValueError, RecursionError):
                     bc = p.backend_config.decode("utf-8", "replace")
             md = p.metadata
             literal = ""
@@ -293,8 +343,8 @@ def module_from_proto(data: bytes, source: str = "<HloProto>", program_id: int |
                     literal = str(vals[0])
             insts.append(Instruction(
                 name=p.name, opcode=p.opcode, shape=shapes[p.id],
-                operands=tuple(names.get(o, str(o)) for o in p.operand_ids),
-                operand_shapes=tuple(shapes.get(o) for o in p.operand_ids), attrs=attrs, called=called,
+                operands=tuple(names[o] for o in p.operand_ids),
+                operand_shapes=tuple(shapes[o] for o in p.operand_ids), attrs=attrs, called=called,
                 metadata=Metadata(md.op_type, md.op_name, md.source_file, md.source_line, md.stack_frame_id,
                                   md.deduplicated_name, md.scheduling_name),
                 backend_config=bc, literal=literal, is_root=p.id == c.root_id,
@@ -302,9 +352,17 @@ def module_from_proto(data: bytes, source: str = "<HloProto>", program_id: int |
         comps[c.name] = Computation(c.name, insts, c.name == entry, c.execution_thread)
     if entry not in comps:
         entry = list(comps)[-1]
+        comps[entry].is_entry = True
+    _, why = call_graph_problem(comps)
+    if why:
+        raise ValueError(why)
     m = re.search(r"\((\d+)\)", Path(source).name)
     pid = program_id if program_id is not None else (int(m.group(1)) if m else (mod.id or None))
     return HloModule(mod.name, comps, entry, {}, frames, pid, source)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.strip("{}").split(",") if x.strip()]
 
 
 def read_hlo_proto_file(path: str | Path) -> HloModule:

@@ -10,18 +10,20 @@ optional (the last computation is then the entry). Unknown opcodes and attribute
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
 from parsers.errors import HloParseError
-from parsers.hlo import Computation, HloModule, Instruction, Layout, Metadata, Shape, StackFrame
+from parsers.hlo import (MAX_TUPLE_DEPTH, Computation, HloModule, Instruction, Layout, Metadata, Shape, StackFrame,
+                         attr_problem, call_graph_problem, shape_problem)
 
 _COMMENT_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/|//[^\n]*', re.S)
 _WS = re.compile(r"[ \t\r\n]*")
 _HWS = re.compile(r"[ \t\r]*")
 _NAME = re.compile(r"%?([A-Za-z_][A-Za-z0-9_.\-]*)")
 _WORD = re.compile(r"[A-Za-z0-9_.\-]+")
-_DIM = re.compile(r"\s*(<=)?\s*(\d+|\?)\s*")
+_DIM = re.compile(r"\s*(<=)?\s*([0-9]{1,18}|\?)\s*")
 _DQ = re.compile(r'"(?:[^"\\]|\\.)*"')
 _SQ = re.compile(r"'(?:[^'\\]|\\.)*'")
 _OPEN = {"{": "}", "(": ")", "[": "]"}
@@ -100,15 +102,16 @@ def parse_hlo_text(text: str, source: str = "<text>") -> list[HloModule]:
 
 
 class _Parser:
-    def __init__(self, text: str, pos: int, end: int, source: str) -> None:
+    def __init__(self, text: str, pos: int, end: int, source: str, first_line: int = 1) -> None:
         self.t = text
         self.pos = pos
         self.end = end
         self.source = source
+        self.first_line = first_line  # line number of ``text[0]`` in the source (operand sub-parsers)
 
     # -- low level -------------------------------------------------------------------------------------
     def error(self, what: str) -> HloParseError:
-        line = self.t.count("\n", 0, self.pos) + 1
+        line = self.t.count("\n", 0, self.pos) + self.first_line
         snippet = self.t[self.pos: self.pos + 40].split("\n")[0]
         return HloParseError(f"{self.source}:{line}: {what} near {snippet!r}")
 
@@ -179,9 +182,12 @@ class _Parser:
         return t[start:pos].strip()
 
     # -- shapes ----------------------------------------------------------------------------------------
-    def shape(self) -> Shape:
+    def shape(self, depth: int = 0) -> Shape:
+        """A shape at ``pos``; tuples nest at most :data:`MAX_TUPLE_DEPTH` levels (bounded recursion)."""
         self.ws()
         if self.peek() == "(":
+            if depth >= MAX_TUPLE_DEPTH:
+                raise self.error(f"tuple shapes nested deeper than {MAX_TUPLE_DEPTH} levels")
             self.pos += 1
             parts: list[Shape] = []
             self.ws()
@@ -189,7 +195,7 @@ class _Parser:
                 self.pos += 1
                 return Shape("tuple", tuple_shapes=())
             while True:
-                parts.append(self.shape())
+                parts.append(self.shape(depth + 1))
                 self.ws()
                 c = self.peek()
                 self.pos += 1
@@ -213,13 +219,22 @@ class _Parser:
                     raise self.error(f"bad dimension {d!r}")
                 dims.append(-1 if dm.group(2) == "?" else int(dm.group(2)))
                 dyn.append(bool(dm.group(1)) or dm.group(2) == "?")
-        self.pos = close + 1
+        start, self.pos = self.pos, close + 1
         layout = None
         if self.peek() == "{":
             end = self.skip_balanced(self.pos)
-            layout = _parse_layout(self.t[self.pos + 1: end - 1])
+            try:
+                layout = _parse_layout(self.t[self.pos + 1: end - 1])
+            except ValueError:
+                self.pos = close + 1
+                raise self.error("bad layout") from None
             self.pos = end
-        return Shape(etype, tuple(dims), tuple(dyn), layout)
+        shape = Shape(etype, tuple(dims), tuple(dyn), layout)
+        why = shape_problem(shape)
+        if why:
+            self.pos = start
+            raise self.error(why)
+        return shape
 
     # -- module ----------------------------------------------------------------------------------------
     def module(self) -> HloModule:
@@ -238,15 +253,26 @@ class _Parser:
                 self.expect("=")
                 self.hws()
                 attrs[key] = self.value()
+        for key in ("num_partitions", "replica_count"):
+            if key in attrs and not (attrs[key].isascii() and attrs[key].isdigit() and 0 < int(attrs[key]) <= 2**24):
+                raise self.error(f"{key}={attrs[key]!r} is not a device count (1..{2**24})")
+        if int(attrs.get("num_partitions", 1)) * int(attrs.get("replica_count", 1)) > 2**24:
+            raise self.error(f"num_partitions x replica_count is more than {2**24} devices")
         frames = self.tables()
         comps: dict[str, Computation] = {}
+        where: dict[str, int] = {}
         entry = ""
         while True:
             self.ws()
             if self.pos >= self.end:
                 break
+            at = self.pos
             comp = self.computation()
+            if comp.name in comps:
+                self.pos = at
+                raise self.error(f"computation {comp.name} is defined twice")
             comps[comp.name] = comp
+            where[comp.name] = at
             if comp.is_entry:
                 entry = comp.name
         if not comps:
@@ -254,6 +280,10 @@ class _Parser:
         if not entry:
             entry = list(comps)[-1]
             comps[entry].is_entry = True
+        culprit, why = call_graph_problem(comps)
+        if why:
+            self.pos = where[culprit]
+            raise self.error(why)
         return HloModule(name or entry, comps, entry, attrs, frames, source=self.source)
 
     def tables(self) -> dict[int, StackFrame]:
@@ -327,6 +357,7 @@ class _Parser:
 
     def instruction(self) -> Instruction:
         self.ws()
+        start = self.pos
         is_root = False
         if _ROOT.match(self.t, self.pos):
             is_root = True
@@ -359,8 +390,9 @@ class _Parser:
         if opcode in ("constant", "parameter") or (opcode == "iota" and not inner.strip()):
             literal = inner.strip()
         elif inner.strip():
+            line = self.t.count("\n", 0, start) + self.first_line
             for part in _split_top(inner):
-                sub = _Parser(part, 0, len(part), self.source)
+                sub = _Parser(part, 0, len(part), self.source, line)
                 sub.ws()
                 op_shape = None
                 wm = _WORD.match(part, sub.pos)
@@ -388,6 +420,10 @@ class _Parser:
             self.pos += 1
             self.ws()
             attrs[km.group(0)] = self.value()
+        why = attr_problem(attrs)
+        if why:
+            self.pos = start
+            raise self.error(f"{name}: {why}")
         called = []
         for key in _CALL_ATTRS:
             if key in attrs:
@@ -508,14 +544,32 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
 
     :raises HloParseError: text in none of these forms.
     """
+    try:
+        groups = _replica_groups(text.strip(), num_devices)
+    except (ValueError, KeyError, IndexError, ZeroDivisionError) as e:
+        raise HloParseError(f"replica_groups {text[:80]!r}: {e}") from None
+    if groups is None:
+        raise HloParseError(f"unknown replica_groups form {text[:80]!r}")
+    return groups
+
+
+MAX_GROUP_DEVICES = 2**24  # devices a replica_groups value may name (beyond: garbage, not a program)
+
+
+def _replica_groups(t: str, num_devices: int | None) -> list[list[int]] | None:
     import numpy as np
 
-    t = text.strip()
+    def devices(sizes: list[int]) -> int:
+        n = math.prod(sizes)
+        if n > MAX_GROUP_DEVICES or any(x <= 0 for x in sizes):
+            raise ValueError(f"{n} devices: expected 1..{MAX_GROUP_DEVICES}")
+        return n
+
     m = re.fullmatch(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", t.replace(" ", ""))
     if m:
         g, s = int(m.group(1)), int(m.group(2))
         dims = [int(x) for x in m.group(3).split(",")]
-        arr = np.arange(int(np.prod(dims))).reshape(dims)
+        arr = np.arange(devices(dims)).reshape(dims)
         if m.group(4):
             arr = arr.transpose([int(x) for x in m.group(4).split(",")])
         return arr.reshape(g, s).tolist()
@@ -538,21 +592,21 @@ def parse_replica_groups(text: str, num_devices: int | None = None) -> list[list
                 shape.append(n)
         for a in re.findall(r"'([^']+)'", m.group(2)):
             if a not in sizes:
-                raise HloParseError(f"replica_groups {text!r}: axis {a!r} is not in the mesh")
+                raise ValueError(f"axis {a!r} is not in the mesh")
             selected.append(index[(a, 1)])
         rest = [d for d in range(len(shape)) if d not in selected]
-        arr = np.arange(int(np.prod(shape))).reshape(shape).transpose(rest + selected)
+        arr = np.arange(devices(shape)).reshape(shape).transpose(rest + selected)
         group = int(np.prod([shape[d] for d in selected])) if selected else 1
         return arr.reshape(-1, group).tolist()
     if t.startswith("{"):
         inner = t[1:-1].strip()
         if not inner:
-            return [list(range(num_devices))] if num_devices else []
+            return [list(range(min(num_devices, MAX_GROUP_DEVICES)))] if num_devices else []
         groups = re.findall(r"\{([^{}]*)\}", inner)
         if not groups and re.fullmatch(r"[\d,\s]+", inner):
             groups = [inner]
         return [[int(x) for x in g.replace(" ", "").split(",") if x] for g in groups]
-    raise HloParseError(f"unknown replica_groups form {text!r}")
+    return None
 
 
 def async_pairs(comp: Computation) -> dict[str, str]:

@@ -4,11 +4,18 @@ Each chip is one TOML file (``traceroof/chips/*.toml``, bundled) whose every fig
 ``{ value = ..., source = "..." }`` naming its datasheet or paper section. Users add chips by writing the same
 kind of file into ``$TRACEROOF_CHIPS_DIR`` (or ``~/.config/traceroof/chips``), or by passing a file path to
 ``--chip``. ``calibrate`` measures this machine into such a file (``kind = "cpu"``).
+
+Every file is validated on load (:func:`load_chip_file`): peaks, bandwidths and sizes positive and finite, counts
+positive integers, dtypes known; a bad file is a :class:`ChipError` naming the file and the key. A bad *user* file
+in the chip folders is skipped by :func:`all_chips` (with a note where the caller takes notes: chip detection
+adds it to the report's chip note), so it never breaks a command that does not use it; asking for it by name
+raises its error. A corrupt calibration cache is measured again (:func:`host_chip`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 import tomllib
@@ -33,6 +40,15 @@ DTYPE_PEAK_KEYS: dict[str, tuple[str, ...]] = {
     "f8e4m3": ("fp8",), "f8e3m4": ("fp8",), "f8e4m3b11fnuz": ("fp8",),
     "f4e2m1fn": ("fp4", "fp8"),
 }
+
+
+KIND_VALUES = ("gpu", "tpu", "cpu")
+# keys of [peak_flops_per_s]: the dtypes above plus the f32 matmul precisions and vector work
+PEAK_KEYS = frozenset(k for keys in DTYPE_PEAK_KEYS.values() for k in keys) | {"tf32", "fp32", "vector_f32"}
+# figures that are counts (positive integers) rather than rates or sizes
+COUNT_SUFFIXES = ("_per_node", "_per_chip", "_per_gpu")
+# figures that are rates or sizes (positive, finite numbers): every [peak_flops_per_s] value and these suffixes
+AMOUNT_SUFFIXES = ("_bytes", "_bytes_per_s", "_flops_per_s")
 
 
 class ChipError(TraceroofError):
@@ -176,18 +192,79 @@ def _user_dirs() -> list[Path]:
     return dirs
 
 
-def load_chip_file(path: str | Path) -> Chip:
-    """Read one chip TOML file.
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
-    :raises ChipError: unreadable file, invalid TOML, or a figure without a value.
+
+def _figure_problem(section: str, key: str, value: Any) -> str:
+    """Why a figure's value cannot be used, or ``""``: peaks, bandwidths and sizes must be positive finite
+    numbers, counts positive integers, ``[peak_flops_per_s]`` keys known dtypes."""
+    if section == "peak_flops_per_s" and key not in PEAK_KEYS:
+        return f"is not a known dtype (known: {', '.join(sorted(PEAK_KEYS))})"
+    if key.endswith(COUNT_SUFFIXES):
+        if not (_is_number(value) and math.isfinite(value) and value >= 1 and value == int(value)):
+            return f"is {value!r}; expected a positive integer"
+    elif section == "peak_flops_per_s" or key.endswith(AMOUNT_SUFFIXES):
+        if not (_is_number(value) and math.isfinite(value) and value > 0):
+            return f"is {value!r}; expected a positive finite number"
+    elif not isinstance(value, (str, int, float, bool)):
+        return f"is a {type(value).__name__}; expected a number or a string"
+    return ""
+
+
+_DETECT_TYPES: dict[str, tuple[str, Any]] = {
+    "device_type": ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "compute_capability": ("a list of strings like \"9.0\"",
+                           lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "vendor": ("a string", lambda v: isinstance(v, str)),
+    "memory_bytes_min": ("a positive number", lambda v: _is_number(v) and math.isfinite(v) and v > 0),
+    "memory_bytes_max": ("a positive number", lambda v: _is_number(v) and math.isfinite(v) and v > 0),
+}
+
+
+def load_chip_file(path: str | Path) -> Chip:
+    """Read and validate one chip TOML file.
+
+    Checked on load: UTF-8 TOML; ``name`` a non-empty string; ``vendor``, ``note``, ``calibrated_at``,
+    ``load_note`` strings; ``kind`` one of :data:`KIND_VALUES` (or absent); ``aliases`` a list of strings; every
+    figure a value (or a ``{ value = ..., source = "..." }`` table) that :func:`_figure_problem` accepts; the
+    ``[detect]`` keys of the types :func:`detect_chip` reads.
+
+    :raises ChipError: naming the file and the key: unreadable file, not UTF-8, invalid TOML, a missing or
+        mistyped field, a figure without a value, a peak, bandwidth or size that is not a positive finite number,
+        a count that is not a positive integer, an unknown dtype.
     """
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
     except OSError as e:
         raise ChipError(f"cannot read chip file {p}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ChipError(f"chip file {p} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ChipError(f"chip file {p} is not UTF-8 text (byte {e.start}); write it as UTF-8 TOML") from None
+    except (tomllib.TOMLDecodeError, RecursionError) as e:
+        raise ChipError(f"chip file {p} is not valid TOML: {' '.join(str(e).split())[:200]}") from None
+
+    def bad(key: str, why: str) -> ChipError:
+        return ChipError(f"chip file {p}: {key} {why}; fix or remove the file")
+
+    if "name" not in data:
+        raise ChipError(f"chip file {p} has no 'name'")
+    if not isinstance(data["name"], str) or not data["name"].strip():
+        raise bad("name", "is not a non-empty string")
+    for key in ("vendor", "kind", "note", "calibrated_at", "load_note"):
+        if key in data and not isinstance(data[key], str):
+            raise bad(key, f"is a {type(data[key]).__name__}; expected a string")
+    if data.get("kind", "") not in ("", *KIND_VALUES):
+        raise bad("kind", f"is {data['kind']!r}; expected one of {', '.join(KIND_VALUES)}")
+    aliases = data.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        raise bad("aliases", "is not a list of strings")
+    detect = data.get("detect", {})
+    if not isinstance(detect, dict):
+        raise bad("detect", "is not a table")
+    for key, (what, ok) in _DETECT_TYPES.items():
+        if key in detect and not ok(detect[key]):
+            raise bad(f"detect.{key}", f"is not {what}")
     figures: dict[str, Figure] = {}
     for section, body in data.items():
         if not isinstance(body, dict) or section == "detect":
@@ -196,24 +273,41 @@ def load_chip_file(path: str | Path) -> Chip:
             if isinstance(fig, dict):
                 if "value" not in fig:
                     raise ChipError(f"chip file {p}: {section}.{key} has no 'value'")
-                figures[f"{section}.{key}"] = Figure(fig["value"], str(fig.get("source", "")))
+                if not isinstance(fig.get("source", ""), str):
+                    raise bad(f"{section}.{key}.source", "is not a string")
+                value, source = fig["value"], fig.get("source", "")
             else:
-                figures[f"{section}.{key}"] = Figure(fig, "")
-    if "name" not in data:
-        raise ChipError(f"chip file {p} has no 'name'")
-    return Chip(id=p.stem, name=str(data["name"]), vendor=str(data.get("vendor", "")),
-                kind=str(data.get("kind", "")), aliases=tuple(data.get("aliases", ())), figures=figures,
-                path=str(p), note=str(data.get("note", "")), detect=dict(data.get("detect", {})),
-                calibrated_at=str(data.get("calibrated_at", "")), load_note=str(data.get("load_note", "")))
+                value, source = fig, ""
+            why = _figure_problem(section, key, value)
+            if why:
+                raise bad(f"{section}.{key}", why)
+            figures[f"{section}.{key}"] = Figure(value, source)
+    return Chip(id=p.stem, name=data["name"], vendor=data.get("vendor", ""), kind=data.get("kind", ""),
+                aliases=tuple(aliases), figures=figures, path=str(p), note=data.get("note", ""),
+                detect=dict(detect), calibrated_at=data.get("calibrated_at", ""), load_note=data.get("load_note", ""))
 
 
-def all_chips() -> list[Chip]:
-    """Bundled chips, then user chips (a user file with a bundled id replaces it), sorted by id."""
+def all_chips(notes: list[str] | None = None) -> list[Chip]:
+    """Bundled chips, then user chips (a user file with a bundled id replaces it), sorted by id.
+
+    A user chip file that does not load (:func:`load_chip_file`) is skipped, so one bad file never breaks
+    commands that do not use it; its error is appended to ``notes`` when given (``get_chip`` raises it when the
+    file's chip is asked for by name).
+
+    :raises ChipError: a bundled chip file is invalid (a packaging bug).
+    """
     chips: dict[str, Chip] = {}
     for d in [BUNDLED_DIR, *_user_dirs()]:
         if d.is_dir():
             for f in sorted(d.glob("*.toml")):
-                chips[f.stem] = load_chip_file(f)
+                if d == BUNDLED_DIR:
+                    chips[f.stem] = load_chip_file(f)
+                    continue
+                try:
+                    chips[f.stem] = load_chip_file(f)
+                except ChipError as e:
+                    if notes is not None:
+                        notes.append(f"skipped user chip file: {e}")
     return [chips[k] for k in sorted(chips)]
 
 
@@ -232,19 +326,36 @@ def get_chip(name_or_path: str) -> Chip:
             raise ChipError(f"chip file {p} does not exist")
         return load_chip_file(p)
     want = _norm(name_or_path)
-    chips = all_chips()
+    skipped: list[str] = []
+    chips = all_chips(skipped)
     for c in chips:
         if want in {_norm(c.id), _norm(c.name), *(_norm(a) for a in c.aliases)}:
             return c
+    for d in _user_dirs():  # a user file of that name that does not load: say why, not "unknown chip"
+        for f in sorted(d.glob("*.toml")) if d.is_dir() else ():
+            if _norm(f.stem) == want:
+                load_chip_file(f)
     import difflib
 
     close = difflib.get_close_matches(want, [_norm(c.id) for c in chips], n=3, cutoff=0.3)
     ids = [c.id for c in chips if _norm(c.id) in close] or [c.id for c in chips]
     raise ChipError(f"unknown chip {name_or_path!r}; closest known: {', '.join(ids)} "
-                    "(see `traceroof chips`, or pass a chip .toml file)")
+                    "(see `traceroof chips`, or pass a chip .toml file)"
+                    + (f"; {len(skipped)} user chip file(s) skipped: {skipped[0]}" if skipped else ""))
 
 
 # -- detection from profile plane stats -------------------------------------------------------------------
+
+def _stat(stats: dict[str, Any], key: str) -> float | None:
+    """A numeric device-plane stat as a positive finite float; ``None`` when absent or not such a number (a
+    profile's stats are input: a garbage value is ignored, never used)."""
+    v = stats.get(key)
+    try:
+        f = float(v) if v is not None and not isinstance(v, (bytes, bytearray)) else None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return f if f is not None and math.isfinite(f) and f > 0 else None
+
 
 def _matches(chip: Chip, stats: dict[str, Any]) -> bool:
     d = chip.detect
@@ -253,17 +364,18 @@ def _matches(chip: Chip, stats: dict[str, Any]) -> bool:
     dtype = str(stats.get("device_type_string") or stats.get("device_type") or "")
     if "device_type" in d:
         return bool(dtype) and _norm(dtype) in {_norm(x) for x in d["device_type"]}
-    major, minor = stats.get("compute_cap_major"), stats.get("compute_cap_minor")
-    if major is None or f"{int(major)}.{int(minor or 0)}" not in d.get("compute_capability", []):
+    major, minor = _stat(stats, "compute_cap_major"), _stat(stats, "compute_cap_minor") or 0.0
+    if major is None or major > 1000 or minor > 1000 or \
+            f"{int(major)}.{int(minor)}" not in d.get("compute_capability", []):
         return False
     vendor = stats.get("device_vendor")
     if vendor and d.get("vendor") and _norm(str(vendor)) != _norm(d["vendor"]):
         return False
-    mem = stats.get("memory_size")
+    mem = _stat(stats, "memory_size")
     if mem:
-        if "memory_bytes_min" in d and float(mem) < float(d["memory_bytes_min"]):
+        if "memory_bytes_min" in d and mem < float(d["memory_bytes_min"]):
             return False
-        if "memory_bytes_max" in d and float(mem) > float(d["memory_bytes_max"]):
+        if "memory_bytes_max" in d and mem > float(d["memory_bytes_max"]):
             return False
     return True
 
@@ -277,9 +389,10 @@ def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
 
     :raises ChipError: no chip matches; the message names the closest chips and ``--chip``.
     """
-    chips = all_chips()
+    skipped: list[str] = []
+    chips = all_chips(skipped)
     found = [c for c in chips if _matches(c, stats)]
-    described = ", ".join(f"{k}={stats[k]}" for k in ("device_vendor", "compute_cap_major", "compute_cap_minor",
+    described = ", ".join(f"{k}={' '.join(str(stats[k]).split())[:40]}" for k in ("device_vendor", "compute_cap_major", "compute_cap_minor",
                                                        "core_count", "memory_size", "device_type_string")
                           if k in stats)
     if not found:
@@ -289,22 +402,22 @@ def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
         raise ChipError(f"unknown device ({described or 'no device stats'}); closest known chips: "
                         f"{', '.join(close) or ', '.join(c.id for c in chips if c.kind != 'cpu')}; pass --chip")
     chip = found[0]
-    notes = [f"detected from the profile ({described})"]
+    notes = [f"detected from the profile ({described})", *skipped]
     if len(found) > 1:
         notes.append(f"also matches {', '.join(c.id for c in found[1:])}: pass --chip to choose")
     claims = []
-    bw = stats.get("memory_bandwidth")
+    bw = _stat(stats, "memory_bandwidth")
     ours = chip.hbm_bandwidth_bytes_per_s
-    if bw and ours and abs(float(bw) / ours - 1) > 0.05:
-        claims.append(f"HBM {float(bw) / 1e12:.3g} TB/s (database {ours / 1e12:.3g} TB/s)")
-    peak = stats.get("peak_teraflops_per_second")
+    if bw and ours and abs(bw / ours - 1) > 0.05:
+        claims.append(f"HBM {bw / 1e12:.3g} TB/s (database {ours / 1e12:.3g} TB/s)")
+    peak = _stat(stats, "peak_teraflops_per_second")
     if peak:
         best, key = chip.peak_for("bf16")
-        if best and abs(float(peak) * 1e12 / best - 1) > 0.05:
-            claims.append(f"peak {float(peak):.4g} TFLOP/s (database {key} {best / 1e12:.4g} TFLOP/s)")
-    hbm = stats.get("peak_hbm_bw_gigabytes_per_second")
-    if hbm and ours and abs(float(hbm) * 1e9 / ours - 1) > 0.05:
-        claims.append(f"HBM {float(hbm):.4g} GB/s (database {ours / 1e9:.4g} GB/s)")
+        if best and abs(peak * 1e12 / best - 1) > 0.05:
+            claims.append(f"peak {peak:.4g} TFLOP/s (database {key} {best / 1e12:.4g} TFLOP/s)")
+    hbm = _stat(stats, "peak_hbm_bw_gigabytes_per_second")
+    if hbm and ours and abs(hbm * 1e9 / ours - 1) > 0.05:
+        claims.append(f"HBM {hbm:.4g} GB/s (database {ours / 1e9:.4g} GB/s)")
     if claims:
         notes.append("the profile claims " + "; ".join(claims) + "; the database figures are used")
     return chip, "; ".join(notes)
@@ -419,7 +532,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
             t_best = min(t_best, time.perf_counter() - t0)
             n += 1
         runs[name] = n
-        return t_best
+        return max(t_best, 1e-9)  # a clock that saw no time: never a division by zero
 
     busy_before = cpu_busy_share()
     matmul: dict[str, float] = {}
@@ -504,9 +617,29 @@ def calibration_toml(cal: Calibration, name: str = "calibrated host") -> str:
 
 
 def host_chip(recalibrate: bool = False) -> Chip:
-    """The calibrated host chip: read from the cache, measured (and cached) when absent or asked."""
+    """The calibrated host chip: read from the cache, measured (and cached) when absent, asked, or when the cached
+    file does not load (a corrupt or hand-edited cache is a cache miss, measured again and replaced). The cache is
+    written atomically (a temporary file renamed over it), so an interrupted write never leaves a torn file.
+
+    :raises ChipError: the cache cannot be written (its folder says where).
+    """
     path = host_cache_path()
-    if recalibrate or not path.is_file():
+    if not recalibrate and path.is_file():
+        try:
+            return load_chip_file(path)
+        except ChipError:
+            pass  # re-measured below
+    text = calibration_toml(calibrate())
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(calibration_toml(calibrate()))
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise ChipError(f"cannot write the calibration cache {path}: {e.strerror}; set XDG_CACHE_HOME to a "
+                        "writable folder or pass --chip") from None
     return load_chip_file(path)

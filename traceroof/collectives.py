@@ -15,6 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from parsers.errors import InputError
 from parsers.hlo import HloModule, Instruction, Shape
 from parsers.hlo_text import parse_replica_groups
 from traceroof.chips import Chip
@@ -151,7 +152,7 @@ def classify(model: CostModel, inst: Instruction, num_devices: int | None = None
     pairs = tuple((int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", attrs.get("source_target_pairs", "")))
     size = len(groups[0]) if groups else (2 if pairs else 0)
     if mode == "cross-replica-and-partition":
-        size *= max(int(model.module.attrs.get("num_partitions", "1") or 1), 1)
+        size *= _count_attr(model.module, "num_partitions")
     return Collective(base, form, etype, bytes_in, bytes_out, size, len(groups), mode, groups, pairs)
 
 
@@ -170,10 +171,16 @@ def _library_kind(target: str) -> str | None:
     return None
 
 
+def _count_attr(module: HloModule, key: str) -> int:
+    """A device count of the module header (``num_partitions``, ``replica_count``): 1 when absent or not a
+    positive integer (the HLO text parser refuses those)."""
+    raw = str(module.attrs.get(key, "1")).strip()
+    return max(int(raw), 1) if raw.isascii() and raw.isdigit() and len(raw) < 10 else 1
+
+
 def module_devices(module: HloModule) -> int:
     """Devices a module runs on: ``num_partitions`` x ``replica_count`` of its header (1 when absent)."""
-    a = module.attrs
-    return max(int(a.get("num_partitions", "1") or 1), 1) * max(int(a.get("replica_count", "1") or 1), 1)
+    return _count_attr(module, "num_partitions") * _count_attr(module, "replica_count")
 
 
 def _find_collective(model: CostModel, inst: Instruction, depth: int = 0) -> Instruction | None:
@@ -299,19 +306,34 @@ def _prime_factors(n: int) -> list[int]:
     return sorted(out)
 
 
+MAX_TOPOLOGY_DEVICES = 2**20  # devices a --topology may hold (the largest pods hold ~10^4 chips)
+
+
 def parse_topology(text: str, chip: Chip) -> Topology:
     """``--topology``: TPU ``4x4x4`` (or ``2x4x4x4`` for slices joined by DCN: slices first when there is one
-    more dim than the chip's torus), GPU ``8x2`` (GPUs per node x nodes).
+    more dim than the chip's torus), GPU ``8x2`` (GPUs per node x nodes), host: any dims (their product).
 
-    :raises ValueError: not of that form.
+    :raises InputError: not of that form: dims that are not positive integers, more dims than the chip's kind
+        takes (GPU 2; TPU its torus rank + 1), or more than :data:`MAX_TOPOLOGY_DEVICES` devices.
     """
-    dims = tuple(int(x) for x in re.findall(r"\d+", text))
-    if not dims or not re.fullmatch(r"\s*\d+(\s*x\s*\d+)*\s*", text):
-        raise ValueError(f"--topology {text!r}: expected dims like 4x4x4 (TPU) or 8x2 (GPUs per node x nodes)")
+    usage = "expected positive dims like 4x4x4 (TPU slice), 2x4x4x4 (2 slices over DCN) or 8x2 (GPUs per node x nodes)"
+    if not re.fullmatch(r"\s*[0-9]{1,9}(\s*x\s*[0-9]{1,9})*\s*", text or ""):
+        raise InputError(f"--topology {text!r}: {usage}")
+    dims = tuple(int(x) for x in re.findall(r"[0-9]+", text))
+    if min(dims) < 1:
+        raise InputError(f"--topology {text!r}: a dimension of 0 holds no device; {usage}")
+    if math.prod(dims) > MAX_TOPOLOGY_DEVICES:
+        raise InputError(f"--topology {text!r}: {math.prod(dims):,} devices, more than {MAX_TOPOLOGY_DEVICES:,}; "
+                         f"{usage}")
     if chip.kind == "gpu":
+        if len(dims) > 2:
+            raise InputError(f"--topology {text!r}: a GPU topology is GPUs per node x nodes (like 8x2)")
         return Topology("gpu", (dims[0], dims[1] if len(dims) > 1 else 1), (), 1, "--topology")
     if chip.kind == "tpu":
         rank = 3 if "3d" in str(chip.value("interconnect.ici_topology", "")).lower() else 2
+        if len(dims) > rank + 1:
+            raise InputError(f"--topology {text!r}: {chip.name} slices have at most {rank} dims (plus one for the "
+                             f"number of slices over DCN); {usage}")
         slices = dims[0] if len(dims) == rank + 1 else 1
         shape = dims[1:] if len(dims) == rank + 1 else dims
         return Topology("tpu", shape, _tpu_wraparound(chip, shape), slices, "--topology")

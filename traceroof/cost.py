@@ -27,6 +27,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from parsers.errors import HloParseError
 from parsers.hlo import Computation, HloModule, Instruction, Shape
 
 TRANSCENDENTAL_OPCODES = frozenset({
@@ -53,6 +54,8 @@ COLLECTIVE_OPCODES = frozenset({
     "send", "recv",
 })
 IMMEDIATE_CONSTANT_MAX_ELEMENTS = 1  # HloCostAnalysis base class (GPU: 8)
+MAX_TRIP_COUNT = 2**40  # a while trip count above this is garbage (a real loop of 1e12 iterations never ends)
+MAX_EXECUTIONS = 2.0**53  # executions of a computation per module run (nested trip counts multiplied)
 # -start forms whose tuple shape is (operands, outputs[, context scalars]) rather than the output itself
 START_WITH_OPERAND_COPY = frozenset({"all-gather-start", "collective-permute-start", "all-to-all-start"})
 # the second halves of async pairs: the -start carries the cost
@@ -92,6 +95,15 @@ class OpCost:
         """This cost times ``k`` (executions)."""
         return OpCost(self.flops * k, self.transcendentals * k, self.bytes_accessed * k, self.padded_bytes * k,
                       self.hbm_bytes * k, self.opaque, self.note)
+
+
+_NO_LEAF = Shape("tuple", tuple_shapes=())
+
+
+def _first_leaf(shape: Shape) -> Shape:
+    """The first array leaf of a shape (an empty tuple when it has none: zero elements, zero bytes)."""
+    leaves = shape.leaves()
+    return leaves[0] if leaves else _NO_LEAF
 
 
 def _sizes(shape: Shape | None) -> tuple[int, int, int]:
@@ -168,46 +180,70 @@ class CostModel:
         """Trip count of a ``while`` and its source: ``known_trip_count`` in backend_config, else a
         ``compare(iv, constant(N)), direction=LT`` in the condition (init 0 assumed), else 1 ("unknown")."""
         bc = inst.backend_config
-        if isinstance(bc, dict):
-            n = bc.get("known_trip_count", {}).get("n")
+        known = bc.get("known_trip_count") if isinstance(bc, dict) else None
+        if isinstance(known, dict) and known.get("n") is not None:
+            n = _count(known["n"])
             if n is not None:
-                return int(n), "known_trip_count"
+                return n, "known_trip_count"
         cond = self.module.computations.get(inst.attrs.get("condition", "").lstrip("%"))
         if cond is not None and cond.root is not None and cond.root.opcode == "compare":
             direction = cond.root.attrs.get("direction", "")
             for op in cond.root.operands:
                 c = cond.by_name.get(op)
-                if c is not None and c.opcode == "constant" and re.fullmatch(r"-?\d+", c.literal.strip()):
+                if c is not None and c.opcode == "constant" and re.fullmatch(r"-?[0-9]{1,19}", c.literal.strip()):
                     n = int(c.literal)
-                    if direction in ("LT", "GT"):
+                    if direction in ("LT", "GT") and n <= MAX_TRIP_COUNT:
                         return max(n, 0), "condition"
-                    if direction in ("LE", "GE"):
+                    if direction in ("LE", "GE") and n < MAX_TRIP_COUNT:
                         return max(n + 1, 0), "condition"
         return 1, "unknown"
 
     def _execution_counts(self) -> dict[str, float]:
-        """Executions per module run of each non-fused computation (entry = 1, while bodies x trip count)."""
-        counts: dict[str, float] = {}
+        """Executions per module run of each non-fused computation (entry = 1, while bodies x trip count),
+        summed over call sites in topological order of the call graph (acyclic: the parsers refuse cycles).
 
-        def visit(name: str, k: float) -> None:
+        :raises HloParseError: a computation would run more than :data:`MAX_EXECUTIONS` times (trip counts
+            that multiply into garbage)."""
+        def calls(name: str) -> list[tuple[str, float]]:
             comp = self.module.computations.get(name)
-            if comp is None or name in self.fused:
-                return
-            counts[name] = counts.get(name, 0.0) + k
-            for inst in comp.instructions:
+            out: list[tuple[str, float]] = []
+            for inst in comp.instructions if comp is not None else ():
                 if inst.opcode == "while":
                     n, _ = self.trip_count(inst)
-                    visit(inst.attrs.get("body", "").lstrip("%"), k * n)
-                    visit(inst.attrs.get("condition", "").lstrip("%"), k * (n + 1))
-                elif inst.opcode == "conditional":
-                    for c in inst.called:  # which branch ran is unknown statically: each counted once
-                        visit(c, k)
-                elif inst.opcode in ("call", "async-start") or inst.opcode.endswith("-start") and inst.called:
-                    for c in inst.called:
-                        visit(c, k)
+                    out += [(inst.attrs.get("body", "").lstrip("%"), float(n)),
+                            (inst.attrs.get("condition", "").lstrip("%"), float(n + 1))]
+                elif inst.opcode in ("conditional", "call", "async-start") or \
+                        inst.opcode.endswith("-start") and inst.called:
+                    out += [(c, 1.0) for c in inst.called]  # conditional: each branch counted once
+            return [(c, k) for c, k in out if c in self.module.computations and c not in self.fused]
 
-        visit(self.module.entry_name, 1.0)
-        return counts
+        entry = self.module.entry_name
+        if entry not in self.module.computations or entry in self.fused:
+            return {}
+        edges: dict[str, list[tuple[str, float]]] = {}
+        order: list[str] = []  # post-order, iterative
+        stack: list[tuple[str, int]] = [(entry, 0)]
+        edges[entry] = calls(entry)
+        while stack:
+            name, i = stack[-1]
+            if i < len(edges[name]):
+                stack[-1] = (name, i + 1)
+                callee = edges[name][i][0]
+                if callee not in edges:
+                    edges[callee] = calls(callee)
+                    stack.append((callee, 0))
+                continue
+            stack.pop()
+            order.append(name)
+        counts: dict[str, float] = {entry: 1.0}
+        for name in reversed(order):
+            k = counts.get(name, 0.0)
+            if not k <= MAX_EXECUTIONS:
+                raise HloParseError(f"{self.module.source or self.module.name}: computation {name} would run {k:.3g} "
+                                    "times per module execution: its loops' trip counts are not real")
+            for callee, n in edges[name]:
+                counts[callee] = counts.get(callee, 0.0) + k * n
+        return {name: counts[name] for name in order[::-1] if name in counts}
 
     # -- costs ------------------------------------------------------------------------------------------
     def cost(self, inst: Instruction) -> OpCost:
@@ -216,7 +252,7 @@ class CostModel:
         key = (self.comp_of.get(inst.name).name if inst.name in self.comp_of else "", inst.name)
         c = self._cache.get(key)
         if c is None:
-            c = self._cost(inst)
+            c = _checked(self._cost(inst), inst)
             self._cache[key] = c
         return c
 
@@ -335,7 +371,7 @@ class CostModel:
         (input, output grad) -> filter grad; the window and dim_labels are the forward convolution's, and the
         FLOPs equal the forward convolution's."""
         a, b = self.operand_shape(inst, 0), self.operand_shape(inst, 1)
-        result = inst.shape.leaves()[0]
+        result = _first_leaf(inst.shape)
         if "BackwardInput" in target:
             lhs, rhs, out = result, b, a
         elif "BackwardFilter" in target:
@@ -349,17 +385,27 @@ class CostModel:
         in_l, k_l, out_l = m.groups()
         if len(in_l) != len(lhs.dims) or len(k_l) != len(rhs.dims) or len(out_l) != len(out.dims):
             return 0.0
+        if not (set(in_l) >= {"b", "f"} and set(k_l) >= {"i", "o"} and set(out_l) >= {"b", "f"}
+                and {c for c in in_l if c.isdigit()} == {c for c in k_l if c.isdigit()}
+                == {c for c in out_l if c.isdigit()}):
+            return float("nan")  # dim_labels that name no batch/feature dims or mismatched spatial dims
         fgc = int(inst.attrs.get("feature_group_count", "1") or 1)
         bgc = int(inst.attrs.get("batch_group_count", "1") or 1)
         input_feature = lhs.dims[in_l.index("f")]
         output_feature = out.dims[out_l.index("f")]
         batch = lhs.dims[in_l.index("b")]
         spatial = sorted(c for c in in_l if c.isdigit())
-        window = _parse_window(inst.attrs.get("window", ""), len(spatial))
+        try:
+            window = _parse_window(inst.attrs.get("window", ""), len(spatial))
+        except ValueError:
+            return float("nan")
         positions = 1
         for i, s in enumerate(spatial):
-            positions *= _valid_positions(lhs.dims[in_l.index(s)], rhs.dims[k_l.index(s)], out.dims[out_l.index(s)],
-                                          window[i])
+            valid = _valid_positions(lhs.dims[in_l.index(s)], rhs.dims[k_l.index(s)], out.dims[out_l.index(s)],
+                                     window[i])
+            if valid < 0:
+                return float("nan")
+            positions *= valid
         return 2.0 * (input_feature / fgc) * output_feature * (batch / bgc) * positions
 
     def _reduction_flops(self, inst: Instruction, out_elems: int) -> tuple[float, float]:
@@ -369,11 +415,14 @@ class CostModel:
         op = inst.opcode
         if op == "reduce":
             in_elems = self.operand_shape(inst, 0).elements if self.operand_shape(inst, 0) else 0
-            first_out = inst.shape.leaves()[0].elements
+            first_out = _first_leaf(inst.shape).elements
             k = in_elems - first_out
         elif op == "reduce-window":
-            window = _parse_window(inst.attrs.get("window", ""), len(inst.shape.leaves()[0].dims))
-            k = (math.prod(w["size"] for w in window) - 1) * inst.shape.leaves()[0].elements
+            try:
+                window = _parse_window(inst.attrs.get("window", ""), len(_first_leaf(inst.shape).dims))
+            except ValueError:
+                return float("nan"), float("nan")
+            k = (math.prod(w["size"] for w in window) - 1) * _first_leaf(inst.shape).elements
         elif op == "scatter":
             n = len(inst.operands) // 2
             upd = self.operand_shape(inst, n + 1)
@@ -398,10 +447,15 @@ class CostModel:
         target = inst.attrs.get("custom_call_target", "").strip('"')
         bc = inst.backend_config if isinstance(inst.backend_config, dict) else {}
         if GEMM_CUSTOM_CALL.search(target):
-            cfg = bc.get("gemm_backend_config", bc)
-            dn = cfg.get("dot_dimension_numbers", {})
-            contracting = tuple(int(x) for x in dn.get("lhs_contracting_dimensions", []))
-            out = inst.shape.leaves()[0]
+            cfg = _dict(bc.get("gemm_backend_config", bc))
+            dims = _dict(cfg.get("dot_dimension_numbers")).get("lhs_contracting_dimensions", [])
+            try:
+                contracting = tuple(int(x) for x in dims) if isinstance(dims, list) else ()
+            except (TypeError, ValueError):
+                contracting = ()
+            if any(c < 0 for c in contracting):
+                contracting = ()
+            out = _first_leaf(inst.shape)
             flops = self._dot_flops(inst, contracting, out=out)
             o_all, o_first = _sizes(inst.shape), _leaf_sizes(out)
             # output bytes exclude the workspace (tuple element 1)
@@ -411,7 +465,7 @@ class CostModel:
             return self._fused_attention_cost(inst, target, b)
         if CONV_CUSTOM_CALL.search(target):
             flops = self._conv_flops(inst, target)
-            o_all, o_first = _sizes(inst.shape), _leaf_sizes(inst.shape.leaves()[0])
+            o_all, o_first = _sizes(inst.shape), _leaf_sizes(_first_leaf(inst.shape))
             bb = tuple(b[j] - o_all[j] + o_first[j] for j in range(3))
             return OpCost(flops, 0.0, bb[0], bb[1], bb[2], opaque=flops == 0,
                           note=f"cuDNN/MIOpen convolution {target}: convolution rule on its window and dim_labels")
@@ -430,7 +484,7 @@ class CostModel:
         dv = kv.get("v_head_dim", kv["qk_head_dim"])
         fwd = 2 * kv["input_batch"] * kv["attn_heads"] * kv["q_max_seqlen"] * kv["kv_max_seqlen"] * \
             (kv["qk_head_dim"] + dv)
-        causal = int(kv.get("mask_type", 0)) in (2, 3, 4, 5)
+        causal = kv.get("mask_type", 0.0) in (2.0, 3.0, 4.0, 5.0)
         if causal:
             fwd /= 2
         flops = fwd * (2.5 if "backward" in target else 1.0)
@@ -551,8 +605,36 @@ class CostModel:
         return total
 
 
+def _count(value: object) -> int | None:
+    """A trip count from a backend_config value (an int or a decimal string), or ``None`` when it is not an
+    integer in 0..MAX_TRIP_COUNT."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,19}", value.strip()):
+        value = int(value)
+    return value if isinstance(value, int) and 0 <= value <= MAX_TRIP_COUNT else None
+
+
+def _dict(value: object) -> dict:
+    """``value`` when it is a dict (a backend_config part), else an empty dict."""
+    return value if isinstance(value, dict) else {}
+
+
+def _checked(cost: OpCost, inst: Instruction) -> OpCost:
+    """``cost`` when every figure is finite and non-negative; else an opaque zero cost whose note says why (a
+    figure derived from inconsistent shapes or attributes is dropped, never used)."""
+    figures = (cost.flops, cost.transcendentals, cost.bytes_accessed, cost.padded_bytes, cost.hbm_bytes)
+    if all(math.isfinite(v) and v >= 0 for v in figures):
+        return cost
+    return OpCost(opaque=True, note=f"cost of {inst.opcode} {inst.name} dropped: its shapes or attributes give "
+                                    f"non-finite or negative figures ({', '.join(f'{v:.3g}' for v in figures)})")
+
+
 def _parse_window(text: str, rank: int) -> list[dict[str, int]]:
-    """``window={size=3x3 stride=2x2 pad=1_1x1_1 lhs_dilate=1x1 rhs_dilate=1x1}`` -> one dict per dim."""
+    """``window={size=3x3 stride=2x2 pad=1_1x1_1 lhs_dilate=1x1 rhs_dilate=1x1}`` -> one dict per dim.
+
+    :raises ValueError: a value that is not an integer, or a size, stride or dilation below 1 (XLA's
+        ``ShapeInference`` rule; padding may be negative)."""
     dims = [dict(size=1, stride=1, pad_lo=0, pad_hi=0, lhs_dilate=1, rhs_dilate=1) for _ in range(rank)]
     for key, val in re.findall(r"(\w+)=([\dx_\-]+)", text):
         parts = val.split("x")
@@ -562,20 +644,39 @@ def _parse_window(text: str, rank: int) -> list[dict[str, int]]:
                 dims[i]["pad_lo"], dims[i]["pad_hi"] = int(lo), int(hi or 0)
             elif key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
                 dims[i][key] = int(p)
+                if dims[i][key] < 1:
+                    raise ValueError(f"window {key}={p}")
     return dims
+
+
+MAX_CONV_LOOP = 2**20  # positions walked per spatial dim when counting a convolution's valid positions
+
+
+def _in_range_count(n: int, a: int, b: int, limit: int, mod: int) -> int:
+    """Number of x in [0, n) with 0 <= a*x + b < limit and (a*x + b) % mod == 0 (a, mod >= 1), in closed form."""
+    lo = max(0, -(b // a))  # ceil(-b / a)
+    hi = min(n, -((b - limit) // a))  # ceil((limit - b) / a)
+    if hi <= lo:
+        return 0
+    if mod == 1:
+        return hi - lo
+    g = math.gcd(a, mod)
+    if b % g:
+        return 0
+    m = mod // g
+    x0 = (-(b // g) * pow(a // g, -1, m)) % m if m > 1 else 0
+    return (hi - 1 - x0) // m - (lo - 1 - x0) // m
 
 
 def _valid_positions(in_size: int, k_size: int, out_size: int, w: dict[str, int]) -> int:
     """Number of (kernel position, output position) pairs that read a real (non-padding) input element, as
-    XLA's convolution FLOP count (hlo_cost_analysis.cc, HandleConvolution)."""
+    XLA's convolution FLOP count (hlo_cost_analysis.cc, HandleConvolution): per kernel position, the output
+    positions are counted in closed form; -1 when the kernel has more than :data:`MAX_CONV_LOOP` positions."""
     dilated_in = (in_size - 1) * w["lhs_dilate"] + 1 if in_size > 0 else 0
-    count = 0
-    for k in range(k_size):
-        for o in range(out_size):
-            pos = o * w["stride"] + k * w["rhs_dilate"] - w["pad_lo"]
-            if 0 <= pos < dilated_in and pos % w["lhs_dilate"] == 0:
-                count += 1
-    return count
+    if k_size > MAX_CONV_LOOP:
+        return -1
+    return sum(_in_range_count(out_size, w["stride"], k * w["rhs_dilate"] - w["pad_lo"], dilated_in,
+                               w["lhs_dilate"]) for k in range(max(k_size, 0)))
 
 
 MATMUL_OPCODES = frozenset({"dot", "convolution", "ragged-dot", "scaled-dot"})
@@ -596,7 +697,7 @@ def categorize(model: CostModel, inst: Instruction) -> tuple[str, str]:
     The dtype is the matmul operand type for matmuls (what picks the peak), else the output element type.
     """
     op = inst.opcode
-    out_type = inst.shape.leaves()[0].element_type if inst.shape.leaves() else ""
+    out_type = _first_leaf(inst.shape).element_type if inst.shape.leaves() else ""
     if op in CONTROL_OPCODES:
         return "control", out_type
     base = op[: -len("-start")] if op.endswith("-start") else op[: -len("-done")] if op.endswith("-done") else op
@@ -668,10 +769,12 @@ def dot_precision(model: CostModel, inst: Instruction) -> str:
     algorithm = dot.attrs.get("algorithm", "")
     precisions = [p.strip().lower() for p in dot.attrs.get("operand_precision", "").strip("{}").split(",") if p]
     bc = dot.backend_config if isinstance(dot.backend_config, dict) else {}
-    pc = bc.get("gemm_backend_config", bc).get("precision_config", {}) if dot.opcode == "custom-call" else {}
+    pc = _dict(_dict(bc.get("gemm_backend_config", bc)).get("precision_config")) if dot.opcode == "custom-call" \
+        else {}
     if pc:
         algorithm = str(pc.get("algorithm", "")).lower().removeprefix("alg_")
-        precisions = [str(p).lower() for p in pc.get("operand_precision", [])]
+        given = pc.get("operand_precision", [])
+        precisions = [str(p).lower() for p in given] if isinstance(given, list) else []
     if algorithm and algorithm != "unset":
         m = re.fullmatch(r"dot_([a-z0-9]+)_[a-z0-9]+_[a-z0-9]+(_x\d+)?", algorithm)
         if m:
@@ -682,13 +785,22 @@ def dot_precision(model: CostModel, inst: Instruction) -> str:
 
 
 def _fused_opcodes(model: CostModel, inst: Instruction) -> list[Instruction]:
+    """Instructions of the computations ``inst`` calls, each nested fusion's right after it (depth first,
+    iteratively; each computation once)."""
     out: list[Instruction] = []
-    for name in inst.called:
-        comp = model.module.computations.get(name)
-        if comp is None:
-            continue
-        for i in comp.instructions:
-            out.append(i)
-            if i.opcode == "fusion":
-                out.extend(_fused_opcodes(model, i))
+    seen: set[str] = set()
+    stack = [iter(inst.called)]
+    while stack:
+        item = next(stack[-1], None)
+        if item is None:
+            stack.pop()
+        elif isinstance(item, str):
+            comp = model.module.computations.get(item)
+            if comp is not None and item not in seen:
+                seen.add(item)
+                stack.append(iter(comp.instructions))
+        else:
+            out.append(item)
+            if item.opcode == "fusion":
+                stack.append(iter(item.called))
     return out

@@ -22,6 +22,10 @@ from parsers.errors import FormatError, InputError
 from traceroof.analysis import OP_KEY, Analysis, analyze
 
 NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
+METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",
+           "exposed_comm_per_step_s", "executions_per_step"]
+LAYER_METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",
+                 "exposed_comm_per_step_s"]
 
 
 @dataclass(frozen=True)
@@ -45,23 +49,74 @@ def side_from_analysis(a: Analysis, label: str) -> Side:
                 a.layers, a.op_stats)
 
 
-def side_from_json(path: Path) -> Side:
-    """A side from ``traceroof analyze --format json`` output.
+def _number(value: object) -> float | None:
+    """A JSON number as a float (``None`` for null); raises ``TypeError`` for anything else (bools included)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(type(value).__name__)
+    return float(value)
 
-    :raises FormatError: the JSON is not a traceroof report with ``op_stats``.
+
+def _table(path: Path, doc: dict, name: str, numeric: Sequence[str]) -> pd.DataFrame:
+    """A report table (a list of records) with its ``numeric`` columns checked: numbers or null, finite and not
+    negative.
+
+    :raises FormatError: naming the file, table, row and column."""
+    rows = doc[name]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise FormatError(f"{path}: {name} is not a list of records; write the report with "
+                          "`traceroof analyze ... --format json -o base.json`")
+    for i, r in enumerate(rows):
+        for c in numeric:
+            try:
+                v = _number(r.get(c))
+            except TypeError as e:
+                raise FormatError(f"{path}: {name}[{i}].{c} is a {e}, not a number") from None
+            if v is not None and not (math.isfinite(v) and v >= 0):
+                raise FormatError(f"{path}: {name}[{i}].{c} is {v}; expected a finite number >= 0")
+    return pd.DataFrame(rows)
+
+
+def side_from_json(path: Path) -> Side:
+    """A side from ``traceroof analyze --format json`` output, checked: the step time a positive finite number,
+    step times and per-step figures finite and not negative, ``layers`` and ``op_stats`` lists of records whose
+    times, FLOPs and bytes are finite and not negative.
+
+    :raises FormatError: the JSON is not a traceroof report with ``op_stats`` (truncated, of another shape, of the
+        wrong types), or a figure that fails those checks (the message names the file and the key).
     """
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{path}: not a readable JSON report ({e})") from None
-    if not isinstance(doc, dict) or "summary" not in doc or "op_stats" not in doc or "layers" not in doc:
+    except (OSError, ValueError, RecursionError) as e:
+        detail = e.strerror if isinstance(e, OSError) else " ".join(str(e).split())[:200] or type(e).__name__
+        raise FormatError(f"{path}: not a readable JSON report ({detail})") from None
+    if not isinstance(doc, dict) or "summary" not in doc or "op_stats" not in doc or "layers" not in doc \
+            or not isinstance(doc["summary"], dict):
         raise FormatError(f"{path}: not a traceroof JSON report with op_stats; write one with "
                           "`traceroof analyze ... --format json -o base.json`")
     s = doc["summary"]
-    return Side(str(path), s.get("chip_id", ""), tuple(s.get("step_times_s") or ()),
-                float(s.get("step_time_mean_s") or float("nan")), float(s.get("flops_per_step") or 0.0),
-                float(s.get("exposed_comm_per_step_s") or 0.0), pd.DataFrame(doc["layers"]),
-                pd.DataFrame(doc["op_stats"]))
+    figures: dict[str, float | None] = {}
+    for key in ("step_time_mean_s", "flops_per_step", "exposed_comm_per_step_s"):
+        try:
+            figures[key] = _number(s.get(key))
+        except TypeError as e:
+            raise FormatError(f"{path}: summary.{key} is a {e}, not a number") from None
+        v = figures[key]
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            raise FormatError(f"{path}: summary.{key} is {v}; expected a finite number >= 0")
+    step = figures["step_time_mean_s"]
+    if step is None or not step > 0:
+        raise FormatError(f"{path}: summary.step_time_mean_s is {step if step is not None else 'missing'}: the "
+                          "report has no step time to compare with; save a report of a profile with steps")
+    times = s.get("step_times_s") or []
+    if not isinstance(times, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                              and math.isfinite(t) and t >= 0 for t in times):
+        raise FormatError(f"{path}: summary.step_times_s is not a list of finite step times >= 0")
+    chip = s.get("chip_id", "")
+    return Side(str(path), chip if isinstance(chip, str) else str(chip), tuple(float(t) for t in times), step,
+                figures["flops_per_step"] or 0.0, figures["exposed_comm_per_step_s"] or 0.0,
+                _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS))
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
@@ -113,8 +168,6 @@ def step_delta(base: Side, new: Side) -> StepDelta:
                      abs(d) <= NOISE_SIGMAS * err)
 
 
-METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",
-           "exposed_comm_per_step_s", "executions_per_step"]
 
 
 def _match(b: pd.DataFrame, n: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
@@ -137,6 +190,8 @@ def diff(base: Side, new: Side) -> DiffResult:
             df[c] = df[c].astype(str) if c in df else ""
         for c in METRICS:
             df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else np.nan
+        if "hlo_ops" not in df:
+            df["hlo_ops"] = ""
     b = b.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
     n = n.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
     both, only_b, only_n = _match(b, n, key)
@@ -173,6 +228,8 @@ def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:
             "exposed_comm_per_step_s"]
     def prep(df: pd.DataFrame) -> pd.DataFrame:
         df = df.copy()
+        for c in ("layer", "phase"):
+            df[c] = df[c].astype(str) if c in df else ""
         for c in cols:
             df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else np.nan
         return df[["layer", "phase"] + cols]
@@ -208,6 +265,12 @@ def gate(result: DiffResult, fail_above_pct: float | None, layer: str | None = N
     """
     if fail_above_pct is None:
         return False, "no gate"
+    if not math.isfinite(fail_above_pct):
+        raise InputError(f"--fail-above {fail_above_pct}: expected a finite percent")
+    for side in (result.base, result.new):
+        if not (math.isfinite(side.step_time_mean_s) and side.step_time_mean_s > 0):
+            raise InputError(f"{side.label}: step time {side.step_time_mean_s} s is not a positive finite number: "
+                             "there is no measured step time to gate on (is it a profile with steps?)")
     if layer:
         rows = result.layers[result.layers["layer"] == layer]
         if rows.empty:
