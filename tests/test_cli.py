@@ -158,3 +158,11 @@ def test_error_lines_carry_no_control_characters(tmp_path):
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "\x1b" not in r.stderr and "\x07" not in r.stderr, r.stderr
     assert "\\x1b]0;pwned\\x07" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_chips_lists_the_database_and_names_a_bad_user_chip_file(tmp_path, monkeypatch):
+    (tmp_path / "broken.toml").write_bytes(b"id = \xff\xfe\n")
+    monkeypatch.setenv("TRACEROOF_CHIPS_DIR", str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli", "chips"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "h100" in r.stdout.lower(), r.stderr
+    assert "broken.toml" in r.stderr and r.stderr.startswith("traceroof: note: ")

@@ -289,7 +289,12 @@ def chips(sources: bool) -> None:
     from traceroof.chips import all_chips
     from traceroof.report.chips import render_chips
 
-    click.echo(render_chips(all_chips(), sources), nl=False)
+    from traceroof.report.safe import printable
+
+    notes: list[str] = []
+    click.echo(render_chips(all_chips(notes), sources), nl=False)
+    for note in notes:
+        click.echo(f"traceroof: note: {printable(note)}", err=True)
 
 
 @main.command()
