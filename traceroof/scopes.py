@@ -518,15 +518,21 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     that they collapse like named repeated blocks: ``Model/Block/MLP`` -> ``Model/Block_0/MLP`` ... ``Block_3``.
 
     The only signal the HLO keeps is the dataflow (frames are deduplicated per call site, NNX / Equinox write no
-    scopes and their parameters are flat positions, ``model.states[0][5]``): in the entry computation, the ops
+    scopes, and their parameters are flat positions, ``model.states[0][5]``): in the entry computation, the ops
     of a frame scope ``P`` that read an entry parameter (through copies / transposes: the weights) are grouped by
-    (scope under ``P``, phase, opcode, shape); within a group, instance ``k`` depends on the members of instances
-    ``0..k-1`` (the forward runs block after block; the backward in reverse), so the number of same-group
-    members an op depends on ranks it. ``P`` is a repeated class when the ranked groups agree on a count ``n >= 2``
-    (the gcd of their rank counts) and, in each of its parts, most weight-reading ops lie in groups whose size is a
-    multiple of ``n`` (a part called once has groups of one: ``Model`` itself is not repeated); then each other op of ``P`` takes the instance of its nearest ranked neighbour (operands first), and
-    the loops it calls (dropout's threefry) follow it. Outermost classes first; a weight-shared block (one
-    instance called twice) is not split. No rank, no split: the class stays one row."""
+    (scope under ``P``, phase, opcode, shape). Within a group, instance ``k`` depends on the members of instances
+    ``0..k-1`` (the forward runs block after block, the backward in reverse), so the number of same-group members
+    an op depends on ranks it; ``n`` instances are ``n`` runs of consecutive ranks, and a cut never falls between
+    equal ranks (parallel q / k / v projections share one). ``P`` is repeated when most ranked ops lie in groups
+    that can be cut into the same ``n >= 2`` runs (the best supported ``n``, the larger on a tie) and, in each part
+    of ``P``, at least a quarter of the weight-reading ops lie in groups whose size is a multiple of ``n`` (a part
+    called once, such as ``Model``'s embedding when ``P`` is ``Model``, has groups of one; XLA's fusions across
+    instances make odd groups, such as Equinox's LayerNorm backward). The other ops of ``P`` take the instance
+    of their nearest placed neighbour (operands first), then of the ops reading the same parameter (an RNG
+    counter's update); the computations they call (dropout's threefry loop) follow them. Outermost classes first.
+    A weight-shared block (one instance called twice) has groups of one and is not split; where no ``n`` is
+    supported the class stays one row.
+    """
     entry = module.entry
     framed = {i.scope for i in infos.values() if i.how == "frames"}
     cands = sorted({"/".join(sc.split("/")[:k]) for sc in framed for k in range(1, sc.count("/") + 2)},
@@ -572,19 +578,23 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     if len(members) < 4:
         return {}
 
-    def reads_weight(inst: Instruction) -> bool:
+    def weights(inst: Instruction) -> set[str]:
+        """The entry parameters ``inst`` reads through single-operand ops (copies, transposes of the weights)."""
+        out = set()
         for o in inst.operands:
             x, depth = entry.by_name.get(o), 0
             while x is not None and depth < 4:
                 if x.opcode == "parameter":
-                    return True
+                    out.add(x.name)
+                    break
                 ops = [y for y in x.operands if y in entry.by_name and entry.by_name[y].opcode != "constant"]
                 if len(ops) != 1:
                     break
                 x, depth = entry.by_name[ops[0]], depth + 1
-        return False
+        return out
 
-    seeds = [m for m in members if m.opcode not in _STRUCTURAL and reads_weight(m)]
+    reads = {m.name: weights(m) for m in members if m.opcode not in _STRUCTURAL}
+    seeds = [m for m in members if reads.get(m.name)]
     bit = {s.name: 1 << n for n, s in enumerate(seeds)}
     anc: dict[str, int] = {}
     for inst in entry.instructions:  # text order: operands first
@@ -596,32 +606,54 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     for sd in seeds:
         i = infos[sd.name]
         groups.setdefault((i.scope[len(p):], i.phase, sd.opcode, str(sd.shape)), []).append(sd)
-    ranked: dict[tuple, tuple[dict[str, int], list[int]]] = {}
+    ranked: dict[tuple, list[tuple[int, str]]] = {}  # group -> (same-group ancestors, name), sorted
+    valid: dict[tuple, set[int]] = {}
     for key, g in groups.items():
         mask = sum(bit[sd.name] for sd in g)
-        rank = {sd.name: bin(anc[sd.name] & mask).count("1") - 1 for sd in g}
-        per_level = Counter(rank.values())
-        if len(per_level) >= 2 and len(set(per_level.values())) == 1:
-            ranked[key] = (rank, sorted(per_level))
-    n = math.gcd(*(len(levels) for _, levels in ranked.values())) if ranked else 0
-    if n < 2:
+        order = sorted((bin(anc[sd.name] & mask).count("1"), sd.name) for sd in g)
+        if order[0][0] == order[-1][0]:
+            continue  # no order among them (an RNG counter per instance): placed by their neighbours
+        ranked[key] = order
+        size = len(order)
+        valid[key] = {n for n in range(2, size + 1) if size % n == 0  # n tie-free chunks of consecutive ranks
+                      and all(order[j * size // n - 1][0] != order[j * size // n][0] for j in range(1, n))}
+    score = Counter(n for key, ns in valid.items() for n in ns for _ in ranked[key])
+    n = max(score, key=lambda c: (score[c], c), default=0)
+    if n < 2 or 2 * score[n] < sum(len(o) for o in ranked.values()):
         return {}
     fits: dict[str, list[int]] = {}  # per part of ``p`` (its first scope segment below ``p``): seeds that fit, all
     for key, g in groups.items():
         f = fits.setdefault(key[0].split("/")[1] if key[0] else "", [0, 0])
         f[0] += len(g) if len(g) % n == 0 else 0
         f[1] += len(g)
-    if any(2 * ok < total for ok, total in fits.values()):
+    if any(4 * ok < total for ok, total in fits.values()):
         return {}  # a part called once (``Model``'s embedding when ``p`` is ``Model``): ``p`` is not repeated
     assign: dict[str, int] = {}
-    for key, (rank, levels) in ranked.items():
-        for name, r in rank.items():
-            k = levels.index(r) * n // len(levels)
-            assign[name] = n - 1 - k if key[1] == "backward" else k
+    for key, order in ranked.items():
+        if n in valid[key]:
+            for pos, (_, name) in enumerate(order):
+                k = pos * n // len(order)
+                assign[name] = n - 1 - k if key[1] == "backward" else k
     member_names = {m.name for m in members}
-    params = {i.name for i in entry.instructions if i.opcode == "parameter"}
+    owner: dict[str, set[int]] = {}  # parameter -> instances of the placed ops reading it
+    for name, k in assign.items():
+        for w in reads[name]:
+            owner.setdefault(w, set()).add(k)
+    for m in members:  # a weight gradient: the instance of the parameter its update (up to 3 ops on) reads
+        if m.name in assign or m.name in reads and reads[m.name]:
+            continue
+        ks: set[int] = set()
+        frontier, seen = [m.name], {m.name}
+        for _ in range(3):
+            frontier = [u.name for f in frontier for u in users.get(f, ()) if u.name not in member_names
+                        and u.name not in seen and not seen.add(u.name)]
+            for f in frontier:
+                for w in weights(entry.by_name[f]):
+                    ks |= owner.get(w, set())
+        if len(ks) == 1:
+            assign[m.name] = ks.pop()
     for by_param in (False, True):
-        while True:  # the rest: nearest ranked neighbour, operands first
+        while True:  # the rest: nearest placed neighbour, operands first
             new = {}
             for m in members:
                 if m.name in assign:
@@ -636,13 +668,8 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
             assign.update(new)
         if not by_param:  # then state updates that only read their own parameter (an RNG counter + 1): the
             # instance of the other ops reading that parameter, when they agree
-            owner: dict[str, set[int]] = {}
             for m in members:
-                for o in m.operands:
-                    if o in params and m.name in assign:
-                        owner.setdefault(o, set()).add(assign[m.name])
-            for m in members:
-                ks = set().union(*(owner.get(o, set()) for o in m.operands if o in params))
+                ks = set().union(*(owner.get(w, set()) for w in reads.get(m.name, ())))
                 if m.name not in assign and len(ks) == 1:
                     assign[m.name] = ks.pop()
     return {name: k for name, k in assign.items() if name in member_names}
