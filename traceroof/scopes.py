@@ -382,14 +382,15 @@ _PLUMBING = frozenset({"dynamic-slice", "dynamic-update-slice", "get-tuple-eleme
 
 
 def _is_plumbing(module: HloModule, inst: Instruction, depth: int = 0) -> bool:
-    """Data movement or an integer counter step, not the body's computation (a fusion: all its instructions)."""
-    if inst.opcode == "fusion":
+    """Data movement or scalar integer index arithmetic (the loop counter, clamped slice starts), not the body's
+    computation; a fusion by its root (its name came from the root)."""
+    if inst.opcode == "fusion":  # its root moves data (a dynamic-update-slice with the body's add fused in)
         comps = [module.computations.get(c) for c in inst.called]
-        return depth < 4 and all(c is not None and all(_is_plumbing(module, i, depth + 1) for i in c.instructions)
+        return depth < 4 and all(c is not None and c.root is not None and _is_plumbing(module, c.root, depth + 1)
                                  for c in comps)
-    if inst.opcode in ("add", "subtract"):
-        return inst.shape.element_type.startswith(("s", "u")) and not inst.shape.dims
-    return inst.opcode in _PLUMBING
+    if inst.opcode in _PLUMBING:
+        return True
+    return inst.shape.element_type.startswith(("s", "u", "pred")) and not inst.shape.dims  # index arithmetic
 
 
 def _common_prefix(scopes: Iterable[str]) -> str:
@@ -531,7 +532,7 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     of their nearest placed neighbour (operands first), then of the ops reading the same parameter (an RNG
     counter's update); the computations they call (dropout's threefry loop) follow them. Outermost classes first.
     A weight-shared block (one instance called twice) has groups of one and is not split; where no ``n`` is
-    supported the class stays one row.
+    supported the class stays one row, and a class made of a single repeated part leaves the split to that part.
     """
     entry = module.entry
     framed = {i.scope for i in infos.values() if i.how == "frames"}
@@ -545,6 +546,9 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
         assign = _split_instances(entry, infos, p, users)
         if not assign:
             continue
+        if not all(any(infos[n].scope.startswith(p + "/") for n, k in assign.items() if k == j)
+                   for j in set(assign.values())):
+            continue  # instances without parts would not collapse into one row (a lone LayerNorm per block)
         done.append(p)
         owner: dict[str, int] = {}
         for name, k in assign.items():
@@ -626,6 +630,8 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
         f = fits.setdefault(key[0].split("/")[1] if key[0] else "", [0, 0])
         f[0] += len(g) if len(g) % n == 0 else 0
         f[1] += len(g)
+    if len(fits) == 1 and "" not in fits:
+        return {}  # all of it is one part (``Model`` holding only its blocks): the part is what repeats
     if any(4 * ok < total for ok, total in fits.values()):
         return {}  # a part called once (``Model``'s embedding when ``p`` is ``Model``): ``p`` is not repeated
     assign: dict[str, int] = {}
@@ -668,6 +674,10 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
             assign.update(new)
         if not by_param:  # then state updates that only read their own parameter (an RNG counter + 1): the
             # instance of the other ops reading that parameter, when they agree
+            owner = {}
+            for name, k in assign.items():
+                for w in reads.get(name, ()):
+                    owner.setdefault(w, set()).add(k)
             for m in members:
                 ks = set().union(*(owner.get(w, set()) for w in reads.get(m.name, ())))
                 if m.name not in assign and len(ks) == 1:
