@@ -30,6 +30,12 @@ LOOP_PARTS = frozenset({"body", "cond"})
 GRADIENT_SEGMENTS = frozenset({"gradient_tape"})
 # a Flax linen method scope (``attn._split_heads``, ``attn.setup``): the module's name, then the method's
 _METHOD_SEGMENT = re.compile(r"([A-Za-z_]\w*)\.(_*[a-z]\w*)")
+# jax.random's jitted internals (``jit(_threefry_fold_in)``, ``jit(_bernoulli)``): the name stack under them is
+# JAX's own; the threefry hash even pushes the name of the function that called it (``train_step``,
+# ``RngStream.__call__``), which is no scope of the user's
+RNG_JIT = re.compile(r"jit\((_threefry\w*|_uniform|_bernoulli|_normal\w*|_truncated_normal|_randint|_random_bits|"
+                     r"_split|_fold_in|_gamma\w*|_beta|_dirichlet|_exponential|_categorical|_permutation|_choice|"
+                     r"_gumbel|_random_\w+)\)")
 # jnp.einsum pushes its spec ("btd,df->btf") onto the name stack: not a user scope
 _EINSUM_SPEC = re.compile(r"[A-Za-z.,\s]*->[A-Za-z.\s]*")
 
@@ -70,7 +76,9 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     ``jvp``/``transpose`` wrappers, dropping ``jit(...)`` segments also where a wrapper held them
     (``transpose(jvp(jit(_take)))``: helper jits fold into the caller's scope), structural segments (``while``,
     ``body``, ``closed_call``, ``checkpoint``...), ``gradient_tape`` and einsum specs, folding Flax method
-    scopes (``attn._split_heads``) into their module, and removing the last segment (the primitive). Phase: ``backward`` when a
+    scopes (``attn._split_heads``) into their module, dropping everything under a jax.random internal
+    (:data:`RNG_JIT`: ``Dropout_0/jit(_threefry_fold_in)/train_step/add`` -> ``Dropout_0``), and removing the last
+    segment (the primitive). Phase: ``backward`` when a
     ``transpose(`` wraps any segment, ``optimizer`` when a scope matches ``optimizer_pattern``, else
     ``forward``; ``remat`` for the forward recomputed in a backward pass (``checkpoint/rematted_computation``).
     ``optimizer_pattern`` must match a whole scope segment. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
@@ -87,6 +95,8 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     prev = ""
     for s in segs[:-1]:
         inner, _ = _unwrap(s)
+        if RNG_JIT.fullmatch(inner):
+            break
         after_while, prev = prev == "while", inner
         if not inner or re.fullmatch(r"jit\(.*\)", inner) or _EINSUM_SPEC.fullmatch(inner) \
                 or inner in STRUCTURAL_SEGMENTS or inner in GRADIENT_SEGMENTS or (after_while and inner in LOOP_PARTS):
@@ -102,6 +112,12 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     if phase == "backward" and "rematted_computation" in segs:
         return path, "remat"  # forward recomputed inside the backward pass (jax.checkpoint)
     return path, phase
+
+
+def is_rng(op_name: str) -> bool:
+    """True when ``op_name`` lies inside a jax.random internal (:data:`RNG_JIT`): key splitting, folding, the
+    threefry hash, uniform / bernoulli bits."""
+    return any(RNG_JIT.fullmatch(_unwrap(s)[0]) for s in _split_path(op_name.split(";")[0])[:-1])
 
 
 def phase_of(scopes: list[str], backward: bool, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> str:

@@ -36,15 +36,17 @@ dot / convolution ops — relative scope, phase, opcode and shape — are the sa
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from parsers.hlo import Computation, HloModule, Instruction, StackFrame
-from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, TOP_LEVEL, parse_scope
+from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, TOP_LEVEL, is_rng, parse_scope, phase_of
 
 OPTIMIZER_SCOPE = "(optimizer)"
+RNG_SCOPE = "(rng)"
 # files whose frames mark optimizer code (outside the differentiated function)
 OPTIMIZER_FILES = re.compile(r"(^|/)(optax/(?!losses/)|flax/training/|flax/nnx/training/|keras/src/optimizers/|"
                              r"keras/src/backend/\w+/optimizer|equinox/_update)")
@@ -186,6 +188,8 @@ def _info(module: HloModule, carrier: Instruction, frames: _Frames, how: str, op
         else ("", False)
     if path and _generic(scope):
         scope, how = path, "frames"
+    if scope in (NO_SCOPE, TOP_LEVEL) and is_rng(op_name):
+        scope = RNG_SCOPE
     in_grad = any(w in op_name for w in _GRAD_WRAPPERS)
     return ScopeInfo(scope, phase, module.source_line(carrier), how, in_grad), in_opt_lib
 
@@ -343,15 +347,342 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
                         changed = True
         if not changed:
             break
+    _loop_plumbing(module, infos)
+    _gradient_accumulators(module, infos, opt_lib)
     optimizer = {n for n in opt_lib if not infos[n].in_grad} | _update_optimizer(module, infos)
     for n in optimizer:
         i = infos[n]
-        scope = OPTIMIZER_SCOPE if i.scope in (NO_SCOPE, TOP_LEVEL) else i.scope
-        infos[n] = ScopeInfo(scope, "optimizer", i.source, i.how, i.in_grad)
-    for n, i in infos.items():  # the optimizer_pattern override keeps its phase; name its scope-less ops too
-        if i.phase == "optimizer" and i.scope in (NO_SCOPE, TOP_LEVEL):
-            infos[n] = ScopeInfo(OPTIMIZER_SCOPE, "optimizer", i.source, i.how, i.in_grad)
+        infos[n] = ScopeInfo(i.scope, "optimizer", i.source, i.how, i.in_grad)
+    _name_optimizer(infos, opt_lib, optimizer_pattern)
+    _frame_instances(module, infos)
     return ModuleScopes(infos, _repeats(module, infos))
+
+
+def _name_optimizer(infos: dict[str, ScopeInfo], opt_lib: set[str], optimizer_pattern: str) -> None:
+    """One row for the optimizer: every ``optimizer`` op's scope becomes ``(optimizer)``, whether it had none,
+    inherited a model layer's from a neighbour (XLA fuses one update over many parameters, so a per-layer split
+    would be arbitrary) or lies in a scope an optimizer library named (Keras's ``adam``). A scope the user named
+    and that matches ``optimizer_pattern`` (``jax.named_scope("optimizer")`` in the user's own code) stays: it is
+    the user's own name for the row."""
+    lib_scopes = {infos[n].scope for n in opt_lib}
+    for n, i in infos.items():
+        if i.phase != "optimizer" or i.scope == OPTIMIZER_SCOPE:
+            continue
+        segs = i.scope.split("/")
+        user_named = i.scope not in lib_scopes and not i.scope.startswith("(") \
+            and phase_of(segs, False, optimizer_pattern) == "optimizer"
+        if not user_named:
+            infos[n] = ScopeInfo(OPTIMIZER_SCOPE, "optimizer", i.source, i.how, i.in_grad)
+
+
+# loop plumbing: moving slices of a scanned stack in and out, counting iterations
+_PLUMBING = frozenset({"dynamic-slice", "dynamic-update-slice", "get-tuple-element", "tuple", "copy", "bitcast",
+                       "reshape", "transpose", "broadcast", "constant", "parameter", "slice", "concatenate",
+                       "compare", "convert", "select", "gather", "scatter"})
+
+
+def _is_plumbing(module: HloModule, inst: Instruction, depth: int = 0) -> bool:
+    """Data movement or scalar integer index arithmetic (the loop counter, clamped slice starts), not the body's
+    computation; a fusion by its root (its name came from the root)."""
+    if inst.opcode == "fusion":  # its root moves data (a dynamic-update-slice with the body's add fused in)
+        comps = [module.computations.get(c) for c in inst.called]
+        return depth < 4 and all(c is not None and c.root is not None and _is_plumbing(module, c.root, depth + 1)
+                                 for c in comps)
+    if inst.opcode in _PLUMBING:
+        return True
+    return inst.shape.element_type.startswith(("s", "u", "pred")) and not inst.shape.dims  # index arithmetic
+
+
+def _common_prefix(scopes: Iterable[str]) -> str:
+    parts = [s.split("/") for s in scopes]
+    if not parts:
+        return ""
+    out = []
+    for segs in zip(*parts):
+        if len(set(segs)) != 1:
+            break
+        out.append(segs[0])
+    return "/".join(out)
+
+
+def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
+    """Scan / fori_loop plumbing takes the layer of the loop body it serves. In a while body whose own ops lie in
+    scope ``C`` (the common prefix of the body's innermost scopes: ``Model/layers`` of ``nn.scan``), the plumbing
+    ops (dynamic-slice of the stacked weights, dynamic-update-slice of stacked activations or gradients, the
+    iteration counter, the condition's compare) labelled less specifically (``(top level)``, ``Model``) take
+    the scope of a body op they feed (users first), else of one they read, else ``C``; the phase stays theirs."""
+    for comp in module.computations.values():
+        for w in comp.instructions:
+            if w.opcode != "while":
+                continue
+            body = module.computations.get(w.attrs.get("body", "").lstrip("%"))
+            cond = module.computations.get(w.attrs.get("condition", "").lstrip("%"))
+            if body is None:
+                continue
+            scoped = {infos[i.name].scope for i in body.instructions if i.name in infos} - {NO_SCOPE, TOP_LEVEL}
+            scoped = {s for s in scoped if not s.startswith("(")}
+            leaves = {s for s in scoped if not any(o.startswith(s + "/") for o in scoped)}
+            c = _common_prefix(leaves)
+            if not c:
+                continue
+
+            def vague(scope: str) -> bool:
+                return scope in (NO_SCOPE, TOP_LEVEL) or c.startswith(scope + "/")
+
+            for part in (body, cond):
+                if part is None:
+                    continue
+                users = _users(part)
+                fixed: dict[str, ScopeInfo] = {}
+                for inst in part.instructions:
+                    i = infos.get(inst.name)
+                    if i is None or i.phase == "optimizer" or not vague(i.scope) or not _is_plumbing(module, inst):
+                        continue
+                    near = [infos.get(u.name) for u in users.get(inst.name, ())] + \
+                        [infos.get(o) for o in inst.operands]
+                    src = next((n.scope for n in near if n is not None and (n.scope == c
+                                                                          or n.scope.startswith(c + "/"))), c)
+                    fixed[inst.name] = ScopeInfo(src, i.phase, i.source, "loop", i.in_grad)
+                infos.update(fixed)
+
+
+def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_lib: set[str]) -> None:
+    """Gradient accumulation over micro-batches (``fori_loop(0, n, lambda i, acc: tree_map(add, acc, grad(...)),
+    zeros)``) is backward work: a loop-carried slot whose new value is computed outside the differentiated
+    function from the slot's old value and a backward op's gradient is an accumulator; that op, the slot's
+    reads in the body, its zeros initialisation before the loop and its reads after it get phase ``backward``
+    and the scope of the gradient they accumulate (never ``forward`` or ``optimizer``)."""
+    for comp in module.computations.values():
+        users = _users(comp)
+        for w in comp.instructions:
+            body = module.computations.get(w.attrs.get("body", "").lstrip("%")) if w.opcode == "while" else None
+            if body is None or body.root is None or body.root.opcode != "tuple" or not w.operands:
+                continue
+            param = next(iter(body.parameters().values()), None)
+            if param is None:
+                continue
+            slot_reads: dict[int, list[Instruction]] = {}
+            for inst in body.instructions:
+                if inst.opcode == "get-tuple-element" and inst.operands[:1] == (param.name,):
+                    slot_reads.setdefault(_tuple_index(inst), []).append(inst)
+            init = comp.by_name.get(w.operands[0])
+            for k, r_name in enumerate(body.root.operands):
+                r = body.by_name.get(r_name)
+                ri = infos.get(r_name)
+                if r is None or ri is None or ri.in_grad or ri.phase != "forward" or r_name in opt_lib:
+                    continue
+                reads = {g.name for g in slot_reads.get(k, ())}
+                reads |= {c.name for c in body.instructions if c.opcode == "copy" and set(c.operands) & reads}
+                grad = next((infos[o] for o in r.operands if o in infos and infos[o].phase == "backward"), None)
+                if grad is None or not reads & set(r.operands):
+                    continue
+                label = ScopeInfo(grad.scope, "backward", grad.source, "accumulate", False)
+                for n in {r_name} | reads:
+                    infos[n] = label
+                if init is not None and init.opcode == "tuple" and k < len(init.operands):
+                    for n in _constant_chain(module, comp, init.operands[k]):
+                        infos[n] = label
+                for g in users.get(w.name, ()):
+                    if g.opcode == "get-tuple-element" and _tuple_index(g) == k:
+                        infos[g.name] = label
+
+
+def _tuple_index(inst: Instruction) -> int:
+    return int(inst.attrs.get("index", "-1").strip() or -1)
+
+
+def _constant_chain(module: HloModule, comp: Computation, name: str) -> list[str]:
+    """``name`` and the ops it is made from when it is built from constants only (the zeros of an
+    accumulator, through copies and broadcasts); empty otherwise."""
+    out, stack = [], [name]
+    while stack:
+        inst = comp.by_name.get(stack.pop())
+        if inst is None or inst.opcode == "parameter":
+            return []
+        if inst.opcode == "constant":
+            continue
+        if inst.opcode not in ("copy", "broadcast", "bitcast", "reshape", "convert", "fusion") or \
+                (inst.opcode == "fusion" and not _is_plumbing(module, inst)):
+            return []
+        out.append(inst.name)
+        stack.extend(inst.operands)
+    return out
+
+
+def _under(scope: str, prefix: str) -> bool:
+    return scope == prefix or scope.startswith(prefix + "/")
+
+
+def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
+    """Numbers the instances of a model class called several times in a row (a Python list of blocks in Flax
+    NNX or Equinox: ``for b in self.blocks: x = b(x)``), whose ops carry the same stack frames and no names, so
+    that they collapse like named repeated blocks: ``Model/Block/MLP`` -> ``Model/Block_0/MLP`` ... ``Block_3``.
+
+    The only signal the HLO keeps is the dataflow (frames are deduplicated per call site, NNX / Equinox write no
+    scopes, and their parameters are flat positions, ``model.states[0][5]``): in the entry computation, the ops
+    of a frame scope ``P`` that read an entry parameter (through copies / transposes: the weights) are grouped by
+    (scope under ``P``, phase, opcode, shape). Within a group, instance ``k`` depends on the members of instances
+    ``0..k-1`` (the forward runs block after block, the backward in reverse), so the number of same-group members
+    an op depends on ranks it; ``n`` instances are ``n`` runs of consecutive ranks, and a cut never falls between
+    equal ranks (parallel q / k / v projections share one). ``P`` is repeated when most ranked ops lie in groups
+    that can be cut into the same ``n >= 2`` runs (the best supported ``n``, the larger on a tie) and, in each part
+    of ``P``, at least a quarter of the weight-reading ops lie in groups whose size is a multiple of ``n`` (a part
+    called once, such as ``Model``'s embedding when ``P`` is ``Model``, has groups of one; XLA's fusions across
+    instances make odd groups, such as Equinox's LayerNorm backward). The other ops of ``P`` take the instance
+    of their nearest placed neighbour (operands first), then of the ops reading the same parameter (an RNG
+    counter's update); the computations they call (dropout's threefry loop) follow them. Outermost classes first.
+    A weight-shared block (one instance called twice) has groups of one and is not split; where no ``n`` is
+    supported the class stays one row, and a class made of a single repeated part leaves the split to that part.
+    """
+    entry = module.entry
+    framed = {i.scope for i in infos.values() if i.how == "frames"}
+    cands = sorted({"/".join(sc.split("/")[:k]) for sc in framed for k in range(1, sc.count("/") + 2)},
+                   key=lambda c: (c.count("/"), c))
+    users = _users(entry)
+    done: list[str] = []
+    for p in cands:
+        if any(_under(p, d) for d in done):
+            continue
+        assign = _split_instances(entry, infos, p, users)
+        if not assign:
+            continue
+        if not all(any(infos[n].scope.startswith(p + "/") for n, k in assign.items() if k == j)
+                   for j in set(assign.values())):
+            continue  # instances without parts would not collapse into one row (a lone LayerNorm per block)
+        done.append(p)
+        owner: dict[str, int] = {}
+        for name, k in assign.items():
+            i = infos[name]
+            infos[name] = ScopeInfo(f"{p}_{k}{i.scope[len(p):]}", i.phase, i.source, i.how, i.in_grad)
+            stack = list(entry.by_name[name].called)
+            while stack:
+                c = stack.pop()
+                if owner.setdefault(c, k) != k:
+                    owner[c] = -1
+                    continue
+                comp = module.computations.get(c)
+                for inst in comp.instructions if comp is not None else ():
+                    stack.extend(inst.called)
+        for c, k in owner.items():
+            for inst in module.computations[c].instructions if k >= 0 and c in module.computations else ():
+                i = infos.get(inst.name)
+                if i is not None and _under(i.scope, p):
+                    infos[inst.name] = ScopeInfo(f"{p}_{k}{i.scope[len(p):]}", i.phase, i.source, i.how, i.in_grad)
+
+
+_STRUCTURAL = frozenset({"tuple", "get-tuple-element", "parameter", "constant"})
+
+
+def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
+                     users: Mapping[str, list[Instruction]]) -> dict[str, int]:
+    """Instance number of each entry op in frame scope ``p`` (see :func:`_frame_instances`); empty when ``p``
+    is not a repeated class."""
+    members = [i for i in entry.instructions if i.name in infos and _under(infos[i.name].scope, p)
+               and infos[i.name].phase != "optimizer" and i.opcode not in ("parameter", "constant") and not i.is_root]
+    if len(members) < 4:
+        return {}
+
+    def weights(inst: Instruction) -> set[str]:
+        """The entry parameters ``inst`` reads through single-operand ops (copies, transposes of the weights)."""
+        out = set()
+        for o in inst.operands:
+            x, depth = entry.by_name.get(o), 0
+            while x is not None and depth < 4:
+                if x.opcode == "parameter":
+                    out.add(x.name)
+                    break
+                ops = [y for y in x.operands if y in entry.by_name and entry.by_name[y].opcode != "constant"]
+                if len(ops) != 1:
+                    break
+                x, depth = entry.by_name[ops[0]], depth + 1
+        return out
+
+    reads = {m.name: weights(m) for m in members if m.opcode not in _STRUCTURAL}
+    seeds = [m for m in members if reads.get(m.name)]
+    bit = {s.name: 1 << n for n, s in enumerate(seeds)}
+    anc: dict[str, int] = {}
+    for inst in entry.instructions:  # text order: operands first
+        a = bit.get(inst.name, 0)
+        for o in inst.operands:
+            a |= anc.get(o, 0)
+        anc[inst.name] = a
+    groups: dict[tuple, list[Instruction]] = {}
+    for sd in seeds:
+        i = infos[sd.name]
+        groups.setdefault((i.scope[len(p):], i.phase, sd.opcode, str(sd.shape)), []).append(sd)
+    ranked: dict[tuple, list[tuple[int, str]]] = {}  # group -> (same-group ancestors, name), sorted
+    valid: dict[tuple, set[int]] = {}
+    for key, g in groups.items():
+        mask = sum(bit[sd.name] for sd in g)
+        order = sorted((bin(anc[sd.name] & mask).count("1"), sd.name) for sd in g)
+        if order[0][0] == order[-1][0]:
+            continue  # no order among them (an RNG counter per instance): placed by their neighbours
+        ranked[key] = order
+        size = len(order)
+        valid[key] = {n for n in range(2, size + 1) if size % n == 0  # n tie-free chunks of consecutive ranks
+                      and all(order[j * size // n - 1][0] != order[j * size // n][0] for j in range(1, n))}
+    score = Counter(n for key, ns in valid.items() for n in ns for _ in ranked[key])
+    n = max(score, key=lambda c: (score[c], c), default=0)
+    if n < 2 or 2 * score[n] < sum(len(o) for o in ranked.values()):
+        return {}
+    fits: dict[str, list[int]] = {}  # per part of ``p`` (its first scope segment below ``p``): seeds that fit, all
+    for key, g in groups.items():
+        f = fits.setdefault(key[0].split("/")[1] if key[0] else "", [0, 0])
+        f[0] += len(g) if len(g) % n == 0 else 0
+        f[1] += len(g)
+    if len(fits) == 1 and "" not in fits:
+        return {}  # all of it is one part (``Model`` holding only its blocks): the part is what repeats
+    if any(4 * ok < total for ok, total in fits.values()):
+        return {}  # a part called once (``Model``'s embedding when ``p`` is ``Model``): ``p`` is not repeated
+    assign: dict[str, int] = {}
+    for key, order in ranked.items():
+        if n in valid[key]:
+            for pos, (_, name) in enumerate(order):
+                k = pos * n // len(order)
+                assign[name] = n - 1 - k if key[1] == "backward" else k
+    member_names = {m.name for m in members}
+    owner: dict[str, set[int]] = {}  # parameter -> instances of the placed ops reading it
+    for name, k in assign.items():
+        for w in reads[name]:
+            owner.setdefault(w, set()).add(k)
+    for m in members:  # a weight gradient: the instance of the parameter its update (up to 3 ops on) reads
+        if m.name in assign or m.name in reads and reads[m.name]:
+            continue
+        ks: set[int] = set()
+        frontier, seen = [m.name], {m.name}
+        for _ in range(3):
+            frontier = [u.name for f in frontier for u in users.get(f, ()) if u.name not in member_names
+                        and u.name not in seen and not seen.add(u.name)]
+            for f in frontier:
+                for w in weights(entry.by_name[f]):
+                    ks |= owner.get(w, set())
+        if len(ks) == 1:
+            assign[m.name] = ks.pop()
+    for by_param in (False, True):
+        while True:  # the rest: nearest placed neighbour, operands first
+            new = {}
+            for m in members:
+                if m.name in assign:
+                    continue
+                k = next((assign[o] for o in m.operands if o in assign), None)
+                if k is None:
+                    k = next((assign[u.name] for u in users.get(m.name, ()) if u.name in assign), None)
+                if k is not None:
+                    new[m.name] = k
+            if not new:
+                break
+            assign.update(new)
+        if not by_param:  # then state updates that only read their own parameter (an RNG counter + 1): the
+            # instance of the other ops reading that parameter, when they agree
+            owner = {}
+            for name, k in assign.items():
+                for w in reads.get(name, ()):
+                    owner.setdefault(w, set()).add(k)
+            for m in members:
+                ks = set().union(*(owner.get(w, set()) for w in reads.get(m.name, ())))
+                if m.name not in assign and len(ks) == 1:
+                    assign[m.name] = ks.pop()
+    return {name: k for name, k in assign.items() if name in member_names}
 
 
 def _instances(scope: str) -> Iterable[tuple[str, str]]:
@@ -368,7 +699,7 @@ def _instances(scope: str) -> Iterable[tuple[str, str]]:
 
 def _repeats(module: HloModule, infos: Mapping[str, ScopeInfo]) -> dict[str, str]:
     """Instance scope -> collapsed scope for the repeated blocks of a module (see the module docstring)."""
-    scopes = {i.scope for i in infos.values()} - {NO_SCOPE, TOP_LEVEL, OPTIMIZER_SCOPE}
+    scopes = {i.scope for i in infos.values()} - {NO_SCOPE, TOP_LEVEL, OPTIMIZER_SCOPE, RNG_SCOPE}
     groups: dict[str, set[str]] = {}
     for sc in scopes:
         for inst, collapsed in _instances(sc):
