@@ -19,8 +19,8 @@ HOST_CHIP = str(FIXTURES / "fixture_host.toml")
 # layers a reader expects to see, named after the model's own modules (fixtures/generate_frameworks.py)
 LAYERS = {
     "fw_flax_cnn": {"Conv_0", "Conv_1", "Dense_0"},
-    "fw_nnx_transformer": {"Block/MLP", "Block/Attention"},
-    "fw_equinox_transformer": {"Block/MLP", "Block/MultiheadAttention"},
+    "fw_nnx_transformer": {"Block_*/MLP", "Block_*/Attention"},
+    "fw_equinox_transformer": {"Block_*/MLP", "Block_*/MultiheadAttention"},
     "fw_gpt2": {"transformer/h/*/attn", "transformer/h/*/mlp", "lm_head"},
     "fw_keras_cnn": {"conv_1", "conv_2", "dense"},
     "fw_scan_remat": {"layers/Dense_0", "layers/Dense_1"},
