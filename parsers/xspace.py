@@ -402,10 +402,12 @@ class XSpace:
 
     @property
     def profile_start_time_ns(self) -> int | None:
-        """``profile_start_time`` (epoch ns) of the ``Task Environment`` plane, ``None`` if absent."""
+        """``profile_start_time`` (epoch ns) of the ``Task Environment`` plane; ``None`` if absent or not an
+        integer in [0, 2^63) (a corrupt stat)."""
         env = self.plane("Task Environment")
         value = env.stats.get("profile_start_time") if env else None
-        return int(value) if value is not None else None
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < 2**63
+        return int(value) if ok else None
 
 
 def _load_bytes(path: Path) -> Any:
