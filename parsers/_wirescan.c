@@ -18,7 +18,7 @@ typedef struct { const uint8_t *p; const uint8_t *end; int err; } Cur;
 enum { E_CORRUPT = 1, E_ROWS = 2, E_LONG_STR = 3, E_KEY = 4 };
 #define MAX_FIELD (((uint64_t)1 << 29) - 1) /* protobuf's largest field number */
 
-static inline uint64_t rd_varint(Cur *c) {
+static inline __attribute__((always_inline)) uint64_t rd_varint(Cur *c) {
     uint64_t v = 0; int shift = 0;
     while (c->p < c->end) {
         uint8_t b = *c->p++;
@@ -33,17 +33,18 @@ static inline uint64_t rd_varint(Cur *c) {
 /* Read a field key. A key protobuf never writes is an error (E_KEY): field number 0 or above 2^29 - 1, or wire
  * types 3 and 4 (groups, absent from xplane.proto), 6 and 7 (undefined). Without this check a run of zero bytes
  * would read as one empty field per two bytes. */
-static inline int rd_key(Cur *c, uint64_t *field, int *wt) {
+static inline __attribute__((always_inline)) int rd_key(Cur *c, uint64_t *field, int *wt) {
     uint64_t key = rd_varint(c);
     if (c->err) return 0;
     int w = (int)(key & 7);
     *field = key >> 3; *wt = w;
-    if (*field == 0 || *field > MAX_FIELD || w == 3 || w == 4 || w > 5) { c->err = E_KEY; return 0; }
+    /* one branch: field - 1 wraps for field 0; bits 0, 1, 2 and 5 of 0x27 are the wire types protobuf writes */
+    if (__builtin_expect(((key >> 3) - 1) >= MAX_FIELD || !((0x27 >> w) & 1), 0)) { c->err = E_KEY; return 0; }
     return 1;
 }
 
 /* Skip one field's value of the given wire type; returns payload start/end for length-delimited. */
-static inline int skip_value(Cur *c, int wt, const uint8_t **ps, const uint8_t **pe) {
+static inline __attribute__((always_inline)) int skip_value(Cur *c, int wt, const uint8_t **ps, const uint8_t **pe) {
     uint64_t n;
     switch (wt) {
     case 0: rd_varint(c); return !c->err;
