@@ -554,17 +554,26 @@ def _ids(values: pd.Series, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, i
     return pd.arrays.IntegerArray(vals[idx], ~good[idx]), int(((codes >= 0) & ~good[idx]).sum())
 
 
-ID_STATS = {"program_id": 0, "step_num": 0, "device_ordinal": 0, "run_id": -2**63, "correlation_id": -2**63,
-            "_p": -2**63, "_c": -2**63}  # integer stats and the least valid value of each
+ID_STATS = {"program_id": 0, "step_num": 0, "device_ordinal": 0, "run_id": -2**63,
+            "correlation_id": -2**63}  # integer stats and the least valid value of each
+FLOW_STATS = ("_p", "_c")  # uint64 flow ids (may exceed 2^63): compared as float64
 
 
 def _checked_ids(df: pd.DataFrame, counts: dict[str, int]) -> pd.DataFrame:
-    """``df`` with its integer stats (:data:`ID_STATS`) as valid ``Int64`` ids; invalid values (a corrupt stat
-    of the wrong type or range) become NA and are counted in ``counts["bad:<stat>"]``."""
+    """``df`` with its integer stats (:data:`ID_STATS`) as valid ``Int64`` ids and its flow ids as float64;
+    invalid values (a corrupt stat of the wrong type or range) become NA and are counted in
+    ``counts["bad:<stat>"]``."""
     cols = {}
     for name, lo in ID_STATS.items():
         if name in df:
             cols[name], bad = _ids(df[name], lo)
+            if bad:
+                counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
+    for name in FLOW_STATS:
+        if name in df and not pd.api.types.is_numeric_dtype(df[name].dtype):
+            raw = df[name].astype(object)
+            cols[name] = pd.to_numeric(raw, errors="coerce").astype(np.float64)
+            bad = int((raw.notna() & cols[name].isna()).sum())
             if bad:
                 counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
     return df.assign(**cols) if cols else df
