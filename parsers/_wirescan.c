@@ -66,7 +66,8 @@ static void set_wire_error(int err, Py_ssize_t at) {
     if (err == E_KEY)
         PyErr_Format(PyExc_ValueError, "field key with field number 0 or an impossible wire type at byte %zd", at);
     else if (err == E_ROWS) PyErr_SetString(PyExc_ValueError, "decode_events: more events than counted");
-    else if (err == E_LONG_STR) PyErr_Format(PyExc_ValueError, "an event stat string longer than 16 MiB at byte %zd", at);
+    else if (err == E_LONG_STR)
+        PyErr_Format(PyExc_ValueError, "an event stat string longer than 16 MiB at byte %zd", at);
     else PyErr_Format(PyExc_ValueError, "wire format is corrupt or truncated at byte %zd", at);
 }
 

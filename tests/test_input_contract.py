@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import json
 
-import numpy as np
 import pytest
 
 from parsers.errors import FormatError, SizeLimitError, TraceroofError
@@ -17,7 +16,7 @@ from parsers.xspace import parse_full, read_xspace
 from traceroof.chips import get_chip
 from traceroof.profile import discover, load_profile, match_modules
 from traceroof.xprof import per_core_chip
-from tests.conftest import fixture_trace_json, fixture_xplane, third_party
+from tests.conftest import fixture_trace_json, fixture_xplane
 
 SRC = fixture_xplane("scan_mlp")
 

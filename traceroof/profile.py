@@ -455,7 +455,8 @@ def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[lis
                 if m and pid_na[i] and int(m.group(2)) < 2**63:
                     pid[i], pid_na[i] = int(m.group(2)), False
         frame = pd.DataFrame({
-            "device": f"{host}/{p.name}", "program_id": pd.arrays.IntegerArray(pid, pid_na), "hlo_module": module, "hlo_op": ev["display_name"].astype(str).to_numpy(),
+            "device": f"{host}/{p.name}", "program_id": pd.arrays.IntegerArray(pid, pid_na),
+            "hlo_module": module, "hlo_op": ev["display_name"].astype(str).to_numpy(),
             "start_ps": ev["start_ps"].to_numpy(), "duration_ps": ev["duration_ps"].to_numpy(), "kernel": "",
             "attributed": True,
         })

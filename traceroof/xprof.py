@@ -57,7 +57,8 @@ def per_core_chip(chip: Chip, ctx: ExportContext) -> tuple[Chip, str]:
                        if k.startswith("peak_flops_per_s.") or k == "memory.hbm_bandwidth_bytes_per_s" else f)
                    for k, f in chip.figures.items()}
         per = dataclasses.replace(chip, figures=figures, name=f"{chip.name} (per TensorCore)")
-        note = f"the roofline export says megacore is off: each XProf device is one of {chip.name}'s {cores} TensorCores"
+        note = (f"the roofline export says megacore is off: each XProf device is one of {chip.name}'s {cores} "
+                "TensorCores")
     if per is not chip and ctx.peak_flops_per_s and ctx.peak_hbm_bytes_per_s:
         note += (f" (the export claims {ctx.peak_flops_per_s / 1e12:.4g} TFLOP/s and "
                  f"{ctx.peak_hbm_bytes_per_s / 1e9:.4g} GB/s per device)")
