@@ -5,7 +5,8 @@
  * object per event. Wire format: https://protobuf.dev/programming-guides/encoding/ ; XSpace field numbers:
  * tsl/profiler/protobuf/xplane.proto (docs/reference/xplane-format.md §2).
  *
- * Every read is bounds-checked; malformed input raises ValueError("...") and never reads past the buffer.
+ * Every read is bounds-checked and every time is computed with checked arithmetic; malformed input raises
+ * ValueError("... at byte N") and never reads past the buffer.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -14,20 +15,36 @@
 
 typedef struct { const uint8_t *p; const uint8_t *end; int err; } Cur;
 
-static inline uint64_t rd_varint(Cur *c) {
+enum { E_CORRUPT = 1, E_ROWS = 2, E_LONG_STR = 3, E_KEY = 4 };
+#define MAX_FIELD (((uint64_t)1 << 29) - 1) /* protobuf's largest field number */
+
+static inline __attribute__((always_inline)) uint64_t rd_varint(Cur *c) {
     uint64_t v = 0; int shift = 0;
     while (c->p < c->end) {
         uint8_t b = *c->p++;
         v |= (uint64_t)(b & 0x7f) << shift;
         if (!(b & 0x80)) return v;
         shift += 7;
-        if (shift > 63) { c->err = 1; return 0; }
+        if (shift > 63) { c->err = E_CORRUPT; return 0; }
     }
-    c->err = 1; return 0;
+    c->err = E_CORRUPT; return 0;
+}
+
+/* Read a field key. A key protobuf never writes is an error (E_KEY): field number 0 or above 2^29 - 1, or wire
+ * types 3 and 4 (groups, absent from xplane.proto), 6 and 7 (undefined). Without this check a run of zero bytes
+ * would read as one empty field per two bytes. */
+static inline __attribute__((always_inline)) int rd_key(Cur *c, uint64_t *field, int *wt) {
+    uint64_t key = rd_varint(c);
+    if (c->err) return 0;
+    int w = (int)(key & 7);
+    *field = key >> 3; *wt = w;
+    /* one branch: field - 1 wraps for field 0; bits 0, 1, 2 and 5 of 0x27 are the wire types protobuf writes */
+    if (__builtin_expect(((key >> 3) - 1) >= MAX_FIELD || !((0x27 >> w) & 1), 0)) { c->err = E_KEY; return 0; }
+    return 1;
 }
 
 /* Skip one field's value of the given wire type; returns payload start/end for length-delimited. */
-static inline int skip_value(Cur *c, int wt, const uint8_t **ps, const uint8_t **pe) {
+static inline __attribute__((always_inline)) int skip_value(Cur *c, int wt, const uint8_t **ps, const uint8_t **pe) {
     uint64_t n;
     switch (wt) {
     case 0: rd_varint(c); return !c->err;
@@ -44,6 +61,16 @@ static inline int skip_value(Cur *c, int wt, const uint8_t **ps, const uint8_t *
     }
 }
 
+/* Set ValueError for a Cur error at byte `at` of the buffer. */
+static void set_wire_error(int err, Py_ssize_t at) {
+    if (err == E_KEY)
+        PyErr_Format(PyExc_ValueError, "field key with field number 0 or an impossible wire type at byte %zd", at);
+    else if (err == E_ROWS) PyErr_SetString(PyExc_ValueError, "decode_events: more events than counted");
+    else if (err == E_LONG_STR)
+        PyErr_Format(PyExc_ValueError, "an event stat string longer than 16 MiB at byte %zd", at);
+    else PyErr_Format(PyExc_ValueError, "wire format is corrupt or truncated at byte %zd", at);
+}
+
 /* 1 when buf[start:end] is inside the buffer; else releases buf, sets ValueError and returns 0 */
 static int range_ok(Py_buffer *buf, Py_ssize_t start, Py_ssize_t end) {
     if (start < 0 || end > buf->len || start > end) {
@@ -54,22 +81,33 @@ static int range_ok(Py_buffer *buf, Py_ssize_t start, Py_ssize_t end) {
     return 1;
 }
 
-/* scan_fields(buf, start, end) -> list of (field, wire_type, tag_start, value_start, value_end, varint) */
+/* scan_fields(buf, start, end[, field[, limit]]) -> list of (field, wire_type, tag_start, value_start, value_end,
+ * varint) for every top-level field of buf[start:end], or only those numbered `field` (the others are checked and
+ * skipped, so that the list grows with the fields the caller wants, not with the input's size); more than `limit`
+ * of them is a ValueError. */
 static PyObject *scan_fields(PyObject *self, PyObject *args) {
-    Py_buffer buf; Py_ssize_t start, end;
-    if (!PyArg_ParseTuple(args, "y*nn", &buf, &start, &end) || !range_ok(&buf, start, end)) return NULL;
+    Py_buffer buf; Py_ssize_t start, end, limit = PY_SSIZE_T_MAX; long long only = -1;
+    if (!PyArg_ParseTuple(args, "y*nn|Ln", &buf, &start, &end, &only, &limit) || !range_ok(&buf, start, end))
+        return NULL;
     const uint8_t *base = (const uint8_t *)buf.buf;
     Cur c = {base + start, base + end, 0};
     PyObject *out = PyList_New(0);
+    const uint8_t *tag_start = c.p;
     while (out && c.p < c.end) {
-        const uint8_t *tag_start = c.p;
-        uint64_t key = rd_varint(&c);
-        if (c.err) break;
-        int wt = (int)(key & 7); uint64_t field = key >> 3;
+        tag_start = c.p;
+        uint64_t field; int wt;
+        if (!rd_key(&c, &field, &wt)) break;
         const uint8_t *vs = c.p, *ve = NULL; uint64_t iv = 0;
-        if (wt == 0) { iv = rd_varint(&c); if (c.err) break; ve = c.p; }
-        else if (!skip_value(&c, wt, &vs, &ve)) { c.err = 1; break; }
+        if (wt == 0) { iv = rd_varint(&c); if (c.err) break; }
+        else if (!skip_value(&c, wt, &vs, &ve)) { c.err = E_CORRUPT; break; }
         if (wt != 2) ve = c.p;
+        if (only >= 0 && field != (uint64_t)only) continue;
+        if (PyList_GET_SIZE(out) >= limit) {
+            Py_CLEAR(out);
+            PyBuffer_Release(&buf);
+            PyErr_Format(PyExc_ValueError, "more than %zd fields numbered %lld", limit, only);
+            return NULL;
+        }
         PyObject *t = Py_BuildValue("(Kinnnn)", (unsigned long long)field, wt, (Py_ssize_t)(tag_start - base),
                                     (Py_ssize_t)(vs - base), (Py_ssize_t)(ve - base), (Py_ssize_t)(int64_t)iv);
         if (!t || PyList_Append(out, t) < 0) { Py_XDECREF(t); Py_CLEAR(out); break; }
@@ -78,7 +116,7 @@ static PyObject *scan_fields(PyObject *self, PyObject *args) {
     PyBuffer_Release(&buf);
     if (out && c.err) {
         Py_DECREF(out);
-        PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated");
+        set_wire_error(c.err, (Py_ssize_t)(tag_start - base));
         return NULL;
     }
     return out;
@@ -87,26 +125,35 @@ static PyObject *scan_fields(PyObject *self, PyObject *args) {
 enum { K_ABSENT = 0, K_INT = 1, K_UINT = 2, K_DOUBLE = 3, K_REF = 4, K_STR = 5, K_BYTES = 6, K_ZSTR = 7 };
 #define STR_LEN_BITS 24
 #define AGGREGATE_START INT64_MIN
+/* start_ps of events whose times are impossible (they are counted, and dropped by the caller) */
+#define BAD_START (INT64_MIN + 1)          /* start outside +-TIME_LIMIT_PS, or line_ps + offset_ps overflows */
+#define BAD_NEGATIVE_DURATION (INT64_MIN + 2)
+#define BAD_LONG_DURATION (INT64_MIN + 3)  /* duration above DURATION_LIMIT_PS */
+#define TIME_LIMIT_PS ((int64_t)1 << 62)   /* 53 days: profile times are relative to the capture's start */
+#define DURATION_LIMIT_PS ((int64_t)1 << 60) /* 13.3 days */
 
-/* decode_events(buf, start, end, line_start_ps, stat_ids, first, metadata_id, start_ps, duration_ps, values, kinds)
+/* decode_events(buf, start, end, line_timestamp_ns, stat_ids, first, metadata_id, start_ps, duration_ps, values,
+ *               kinds) -> (events written, events with impossible times)
  *
  * Decodes the XEvents (XLine field 4) of the line whose payload is buf[start:end] into rows first.. of the
  * output arrays: metadata_id/start_ps/duration_ps int64[n]; values int64[ncol*n] and kinds int8[ncol*n], laid out
  * column-major (column j at j*n). stat_ids int64[ncol] are the XStatMetadata ids wanted; other stats are skipped.
- * start_ps = line_start_ps + offset_ps, or INT64_MIN for aggregated events (num_occurrences; then duration_ps
- * holds the duration and the value is not a time). Values: ints as int64, uint64 bit-cast, doubles bit-cast,
- * ref_value as the referenced XStatMetadata id, strings/bytes as (payload offset << 24 | length).
- * Returns the number of events written.
+ * start_ps = line_timestamp_ns * 1000 + offset_ps (checked arithmetic), or INT64_MIN for aggregated events
+ * (num_occurrences; then duration_ps holds the duration and the value is not a time). An event whose start
+ * overflows or lies outside +-2^62 ps, or whose duration is negative or above 2^60 ps, gets start_ps
+ * BAD_START / BAD_NEGATIVE_DURATION / BAD_LONG_DURATION (INT64_MIN + 1/2/3) and is counted in the second value.
+ * Values: ints as int64, uint64 bit-cast, doubles bit-cast, ref_value as the referenced XStatMetadata id,
+ * strings/bytes as (payload offset << 24 | length).
  */
 static PyObject *decode_events(PyObject *self, PyObject *args) {
     Py_buffer buf, ids, mid, st, du, val, kin;
-    Py_ssize_t start, end, first; long long line_ps;
-    if (!PyArg_ParseTuple(args, "y*nnLy*nw*w*w*w*w*", &buf, &start, &end, &line_ps, &ids, &first,
+    Py_ssize_t start, end, first; long long line_ns;
+    if (!PyArg_ParseTuple(args, "y*nnLy*nw*w*w*w*w*", &buf, &start, &end, &line_ns, &ids, &first,
                           &mid, &st, &du, &val, &kin)) return NULL;
     PyObject *ret = NULL;
     Py_ssize_t n = mid.len / 8, ncol = ids.len / 8;
     if (start < 0 || end > buf.len || start > end || st.len / 8 != n || du.len / 8 != n ||
-        val.len / 8 != n * ncol || kin.len != n * ncol || first < 0) {
+        val.len / 8 != n * ncol || kin.len != n * ncol || first < 0 || buf.len >= ((Py_ssize_t)1 << 39)) {
         PyErr_SetString(PyExc_ValueError, "decode_events: bad range or output sizes");
         goto done;
     }
@@ -115,25 +162,29 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
         const int64_t *want = (const int64_t *)ids.buf;
         int64_t *o_mid = (int64_t *)mid.buf, *o_st = (int64_t *)st.buf, *o_du = (int64_t *)du.buf;
         int64_t *o_val = (int64_t *)val.buf; int8_t *o_kin = (int8_t *)kin.buf;
+        int64_t line_ps;
+        int line_bad = __builtin_mul_overflow((int64_t)line_ns, (int64_t)1000, &line_ps);
         Cur c = {base + start, base + end, 0};
-        Py_ssize_t row = first;
+        const uint8_t *err_at = c.p;
+        Py_ssize_t row = first, bad = 0;
         while (c.p < c.end) {
-            uint64_t key = rd_varint(&c);
-            if (c.err) break;
+            uint64_t key_f; int key_wt;
+            err_at = c.p;
+            if (!rd_key(&c, &key_f, &key_wt)) break;
             const uint8_t *es, *ee;
-            if ((key >> 3) != 4 || (key & 7) != 2) {
-                if (!skip_value(&c, (int)(key & 7), NULL, NULL)) { c.err = 1; break; }
+            if (key_f != 4 || key_wt != 2) {
+                if (!skip_value(&c, key_wt, NULL, NULL)) { c.err = E_CORRUPT; break; }
                 continue;
             }
-            if (!skip_value(&c, 2, &es, &ee)) { c.err = 1; break; }
-            if (row >= n) { c.err = 2; break; }
+            if (!skip_value(&c, 2, &es, &ee)) { c.err = E_CORRUPT; break; }
+            if (row >= n) { c.err = E_ROWS; break; }
             int64_t e_mid = 0, e_off = 0, e_dur = 0; int aggregate = 0;
             for (Py_ssize_t j = 0; j < ncol; j++) o_kin[j * n + row] = K_ABSENT;
             Cur e = {es, ee, 0};
             while (e.p < e.end) {
-                uint64_t ek = rd_varint(&e);
-                if (e.err) break;
-                int f = (int)(ek >> 3), wt = (int)(ek & 7);
+                uint64_t f; int wt;
+                err_at = e.p;
+                if (!rd_key(&e, &f, &wt)) break;
                 if (wt == 0 && (f == 1 || f == 2 || f == 3 || f == 5)) {
                     int64_t v = (int64_t)rd_varint(&e);
                     if (f == 1) e_mid = v; else if (f == 2) { e_off = v; aggregate = 0; }
@@ -142,17 +193,17 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
                 }
                 const uint8_t *ss, *se;
                 if (f != 4 || wt != 2) {
-                    if (!skip_value(&e, wt, NULL, NULL)) { e.err = 1; break; }
+                    if (!skip_value(&e, wt, NULL, NULL)) { e.err = E_CORRUPT; break; }
                     continue;
                 }
-                if (!skip_value(&e, 2, &ss, &se)) { e.err = 1; break; }
+                if (!skip_value(&e, 2, &ss, &se)) { e.err = E_CORRUPT; break; }
                 /* XStat */
                 Cur s = {ss, se, 0};
                 int64_t s_mid = 0, s_val = 0; int s_kind = K_ABSENT;
                 while (s.p < s.end) {
-                    uint64_t sk = rd_varint(&s);
-                    if (s.err) break;
-                    int sf = (int)(sk >> 3), swt = (int)(sk & 7);
+                    uint64_t sf; int swt;
+                    err_at = s.p;
+                    if (!rd_key(&s, &sf, &swt)) break;
                     if (swt == 0) {
                         uint64_t v = rd_varint(&s);
                         if (sf == 1) s_mid = (int64_t)v;
@@ -160,19 +211,19 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
                         else if (sf == 4) { s_val = (int64_t)v; s_kind = K_INT; }
                         else if (sf == 7) { s_val = (int64_t)v; s_kind = K_REF; }
                     } else if (swt == 1) {
-                        if (s.end - s.p < 8) { s.err = 1; break; }
+                        if (s.end - s.p < 8) { s.err = E_CORRUPT; break; }
                         if (sf == 2) { memcpy(&s_val, s.p, 8); s_kind = K_DOUBLE; }
                         s.p += 8;
                     } else if (swt == 2) {
                         const uint8_t *vs, *ve;
-                        if (!skip_value(&s, 2, &vs, &ve)) { s.err = 1; break; }
+                        if (!skip_value(&s, 2, &vs, &ve)) { s.err = E_CORRUPT; break; }
                         if (sf == 5 || sf == 6 || sf == 8) {
                             int64_t len = ve - vs;
-                            if (len >= ((int64_t)1 << STR_LEN_BITS)) { s.err = 3; break; }
+                            if (len >= ((int64_t)1 << STR_LEN_BITS)) { s.err = E_LONG_STR; break; }
                             s_val = ((int64_t)(vs - base) << STR_LEN_BITS) | len;
                             s_kind = sf == 5 ? K_STR : (sf == 6 ? K_BYTES : K_ZSTR);
                         }
-                    } else if (!skip_value(&s, swt, NULL, NULL)) { s.err = 1; break; }
+                    } else if (!skip_value(&s, swt, NULL, NULL)) { s.err = E_CORRUPT; break; }
                 }
                 if (s.err) { e.err = s.err; break; }
                 for (Py_ssize_t j = 0; j < ncol; j++) {
@@ -180,15 +231,20 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
                 }
             }
             if (e.err) { c.err = e.err; break; }
+            int64_t t;
+            if (e_dur < 0) t = BAD_NEGATIVE_DURATION;
+            else if (e_dur > DURATION_LIMIT_PS) t = BAD_LONG_DURATION;
+            else if (aggregate) t = AGGREGATE_START;
+            else if (line_bad || __builtin_add_overflow(line_ps, e_off, &t) || t > TIME_LIMIT_PS || t < -TIME_LIMIT_PS)
+                t = BAD_START;
+            bad += t > AGGREGATE_START && t <= BAD_LONG_DURATION;
             o_mid[row] = e_mid;
-            o_st[row] = aggregate ? AGGREGATE_START : (int64_t)line_ps + e_off;
+            o_st[row] = t;
             o_du[row] = e_dur;
             row++;
         }
-        if (c.err == 2) PyErr_SetString(PyExc_ValueError, "decode_events: more events than counted");
-        else if (c.err == 3) PyErr_SetString(PyExc_ValueError, "an event stat string is longer than 16 MiB");
-        else if (c.err) PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated");
-        else ret = PyLong_FromSsize_t(row - first);
+        if (c.err) set_wire_error(c.err, (Py_ssize_t)(err_at - base));
+        else ret = Py_BuildValue("(nn)", row - first, bad);
     }
 done:
     PyBuffer_Release(&buf); PyBuffer_Release(&ids); PyBuffer_Release(&mid); PyBuffer_Release(&st);
@@ -204,26 +260,28 @@ static PyObject *split_fields(PyObject *self, PyObject *args) {
     const uint8_t *base = (const uint8_t *)buf.buf;
     Cur c = {base + start, base + end, 0};
     Py_ssize_t n = 0, total = 0;
+    const uint8_t *tag = c.p;
     /* pass 1: size of the kept fields */
     while (c.p < c.end) {
-        const uint8_t *tag = c.p;
-        uint64_t key = rd_varint(&c);
-        if (c.err) break;
-        if (!skip_value(&c, (int)(key & 7), NULL, NULL)) { c.err = 1; break; }
-        if ((key >> 3) == want) n++; else total += c.p - tag;
+        uint64_t field; int wt;
+        tag = c.p;
+        if (!rd_key(&c, &field, &wt)) break;
+        if (!skip_value(&c, wt, NULL, NULL)) { c.err = E_CORRUPT; break; }
+        if (field == want) n++; else total += c.p - tag;
     }
     if (c.err) {
-        PyBuffer_Release(&buf); PyErr_SetString(PyExc_ValueError, "wire format is corrupt or truncated"); return NULL;
+        PyBuffer_Release(&buf); set_wire_error(c.err, (Py_ssize_t)(tag - base)); return NULL;
     }
     PyObject *out = PyBytes_FromStringAndSize(NULL, total);
     if (!out) { PyBuffer_Release(&buf); return NULL; }
     char *dst = PyBytes_AS_STRING(out);
     Cur d = {base + start, base + end, 0};
-    while (d.p < d.end) {
-        const uint8_t *tag = d.p;
-        uint64_t key = rd_varint(&d);
-        skip_value(&d, (int)(key & 7), NULL, NULL);
-        if ((key >> 3) != want) { memcpy(dst, tag, d.p - tag); dst += d.p - tag; }
+    while (d.p < d.end) {  /* pass 2 reads what pass 1 checked */
+        uint64_t field = 0; int wt = 0;
+        tag = d.p;
+        rd_key(&d, &field, &wt);
+        skip_value(&d, wt, NULL, NULL);
+        if (field != want) { memcpy(dst, tag, d.p - tag); dst += d.p - tag; }
     }
     PyBuffer_Release(&buf);
     PyObject *ret = Py_BuildValue("(Nn)", out, n);
@@ -232,11 +290,19 @@ static PyObject *split_fields(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"split_fields", split_fields, METH_VARARGS, "Bytes of all fields but one, and that field's count."},
-    {"scan_fields", scan_fields, METH_VARARGS, "List the top-level fields of buf[start:end]."},
+    {"scan_fields", scan_fields, METH_VARARGS, "List the top-level fields of buf[start:end] (or those of one number)."},
     {"decode_events", decode_events, METH_VARARGS, "Decode an XLine's events into arrays."},
     {NULL, NULL, 0, NULL}
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_wirescan", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__wirescan(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__wirescan(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddObject(m, "TIME_LIMIT_PS", PyLong_FromLongLong(TIME_LIMIT_PS)) < 0 ||
+        PyModule_AddObject(m, "DURATION_LIMIT_PS", PyLong_FromLongLong(DURATION_LIMIT_PS)) < 0) {
+        Py_DECREF(m); return NULL;
+    }
+    return m;
+}

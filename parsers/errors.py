@@ -17,3 +17,8 @@ class FormatError(TraceroofError):
 
 class HloParseError(FormatError):
     """HLO text (or an HloProto) that cannot be parsed."""
+
+
+class SizeLimitError(FormatError):
+    """An input that would grow past a resource limit when decoded (a decompression bomb, millions of empty
+    records); the message names the limit and how to raise it."""

@@ -8,10 +8,8 @@ whose ``args`` hold stat values as strings. The array may end with an empty obje
 
 from __future__ import annotations
 
-import gzip
 import json
-import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,20 +17,28 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import FormatError, InputError
+from parsers.inflate import inflate
 
 # Event caps of the XSpace -> trace JSON conversion (GetTraceViewerMaxEvents): a file holding exactly this many
 # complete events was probably truncated.
 KNOWN_EVENT_CAPS = (1_000_000, 5_000_000)
+# Times past these are impossible (the same limits as the XSpace decoder): |ts| above 2^62 ps, dur above 2^60 ps.
+TIME_LIMIT_US = 2.0**62 / 1e6
+DURATION_LIMIT_US = 2.0**60 / 1e6
+ID_LIMIT = 2**62
+_SCALARS = (str, int, float)
 
 
 @dataclass(eq=False)
 class TraceJson:
-    """A decoded trace JSON: process (plane) and thread (line) names, and the complete events."""
+    """A decoded trace JSON: process (plane) and thread (line) names, the complete events, and notes on what was
+    dropped (events whose ids, times, name or args have the wrong JSON type or an impossible value)."""
 
     path: str
     process_names: dict[int, str]
     thread_names: dict[tuple[int, int], str]
     complete_events: list[dict[str, Any]]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def maybe_truncated(self) -> bool:
@@ -42,12 +48,13 @@ class TraceJson:
     def events(self, args: Sequence[str] = ()) -> pd.DataFrame:
         """Complete events, one row each: ``pid``, ``tid``, ``plane`` and ``line_name`` (category), ``name``,
         ``start_ps`` and ``duration_ps`` (int64, from µs floats rounded to the picosecond), then one column per
-        requested ``args`` key (strings as written; ``None`` where absent)."""
+        requested ``args`` key (strings or numbers as written; ``None`` where absent or not a JSON scalar).
+        Every event was checked by :func:`read_trace_json`, so the casts cannot fail."""
         ev = self.complete_events
         pid = np.fromiter((e.get("pid", 0) for e in ev), np.int64, len(ev))
         tid = np.fromiter((e.get("tid", 0) for e in ev), np.int64, len(ev))
-        ts = np.fromiter((float(e.get("ts", 0.0)) for e in ev), np.float64, len(ev))
-        dur = np.fromiter((float(e.get("dur", 0.0)) for e in ev), np.float64, len(ev))
+        ts = np.fromiter((e["ts"] for e in ev), np.float64, len(ev))
+        dur = np.fromiter((e.get("dur", 0.0) for e in ev), np.float64, len(ev))
         df = pd.DataFrame({
             "pid": pid, "tid": tid,
             "plane": pd.Categorical([self.process_names.get(int(p), str(p)) for p in pid]),
@@ -57,32 +64,66 @@ class TraceJson:
             "duration_ps": np.rint(dur * 1e6).astype(np.int64),
         })
         for key in args:
-            df[key] = pd.Categorical([(e.get("args") or {}).get(key) for e in ev])
+            values = [(e.get("args") or {}).get(key) for e in ev]
+            df[key] = pd.Categorical([v if isinstance(v, _SCALARS) and not isinstance(v, bool) else None
+                                      for v in values])
         return df
 
 
-def load_json(path: Path) -> Any:
-    """JSON from a plain or gzip-compressed file.
+def load_json(path: Path, redo: str = "export the file again") -> Any:
+    """JSON from a plain or gzip-compressed file (decompression bounded by :mod:`parsers.inflate`).
 
-    :raises InputError: the file cannot be opened. :raises FormatError: corrupt gzip or invalid JSON.
+    :raises InputError: the file cannot be opened. :raises FormatError: corrupt or truncated gzip, invalid JSON,
+        or JSON nested deeper than Python's recursion limit.
     """
     try:
-        raw = path.read_bytes()
+        raw: bytes | bytearray = path.read_bytes()
     except OSError as e:
         raise InputError(f"cannot open {path}: {e.strerror}") from None
     if raw[:2] == b"\x1f\x8b":
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError, zlib.error) as e:
-            raise FormatError(f"{path}: gzip data is corrupt or truncated ({e}); export the file again") from None
+        raw = inflate(raw, str(path), redo)
     try:
         return json.loads(raw)
+    except RecursionError:
+        raise FormatError(f"{path}: JSON nested too deeply to be a trace or an export; the file is corrupt") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise FormatError(f"{path}: not valid JSON ({e}); the file is corrupt or truncated") from None
 
 
+def _id(x: Any) -> int | None:
+    """A pid/tid: a JSON integer (or integral number) below 2^62 in magnitude, else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x if -ID_LIMIT < x < ID_LIMIT else None
+    if isinstance(x, float) and x.is_integer() and abs(x) < ID_LIMIT:
+        return int(x)
+    return None
+
+
+def _time(x: Any, lo: float, hi: float) -> bool:
+    """A JSON number within [lo, hi] (NaN and infinities compare false; big integers compare exactly)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and lo <= x <= hi
+
+
+def _why_bad(e: dict[str, Any]) -> str | None:
+    """Why a complete event cannot be used, or None."""
+    if _id(e.get("pid", 0)) is None or _id(e.get("tid", 0)) is None:
+        return "a pid or tid that is not an integer below 2^62"
+    if "ts" not in e or not _time(e["ts"], -TIME_LIMIT_US, TIME_LIMIT_US):
+        return "a missing or impossible ts (not a number within 2^62 ps)"
+    if not _time(e.get("dur", 0), 0.0, DURATION_LIMIT_US):
+        return "an impossible dur (negative, not a number, or above 2^60 ps = 13 days)"
+    if not isinstance(e.get("name", ""), str):
+        return "a name that is not a string"
+    if not isinstance(e.get("args") or {}, dict):
+        return "args that are not a JSON object"
+    return None
+
+
 def read_trace_json(path: str | Path) -> TraceJson:
-    """Read a (gzip-compressed or plain) trace JSON file.
+    """Read a (gzip-compressed or plain) trace JSON file. Complete events with an id, time, name or args of the
+    wrong JSON type or an impossible value are dropped and counted in :attr:`TraceJson.notes`.
 
     :raises InputError: the file cannot be opened.
     :raises FormatError: corrupt gzip, invalid JSON, or JSON without ``traceEvents``.
@@ -95,16 +136,33 @@ def read_trace_json(path: str | Path) -> TraceJson:
     procs: dict[int, str] = {}
     threads: dict[tuple[int, int], str] = {}
     complete = []
+    dropped: dict[str, int] = {}
     for e in events:
         if not isinstance(e, dict) or not e:
+            if e is not None and e != {}:
+                dropped["not a JSON object"] = dropped.get("not a JSON object", 0) + 1
             continue
         ph = e.get("ph")
         if ph == "X":
-            complete.append(e)
+            why = _why_bad(e)
+            if why is None:
+                complete.append(e)
+            else:
+                dropped[why] = dropped.get(why, 0) + 1
         elif ph == "M":
-            name = (e.get("args") or {}).get("name")
-            if e.get("name") == "process_name" and name is not None:
-                procs[int(e.get("pid", 0))] = str(name)
-            elif e.get("name") == "thread_name" and name is not None:
-                threads[(int(e.get("pid", 0)), int(e.get("tid", 0)))] = str(name)
-    return TraceJson(str(p), procs, threads, complete)
+            args = e.get("args")
+            name = args.get("name") if isinstance(args, dict) else None
+            pid, tid = _id(e.get("pid", 0)), _id(e.get("tid", 0))
+            if not isinstance(name, (str, int, float)) or pid is None or tid is None:
+                continue  # a metadata event we cannot use: the process or thread keeps its number as its name
+            if e.get("name") == "process_name":
+                procs[pid] = str(name)
+            elif e.get("name") == "thread_name":
+                threads[(pid, tid)] = str(name)
+    notes = []
+    if dropped:
+        why = ", ".join(f"{n:,} with {w}" if w != "not a JSON object" else f"{n:,} {w}"
+                        for w, n in sorted(dropped.items(), key=lambda x: -x[1]))
+        notes.append(f"{p.name}: {sum(dropped.values()):,} trace events dropped ({why}); the file is partly corrupt "
+                     "- figures exclude them")
+    return TraceJson(str(p), procs, threads, complete, notes)

@@ -6,14 +6,18 @@ xplane.proto``; ``docs/reference/xplane-format.md`` §2), built at runtime from 
 are millions in real profiles, are walked by the C scanner in ``parsers/_wirescan.c`` straight into numpy arrays
 (no Python object per event). Times follow ``XEventVisitor::TimestampPs``:
 ``start_ps = line.timestamp_ns * 1000 + event.offset_ps``.
+
+Input contract: a byte layout protobuf cannot have written (field number 0, group or undefined wire types,
+lengths past the buffer) is a :class:`FormatError` naming the byte; more than :data:`MAX_PLANES` planes or
+:data:`MAX_LINES` lines is a :class:`FormatError` too, so memory follows what is decoded. Events with impossible
+times (a negative duration, one above 2^60 ps = 13 days, a start that overflows or lies beyond +-2^62 ps) are
+dropped, counted, and stated in :attr:`XSpace.notes`; the rest of the profile is used.
 """
 
 from __future__ import annotations
 
-import gzip
 import mmap
 import re
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -23,12 +27,21 @@ import pandas as pd
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from parsers import _wirescan
-from parsers.errors import FormatError, InputError
+from parsers.errors import FormatError, InputError, SizeLimitError
+from parsers.inflate import inflate
 
 _F = descriptor_pb2.FieldDescriptorProto
 _KIND_INT, _KIND_UINT, _KIND_DOUBLE, _KIND_REF, _KIND_STR, _KIND_BYTES, _KIND_ZSTR = 1, 2, 3, 4, 5, 6, 7
 _STR_LEN_BITS = 24
 AGGREGATE_START_PS = np.iinfo(np.int64).min  # start_ps of events that carry num_occurrences instead of a time
+TIME_LIMIT_PS = _wirescan.TIME_LIMIT_PS  # 2^62 ps: |start_ps| beyond this is impossible (profile times are relative)
+DURATION_LIMIT_PS = _wirescan.DURATION_LIMIT_PS  # 2^60 ps (13.3 days)
+# start_ps codes the scanner writes for events with impossible times, and why (the events are dropped)
+_BAD_TIMES = {AGGREGATE_START_PS + 1: "a start time that overflows or lies beyond 2^62 ps (53 days)",
+              AGGREGATE_START_PS + 2: "a negative duration",
+              AGGREGATE_START_PS + 3: "a duration above 2^60 ps (13 days)"}
+MAX_PLANES = 1 << 16
+MAX_LINES = 1 << 20
 
 
 def _schema() -> dict[str, Any]:
@@ -95,23 +108,28 @@ def _schema() -> dict[str, Any]:
 SCHEMA = _schema()
 
 
-def stat_value(stat: Any, stat_names: dict[int, str]) -> Any:
+def stat_value(stat: Any, stat_names: dict[int, str], source: str = "a compressed stat") -> Any:
     """Value of a protobuf ``XStat``: the set oneof field; ``ref_value`` resolved to the interned string;
-    ``compressed_str_value`` gunzipped."""
+    ``compressed_str_value`` gunzipped (``source`` names it in errors)."""
     kind = stat.WhichOneof("value")
     if kind is None:
         return None
     if kind == "ref_value":
         return stat_names.get(stat.ref_value, "")
     if kind == "compressed_str_value":
-        return _gunzip_text(stat.compressed_str_value)
+        return _gunzip_text(stat.compressed_str_value, source)
     return getattr(stat, kind)
 
 
-def _gunzip_text(data: bytes) -> str:
+def _gunzip_text(data: bytes, source: str = "a compressed stat") -> str:
+    """A ``compressed_str_value``: gzip text, "" when corrupt.
+
+    :raises SizeLimitError: it inflates past :func:`parsers.inflate.inflate_limit`."""
     try:
-        return zlib.decompress(data, 47).decode("utf-8", "replace")
-    except zlib.error:
+        return inflate(data, source).decode("utf-8", "replace")
+    except SizeLimitError:
+        raise
+    except FormatError:
         return ""
 
 
@@ -153,6 +171,20 @@ class Plane:
     lines: list[Line]
     _buf: Any = field(repr=False, default=None)
     source: str = ""
+    _dropped: dict[int, dict[int, int]] = field(repr=False, default_factory=dict)  # line index -> {code: count}
+
+    @property
+    def notes(self) -> list[str]:
+        """What :meth:`events` dropped from this plane so far: events with impossible times, how many and why."""
+        total: dict[int, int] = {}
+        for counts in self._dropped.values():
+            for code, n in counts.items():
+                total[code] = total.get(code, 0) + n
+        if not total:
+            return []
+        why = ", ".join(f"{n:,} with {_BAD_TIMES[c]}" for c, n in sorted(total.items()))
+        return [f"{Path(self.source).name} plane {self.name!r}: {sum(total.values()):,} events dropped for "
+                f"impossible times ({why}); the file is partly corrupt - figures exclude them"]
 
     def events(self, stats: Sequence[str] = (), lines: Iterable[Line] | None = None,
                merge_metadata_stats: bool = True, require: Sequence[str] = (),
@@ -186,20 +218,30 @@ class Plane:
             n = line.event_count
             mid, start, dur = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
             vals, kinds = np.zeros(ncol * n, np.int64), np.zeros(ncol * n, np.int8)
-            row = 0
+            row = bad = 0
             for s, e in line._ranges:
                 try:
-                    row += _wirescan.decode_events(self._buf, s, e, line.timestamp_ns * 1000, stat_ids, row,
-                                                   mid, start, dur, vals, kinds)
+                    done, nbad = _wirescan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
+                                                         mid, start, dur, vals, kinds)
                 except ValueError as err:
-                    raise FormatError(f"{self.source}: events of line {line.name!r} on plane {self.name!r}: {err}; "
+                    raise FormatError(f"{self.source}: plane {self.name!r} line {line.name!r}: {err}; "
                                       "the file is corrupt or truncated - capture the profile again") from None
+                row += done
+                bad += nbad
                 self._release(s, e)
             vals, kinds = vals.reshape(ncol, n), kinds.reshape(ncol, n)
+            keep = None
+            if bad:
+                codes_, counts_ = np.unique(start[(start > AGGREGATE_START_PS) & (start <= AGGREGATE_START_PS + 3)],
+                                            return_counts=True)
+                self._dropped[self.lines.index(line)] = dict(zip(codes_.tolist(), counts_.tolist()))
+                keep = (start <= AGGREGATE_START_PS) | (start > AGGREGATE_START_PS + 3)
             if require:
-                keep = np.isin(mid, req_meta)
+                req = np.isin(mid, req_meta)
                 for j in req_cols:
-                    keep |= kinds[j] != 0
+                    req |= kinds[j] != 0
+                keep = req if keep is None else keep & req
+            if keep is not None:
                 mid, start, dur, vals, kinds = mid[keep], start[keep], dur[keep], vals[:, keep], kinds[:, keep]
             parts["mid"].append(mid)
             parts["start"].append(start)
@@ -319,7 +361,7 @@ class Plane:
         if kind == _KIND_STR:
             return data.decode("utf-8", "replace")
         if kind == _KIND_ZSTR:
-            return _gunzip_text(data)
+            return _gunzip_text(data, f"{self.source}: plane {self.name!r}: a compressed stat")
         return data
 
 
@@ -342,6 +384,11 @@ class XSpace:
     warnings: list[str]
     size_bytes: int = 0
 
+    @property
+    def notes(self) -> list[str]:
+        """What was dropped from this file so far (events with impossible times; see :attr:`Plane.notes`)."""
+        return [n for p in self.planes for n in p.notes]
+
     def plane(self, name: str) -> Plane | None:
         """The first plane with this name, or ``None``."""
         return next((p for p in self.planes if p.name == name), None)
@@ -355,10 +402,12 @@ class XSpace:
 
     @property
     def profile_start_time_ns(self) -> int | None:
-        """``profile_start_time`` (epoch ns) of the ``Task Environment`` plane, ``None`` if absent."""
+        """``profile_start_time`` (epoch ns) of the ``Task Environment`` plane; ``None`` if absent or not an
+        integer in [0, 2^63) (a corrupt stat)."""
         env = self.plane("Task Environment")
         value = env.stats.get("profile_start_time") if env else None
-        return int(value) if value is not None else None
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, bool) and 0 <= value < 2**63
+        return int(value) if ok else None
 
 
 def _load_bytes(path: Path) -> Any:
@@ -370,11 +419,7 @@ def _load_bytes(path: Path) -> Any:
         head = f.read(2)
         if head == b"\x1f\x8b":
             f.seek(0)
-            try:
-                return gzip.decompress(f.read())
-            except (OSError, EOFError, zlib.error) as e:
-                raise FormatError(f"{path}: gzip data is corrupt or truncated ({e}); capture the profile again") \
-                    from None
+            return inflate(f.read(), str(path), "capture the profile again")
         if not head:
             raise FormatError(f"{path}: the file is empty; capture the profile again")
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -400,27 +445,28 @@ def read_xspace(path: str | Path) -> XSpace:
         return FormatError(f"{p}: not a valid XSpace protobuf: {why}{hint}; pass an intact .xplane.pb")
 
     try:
-        top = _wirescan.scan_fields(buf, 0, size)
+        top = _wirescan.scan_fields(buf, 0, size, 1, MAX_PLANES)
     except ValueError as e:
-        raise bad(str(e)) from None
+        raise bad(str(e).replace("fields numbered 1", "planes")) from None
     XS, XP, XL = SCHEMA["XSpace"], SCHEMA["XPlane"], SCHEMA["XLine"]
     header = XS()
     planes: list[Plane] = []
     try:
         header.ParseFromString(_wirescan.split_fields(buf, 0, size, 1)[0])
-        for f, wt, _, s, e, _ in top:
-            if f != 1:
-                continue
+        nlines = 0
+        for _, wt, _, s, e, _ in top:
             if wt != 2:
                 raise bad("plane field has the wrong wire type")
-            fields = [x for x in _wirescan.scan_fields(buf, s, e) if x[0] == 3]
+            fields = _wirescan.scan_fields(buf, s, e, 3, MAX_LINES - nlines)
+            nlines += len(fields)
             xp = XP()
             xp.ParseFromString(_wirescan.split_fields(buf, s, e, 3)[0])
             stat_names = {k: v.name for k, v in xp.stat_metadata.items()}
+            where = f"{p}: plane {xp.name!r}: a compressed stat"
             lines = []
-            for ff, _, _, fs, fe, _ in fields:
-                if ff != 3:
-                    continue
+            for _, lwt, _, fs, fe, _ in fields:
+                if lwt != 2:
+                    raise bad(f"plane {len(planes)}: line field has the wrong wire type")
                 head, count = _wirescan.split_fields(buf, fs, fe, 4)
                 xl = XL()
                 xl.ParseFromString(head)
@@ -428,15 +474,15 @@ def read_xspace(path: str | Path) -> XSpace:
                                   xl.timestamp_ns, xl.duration_ps, count, ((fs, fe),)))
             metas = {
                 k: EventMetadata(k, v.name, v.display_name,
-                                 {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names)
+                                 {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names, where)
                                   for st in v.stats}, bytes(v.metadata))
                 for k, v in xp.event_metadata.items()
             }
-            pstats = {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names)
+            pstats = {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names, where)
                       for st in xp.stats}
             planes.append(Plane(xp.id, xp.name, pstats, metas, stat_names, lines, buf, str(p)))
     except ValueError as e:
-        raise bad(str(e)) from None
+        raise bad(f"plane {len(planes)}: " + str(e).replace("fields numbered 3", "lines in all")) from None
     except Exception as e:  # protobuf's DecodeError
         if type(e).__name__ == "DecodeError":
             raise bad(str(e)) from None

@@ -22,7 +22,7 @@ from parsers.errors import InputError
 from parsers.hlo import HloModule
 from parsers.trace_json import read_trace_json
 from parsers.xprof_export import is_hlo_stats
-from parsers.xspace import AGGREGATE_START_PS, read_xspace
+from parsers.xspace import AGGREGATE_START_PS, DURATION_LIMIT_PS, read_xspace
 from traceroof.hlo_source import (check_dumps, embedded_hlo, hlo_files, parse_dumps,
                                   profile_hlo, reconcile, relevant_dumps)
 from traceroof.steps import (assign_steps, device_step_spans, dominant_program_steps, kernel_launch_times,
@@ -32,6 +32,7 @@ XPLANE_SUFFIXES = (".xplane.pb", ".xspace.pb", ".xplane.pb.gz")
 TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz", ".json.gz", ".json")
 RUN_TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz")
 OP_STATS = ("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num")
+MAX_HOST_SKEW_PS = DURATION_LIMIT_PS  # hosts whose profile_start_time differ by more are not aligned (13 days)
 
 
 @dataclass(frozen=True)
@@ -174,13 +175,20 @@ def load_profile(inputs: Inputs) -> Profile:
     if inputs.kind == "xplane":
         spaces = [read_xspace(p) for p in inputs.profiles]
         starts = [xs.profile_start_time_ns for xs in spaces]
-        base = min((s for s in starts if s is not None), default=None)
+        known = [s for s in starts if s is not None]
+        base = min(known, default=None)
+        skewed = bool(known) and (max(known) - min(known)) * 1000 > MAX_HOST_SKEW_PS
+        if skewed:
+            notes.append(f"the hosts' profile_start_time values lie {(max(known) - min(known)) / 1e9:,.0f} s apart "
+                         "(corrupt or unrelated captures): their clocks were not aligned")
+            starts = [None] * len(spaces)
         for xs, s in zip(spaces, starts):
             offset_ps = (s - base) * 1000 if (s is not None and base is not None) else 0
             ev, st, kind, desc, ann, stats, info = _xspace_events(xs)
             for k, v in info.items():
                 counts[k] = counts.get(k, 0) + v
             embedded += embedded_hlo(xs)
+            notes += xs.notes
             ev["start_ps"] += offset_ps
             ev["launch_ps"] += offset_ps
             st["start_ps"] += offset_ps
@@ -189,15 +197,16 @@ def load_profile(inputs: Inputs) -> Profile:
             step_frames.append(st)
             device_kind, device_desc, annotation = kind, desc, ann or annotation
             plane_stats.update(stats)
-        if len(spaces) > 1 and any(s is None for s in starts):
+        if len(spaces) > 1 and not skewed and any(s is None for s in starts):
             notes.append("some hosts have no profile_start_time: their clocks were not aligned")
     else:
         for p in inputs.profiles:
             tj = read_trace_json(p)
+            notes += tj.notes
             if tj.maybe_truncated:
                 notes.append(f"{p.name} holds exactly {len(tj.complete_events):,} events, a trace-viewer cap: "
                              "events were probably dropped; analyze the .xplane.pb instead")
-            ev, st, ann = _trace_json_events(tj, p)
+            ev, st, ann = _trace_json_events(tj, p, counts)
             frames.append(ev)
             step_frames.append(st)
             annotation = ann or annotation
@@ -211,6 +220,11 @@ def load_profile(inputs: Inputs) -> Profile:
                              "step's outputs before jax.profiler.stop_trace()")
         raise InputError(f"{inputs.description}: the profile holds no XLA op events (no hlo_op stats); "
                          "profile a jitted JAX/XLA program")
+    bad_ids = {k[4:]: v for k, v in counts.items() if k.startswith("bad:")}
+    if bad_ids:
+        notes.append(f"op events with an id stat that is not a valid integer (corrupt stats) lost it: "
+                     f"{', '.join(f'{n:,} {k}' for k, n in sorted(bad_ids.items()))}; they join to HLO and steps "
+                     "without it")
     if counts.get("async_extra_ps", 0) > ASYNC_NOTE_SHARE * counts.get("op_ps", 0):
         notes.append(f"{counts['async_thunks']:,} op events are launches of asynchronous thunks: their time runs "
                      f"to the thunk's `end:` event (+{counts['async_extra_ps'] / counts['op_ps']:.0%} op time)")
@@ -249,14 +263,14 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     info: dict[str, int] = {}
     if tpu and any(line.name == "XLA Ops" and line.event_count for p in tpu for line in p.lines):
         kind = "tpu"
-        frames, fw_steps = _tpu_ops(tpu, host, xs)
+        frames, fw_steps = _tpu_ops(tpu, host, xs, info)
         stats.update(next(p.stats for p in tpu if any(line.name == "XLA Ops" for line in p.lines)))
         desc = f"{len(frames)} TPU core plane(s) with XLA Ops"
     elif gpu and any(line.event_count for p in gpu for line in p.lines):
         kind = "gpu"
         active = []
-        host_ev = cpu.events(stats=("correlation_id", "step_num"), require=("correlation_id", "step_num")) \
-            if cpu else pd.DataFrame()
+        host_ev = _checked_ids(cpu.events(stats=("correlation_id", "step_num"), require=("correlation_id", "step_num")),
+                               info) if cpu else pd.DataFrame()
         api = host_ev[host_ev["correlation_id"].notna()] if len(host_ev) else host_ev
         step_events = host_ev[host_ev["step_num"].notna()] if len(host_ev) else host_ev
         api_calls = ((api["correlation_id"].to_numpy(dtype="float64", na_value=np.nan), api["start_ps"].to_numpy())
@@ -266,7 +280,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
             if not streams:
                 continue
             active.append(p)
-            ev = p.events(stats=(*OP_STATS, "correlation_id"), lines=streams)
+            ev = _checked_ids(p.events(stats=(*OP_STATS, "correlation_id"), lines=streams), info)
             ev = ev[ev["start_ps"] != AGGREGATE_START_PS]
             ev = ev.assign(launch_ps=kernel_launch_times(
                 ev["correlation_id"].to_numpy(dtype="float64", na_value=np.nan), *api_calls))
@@ -291,8 +305,8 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         kind = "cpu"
         if cpu is None:
             raise InputError(f"{xs.path}: no /host:CPU or device plane: not a JAX/XLA profile")
-        both = cpu.events(stats=(*OP_STATS, "run_id", "_p", "_c"), require=("hlo_op", "step_num"),
-                          names=HOST_EVENT_NAMES)
+        both = _checked_ids(cpu.events(stats=(*OP_STATS, "run_id", "_p", "_c"), require=("hlo_op", "step_num"),
+                                       names=HOST_EVENT_NAMES), info)
         step_events = both[both["step_num"].notna()]
         ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
         ends = _name_mask(both["name"], r"end: ")
@@ -304,7 +318,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         launch, info["executions_matched"] = launch_times(host_ops, launches)
         ev = ev.assign(launch_ps=launch)
         del both, host_ops
-        ordinal = ev["device_ordinal"].to_numpy(dtype="float64", na_value=0).astype(np.int64)
+        ordinal = ev["device_ordinal"].to_numpy(dtype="int64", na_value=0)
         uniq, inv = np.unique(ordinal, return_inverse=True)
         ev = ev.assign(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]))
         frames.append(ev)
@@ -337,7 +351,8 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     if fw_steps is not None and len(fw_steps):
         return out, fw_steps.reset_index(drop=True), kind, desc, "Steps", stats, info
     if kind == "tpu":
-        step_events = cpu.events(stats=("step_num",), require=("step_num",)) if cpu else pd.DataFrame()
+        step_events = _checked_ids(cpu.events(stats=("step_num",), require=("step_num",)), info) if cpu \
+            else pd.DataFrame()
     steps, ann = _steps_from_events(step_events, host)
     return out, steps, kind, desc, ann, stats, info
 
@@ -412,7 +427,7 @@ def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> tuple[pd.DataFra
     return ops.assign(duration_ps=dur + extra), (int((extra > 0).sum()), int(extra.sum()), int(dur.sum()))
 
 
-def _tpu_ops(planes: Sequence, host: str, xs) -> tuple[list[pd.DataFrame], pd.DataFrame]:
+def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:
     """Op events of TPU core planes: the ``XLA Ops`` line (one event per HLO op execution; the event metadata's
     display name is the instruction, its stats ``program_id`` and libtpu's ``flops`` / ``bytes_accessed``), the
     module from the enclosing ``XLA Modules`` event (``<module>(<program_id>)``), steps from the ``Steps`` line.
@@ -422,11 +437,12 @@ def _tpu_ops(planes: Sequence, host: str, xs) -> tuple[list[pd.DataFrame], pd.Da
         ops_lines = [line for line in p.lines if line.name == "XLA Ops"]
         if not ops_lines:
             continue
-        ev = p.events(lines=ops_lines, stats=("program_id", *TPU_COST_STATS))
+        ev = _checked_ids(p.events(lines=ops_lines, stats=("program_id", *TPU_COST_STATS)), info)
         ev = ev[ev["start_ps"] != AGGREGATE_START_PS]
         mods = p.events(lines=[line for line in p.lines if line.name == "XLA Modules"])
         module = np.full(len(ev), "", dtype=object)
-        pid = ev["program_id"].to_numpy(dtype="float64", na_value=np.nan)
+        pid_na = ev["program_id"].isna().to_numpy().copy()
+        pid = ev["program_id"].to_numpy(dtype="int64", na_value=0).copy()
         if len(mods):
             mods = mods.sort_values("start_ps", kind="stable")
             starts, ends = mods["start_ps"].to_numpy(), (mods["start_ps"] + mods["duration_ps"]).to_numpy()
@@ -436,11 +452,11 @@ def _tpu_ops(planes: Sequence, host: str, xs) -> tuple[list[pd.DataFrame], pd.Da
             for i in np.flatnonzero(inside):
                 m = re.fullmatch(r"(.*)\((\d+)\)", names[idx[i]])
                 module[i] = m.group(1) if m else names[idx[i]]
-                if m and np.isnan(pid[i]):
-                    pid[i] = int(m.group(2))
+                if m and pid_na[i] and int(m.group(2)) < 2**63:
+                    pid[i], pid_na[i] = int(m.group(2)), False
         frame = pd.DataFrame({
-            "device": f"{host}/{p.name}", "program_id": pd.array(np.where(np.isnan(pid), np.nan, pid), "Float64")
-            .astype("Int64"), "hlo_module": module, "hlo_op": ev["display_name"].astype(str).to_numpy(),
+            "device": f"{host}/{p.name}", "program_id": pd.arrays.IntegerArray(pid, pid_na),
+            "hlo_module": module, "hlo_op": ev["display_name"].astype(str).to_numpy(),
             "start_ps": ev["start_ps"].to_numpy(), "duration_ps": ev["duration_ps"].to_numpy(), "kernel": "",
             "attributed": True,
         })
@@ -501,28 +517,84 @@ def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
     return steps, name
 
 
-def _json_ids(values: pd.Series) -> pd.arrays.IntegerArray:
-    """Integer ids (program / run ids) from trace JSON ``args`` strings; anything not an integer below 2^62
-    (text, fractions, NaN, 2^70) becomes NA instead of failing the cast."""
-    raw = pd.to_numeric(values.astype(object), errors="coerce").to_numpy(np.float64)
-    ok = np.isfinite(raw) & (raw == np.floor(raw)) & (np.abs(raw) < 2.0**62)
-    return pd.arrays.IntegerArray(np.where(ok, raw, 0).astype(np.int64), ~ok)
+def _as_id(x: object, lo: int) -> int | None:
+    """An integer in [lo, 2^63) from a stat or args value (int, integral float, or text of one), else None."""
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, str):
+        try:
+            x = int(x)
+        except ValueError:
+            try:
+                x = float(x)
+            except ValueError:
+                return None
+    if isinstance(x, (float, np.floating)):
+        if not np.isfinite(x) or x != np.floor(x):
+            return None
+        x = int(x)
+    if not isinstance(x, (int, np.integer)):
+        return None
+    return int(x) if lo <= int(x) < 2**63 else None
 
 
-def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+def _ids(values: pd.Series, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, int]:
+    """Integer ids (program, run, correlation ids, step numbers, ordinals) as ``Int64``: anything that is not an
+    integer in [lo, 2^63) (text, fractions, NaN, 2^70, or a negative program id) becomes NA. Also returns how
+    many values were present but invalid. Exact for every int64 (no float round trip)."""
+    if isinstance(values.dtype, pd.Int64Dtype):
+        v = values.to_numpy(np.int64, na_value=0)
+        present = values.notna().to_numpy()
+        ok = present & (v >= lo)
+        return pd.arrays.IntegerArray(np.where(ok, v, 0), ~ok), int((present & ~ok).sum())
+    codes, uniq = pd.factorize(values.astype(object), use_na_sentinel=True)
+    conv = [_as_id(u, lo) for u in uniq]
+    good = np.array([c is not None for c in conv] + [False])
+    vals = np.array([c if c is not None else 0 for c in conv] + [0], np.int64)
+    idx = np.where(codes >= 0, codes, len(uniq))
+    return pd.arrays.IntegerArray(vals[idx], ~good[idx]), int(((codes >= 0) & ~good[idx]).sum())
+
+
+ID_STATS = {"program_id": 0, "step_num": 0, "device_ordinal": 0, "run_id": -2**63,
+            "correlation_id": -2**63}  # integer stats and the least valid value of each
+FLOW_STATS = ("_p", "_c")  # uint64 flow ids (may exceed 2^63): compared as float64
+
+
+def _checked_ids(df: pd.DataFrame, counts: dict[str, int]) -> pd.DataFrame:
+    """``df`` with its integer stats (:data:`ID_STATS`) as valid ``Int64`` ids and its flow ids as float64;
+    invalid values (a corrupt stat of the wrong type or range) become NA and are counted in
+    ``counts["bad:<stat>"]``."""
+    cols = {}
+    for name, lo in ID_STATS.items():
+        if name in df:
+            cols[name], bad = _ids(df[name], lo)
+            if bad:
+                counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
+    for name in FLOW_STATS:
+        if name in df and not pd.api.types.is_numeric_dtype(df[name].dtype):
+            raw = df[name].astype(object)
+            cols[name] = pd.to_numeric(raw, errors="coerce").astype(np.float64)
+            bad = int((raw.notna() & cols[name].isna()).sum())
+            if bad:
+                counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
+    return df.assign(**cols) if cols else df
+
+
+def _trace_json_events(tj, path: Path, counts: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     host = _host_of(str(path))
     ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num", "run_id"))
+    ev = _checked_ids(ev, counts)
     ops = ev[ev["hlo_op"].notna() & ev["plane"].astype(str).str.startswith(("/host:CPU", "/device:"))]
-    run_id = _json_ids(ops["run_id"])
+    run_id = ops["run_id"].array
     named = ev[ev["name"].astype(str).str.match(HOST_EVENT_NAMES).to_numpy(bool) & ev["hlo_op"].isna().to_numpy()]
     launches = launch_events(named.assign(line_id=named["tid"]))
     launch, _ = launch_times(pd.DataFrame({"module": ops["hlo_module"].astype(str).to_numpy(), "run_id": run_id,
                                            "start_ps": ops["start_ps"].to_numpy(np.int64)}), launches)
-    ordinal = pd.to_numeric(ops["device_ordinal"].astype(object), errors="coerce").fillna(0).astype("int64")
+    ordinal = ops["device_ordinal"].fillna(0).astype("int64")
     out = pd.DataFrame({
         "host": pd.Categorical([host] * len(ops)),
         "device": pd.Categorical(host + "/cpu:" + ordinal.astype(str)),
-        "program_id": _json_ids(ops["program_id"]),
+        "program_id": ops["program_id"].array,
         "module": ops["hlo_module"].astype(str).astype("category"),
         "hlo_op": ops["hlo_op"].astype(str).astype("category"),
         "start_ps": ops["start_ps"].to_numpy(np.int64),
@@ -532,9 +604,7 @@ def _trace_json_events(tj, path: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]
         "run_id": run_id,
         "launch_ps": pd.array(launch, "Float64").astype("Int64"),
     })
-    step_ev = ev[ev["step_num"].notna()].copy()
-    step_ev["step_num"] = pd.to_numeric(step_ev["step_num"].astype(object), errors="coerce")
-    steps, ann = _steps_from_events(step_ev[step_ev["step_num"].notna()], host)
+    steps, ann = _steps_from_events(ev[ev["step_num"].notna()], host)
     return out, steps, ann
 
 
@@ -602,14 +672,17 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule]) -> tuple[n
         by_name.setdefault(m.name, []).append(i)
     names = events["module"].astype("category")
     mcodes = names.cat.codes.to_numpy().astype(np.int64)
-    pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)
-    codes, uniques = pd.factorize(mcodes * (1 << 40) + (pid + 1))
+    pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)  # ids are checked: NA or in [0, 2^63)
+    pcodes, pids = pd.factorize(pid)
+    width = max(len(pids), 1)
+    codes, uniques = pd.factorize(mcodes * width + pcodes)  # (module, program id) pairs; no overflow: both < n
     cats = list(names.cat.categories)
     chosen = np.full(len(uniques), -1, np.int64)
     unmatched, ambiguous = set(), set()
     for u, key in enumerate(uniques):
-        name = cats[int(key) >> 40] if int(key) >> 40 < len(cats) else ""
-        p = int(key) % (1 << 40) - 1
+        mi, pi = divmod(int(key), width)
+        name = cats[mi] if 0 <= mi < len(cats) else ""
+        p = int(pids[pi])
         idx = -1
         if p >= 0 and p in by_id:
             if modules[by_id[p]].name == name:

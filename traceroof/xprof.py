@@ -4,7 +4,8 @@ XProf computed these rows from a profile we do not have (TPU ``XLA Ops`` with li
 bytes), so the rows carry XProf's numbers: FLOPs = ``model_flop_rate`` (GFLOP/s) x total time, HBM bytes =
 ``hbm_bw`` (GiB/s, ``docs/reference/cost-model.md`` §7) x total time. Our own parser reads each row's HLO
 instruction text for opcode, shapes, dtype and tile padding; scopes come from the framework-op column.
-XProf's devices are TensorCores: on megacore chips (two TensorCores per chip) the chip's figures are halved.
+XProf's devices are JAX's: one TensorCore of a TPU v2/v3 chip, a whole v4/v5p megacore chip (the rule of
+:func:`traceroof.chips.per_device_chip`), unless the roofline export says megacore is off.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pandas as pd
 from parsers.errors import HloParseError
 from parsers.hlo_text import parse_hlo_text
 from parsers.xprof_export import ExportContext, read_export_context, read_hlo_stats
-from traceroof.chips import Chip, Figure
+from traceroof.chips import Chip, Figure, per_device_chip
 from traceroof.collectives import classify
 from traceroof.cost import CostModel, _sizes
 from traceroof.findings import is_retiling
@@ -46,18 +47,22 @@ def _category(xprof: str, opcode: str) -> str:
 
 
 def per_core_chip(chip: Chip, ctx: ExportContext) -> tuple[Chip, str]:
-    """The chip's figures per TensorCore when XProf's devices are cores of a multi-core (megacore) chip."""
+    """The chip's figures per XProf device. The rule of :func:`traceroof.chips.per_device_chip`: TPU v2/v3
+    devices are single TensorCores (figures / ``devices_per_chip``), v4/v5p megacore devices whole chips; except
+    that a roofline export saying ``megacore: 0`` on a chip of several TensorCores makes each device one core."""
+    per, note = per_device_chip(chip)
     cores = int(chip.value("compute.tensorcores_per_chip", 1) or 1)
-    if cores <= 1:
-        return chip, ""
-    figures = {k: (Figure(float(f.value) / cores, f.source + f"; / {cores} TensorCores per chip")
-                   if k.startswith("peak_flops_per_s.") or k == "memory.hbm_bandwidth_bytes_per_s" else f)
-               for k, f in chip.figures.items()}
-    note = (f"XProf devices are TensorCores: {chip.name} figures / {cores} per core"
-            + (f" (the export claims {ctx.peak_flops_per_s / 1e12:.4g} TFLOP/s and "
-               f"{ctx.peak_hbm_bytes_per_s / 1e9:.4g} GB/s per core)" if ctx.peak_flops_per_s and
-               ctx.peak_hbm_bytes_per_s else ""))
-    return dataclasses.replace(chip, figures=figures, name=f"{chip.name} (per TensorCore)"), note
+    if per is chip and cores > 1 and ctx.megacore is False:
+        figures = {k: (Figure(float(f.value) / cores, f.source + f"; / {cores} TensorCores per chip (megacore off)")
+                       if k.startswith("peak_flops_per_s.") or k == "memory.hbm_bandwidth_bytes_per_s" else f)
+                   for k, f in chip.figures.items()}
+        per = dataclasses.replace(chip, figures=figures, name=f"{chip.name} (per TensorCore)")
+        note = (f"the roofline export says megacore is off: each XProf device is one of {chip.name}'s {cores} "
+                "TensorCores")
+    if per is not chip and ctx.peak_flops_per_s and ctx.peak_hbm_bytes_per_s:
+        note += (f" (the export claims {ctx.peak_flops_per_s / 1e12:.4g} TFLOP/s and "
+                 f"{ctx.peak_hbm_bytes_per_s / 1e9:.4g} GB/s per device)")
+    return per, note
 
 
 def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, ExportContext, list[str]]:
@@ -135,7 +140,7 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
     for col in ("opcode", "category", "dtype", "scope", "phase", "layer", "module", "hlo_op", "device", "host"):
         ops[col] = ops[col].astype("category")
     ops["step"] = pd.array(ops["step"], "Int64")
-    ops["program_id"] = pd.array([int(x) if str(x).strip().lstrip("-").isdigit() else pd.NA
-                                  for x in ops["program_id"]], "Int64")
+    ops["program_id"] = pd.array([int(x) if str(x).strip().isascii() and str(x).strip().isdigit() and int(x) < 2**63 else pd.NA
+                                  for x in ops["program_id"]], "Int64")  # XProf's ids: fingerprints below 2^63
     ops["duration_ps"] = ops["duration_ps"].astype(np.int64)
     return ops, ctx, notes
