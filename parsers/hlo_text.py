@@ -527,7 +527,7 @@ def _parse_backend_config(text: str | None) -> object:
     raw = _unquote(text) if text.startswith('"') else text
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the decoder recurses: kept as text
         return raw
 
 

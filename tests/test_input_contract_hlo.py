@@ -419,3 +419,45 @@ def test_garbage_device_stats_are_ignored_by_chip_detection():
     with pytest.raises(ChipError, match="unknown device") as err:
         detect_chip({"compute_cap_major": "nine\nlines", "memory_size": -1})
     assert "\n" not in str(err.value)
+
+
+def test_a_deeply_nested_backend_config_is_kept_as_text_not_a_recursion():
+    depth = 200_000
+    text = ("HloModule m\n\nENTRY e {\n  p = f32[4]{0} parameter(0)\n"
+            f"  ROOT c = f32[4]{{0}} custom-call(p), custom_call_target=\"foo\", backend_config=\"{'[' * depth}{']' * depth}\"\n}}\n")
+    (module,) = parse_hlo_text(text, "deep.txt")
+    (inst,) = [i for c in module.computations.values() for i in c.instructions if i.opcode == "custom-call"]
+    assert isinstance(inst.backend_config, str) and inst.backend_config.startswith("[[[")
+
+
+def _with_corrupt_embedded_hlo(tmp_path):
+    from parsers.xspace import parse_full
+    from tests.conftest import fixture_xplane
+
+    xs = parse_full(fixture_xplane("transformer"))
+    (meta,) = [p for p in xs.planes if p.name == "/host:metadata"]
+    hlo_stat = next(k for k, m in meta.stat_metadata.items() if m.name == "Hlo Proto")
+    broken = 0
+    for em in meta.event_metadata.values():
+        for st in em.stats:
+            if st.metadata_id == hlo_stat and "train_step" in em.name:
+                st.bytes_value = b"\x0a\x05" + b"\xff" * 40  # a module name cut short, then garbage
+                broken += 1
+    assert broken == 1
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "vm.xplane.pb").write_bytes(xs.SerializeToString())
+    return run
+
+
+def test_a_corrupt_embedded_hloproto_is_skipped_with_a_note_and_a_dump_takes_its_place(tmp_path):
+    import traceroof
+
+    run = _with_corrupt_embedded_hlo(tmp_path)
+    a = traceroof.analyze(run, hlo=[FIXTURES / "transformer" / "hlo"], chip="h100")
+    notes = a.summary.notes
+    assert any("HloProto of jit_train_step in the profile does not decode" in n for n in notes), notes
+    assert a.summary.flops_per_step > 0 and a.summary.join.events_joined == a.summary.join.events_total
+    partial = traceroof.analyze(run, chip="h100")  # no other HLO: a partial report that says what is missing
+    assert any("does not decode" in n for n in partial.summary.notes)
+    assert any("times only" in n for n in partial.summary.notes), partial.summary.notes

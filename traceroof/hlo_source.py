@@ -118,10 +118,13 @@ def embedded_hlo(xs) -> list[tuple[int | None, str, bytes, str]]:
 
 
 def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, bytes, str]],
-                sidecars: Sequence[Path]) -> list[tuple[HloModule, str]]:
+                sidecars: Sequence[Path], notes: list[str] | None = None) -> list[tuple[HloModule, str]]:
     """Modules decoded from the profile's own HloProtos (embedded, then sidecar files) for the programs the
     events ran, with how each was found (``embedded`` / ``sidecar``). Matched by program id (by name only
-    for events without ids)."""
+    for events without ids). An embedded HloProto that does not decode is skipped with a note in ``notes`` (a
+    dump of the program is used instead; else its ops stay unjoined and the report says so); a sidecar file that
+    does not decode raises :class:`HloParseError`, as an unparsable dump does.
+    """
     ids, _ = _profiled(events)
     names = set(events.loc[events["program_id"].isna(), "module"].astype(str).unique())
     candidates: list[tuple[int | None, str, str, Callable[[], HloModule]]] = [
@@ -136,7 +139,14 @@ def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, byte
     seen_names: set[str] = set()
     for pid, name, how, load in candidates:
         if (pid is not None and pid in ids and pid not in seen_ids) or (name in names and name not in seen_names):
-            module = load()
+            try:
+                module = load()
+            except HloParseError as e:
+                if notes is None or how != "embedded":
+                    raise
+                notes.append(f"an HloProto of {name} in the profile does not decode, skipped: "
+                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                continue
             if pid is not None:
                 module.program_id = pid
                 seen_ids.add(pid)

@@ -229,7 +229,7 @@ def load_profile(inputs: Inputs) -> Profile:
         notes.append(f"{counts['async_thunks']:,} op events are launches of asynchronous thunks: their time runs "
                      f"to the thunk's `end:` event (+{counts['async_extra_ps'] / counts['op_ps']:.0%} op time)")
     events, steps, annotation = _steps_by_execution(events, steps, annotation, notes)
-    extra = profile_hlo(events, embedded, inputs.hlo_proto_files)
+    extra = profile_hlo(events, embedded, inputs.hlo_proto_files, notes)
     truth = [m for m, _ in extra]
     texts = parse_dumps(relevant_dumps(inputs.hlo_files, events), events, notes,
                         covered={m.program_id for m in truth if m.program_id is not None})
