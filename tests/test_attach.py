@@ -38,7 +38,7 @@ def _cli(*args, timeout=120):
 def test_attach_profiles_a_window_and_writes_reports(tmp_path):
     script = LOOP + f"""
 import logging, traceroof, traceroof.analysis
-logging.basicConfig(level=logging.WARNING)
+logging.basicConfig(level=logging.INFO)
 def in_the_job(*args, **kwargs):
     raise RuntimeError("the analysis ran inside the training process")
 traceroof.analysis.analyze = in_the_job  # the analysis must run in its own process, which imports the real one

@@ -80,7 +80,10 @@ def one_line(analysis: object) -> str:
 
     s = analysis.summary  # type: ignore[attr-defined]
     layers = analysis.layers  # type: ignore[attr-defined]
-    worst = f"; worst layer {layers.iloc[0]['layer']} ({layers.iloc[0]['phase']})" if len(layers) else ""
+    worst = ""
+    if len(layers):
+        layer, phase = layers.iloc[0]["layer"], layers.iloc[0]["phase"]
+        worst = f"; worst layer {layer}" + ("" if layer == f"({phase})" else f" ({phase})")
     return printable(f"step {s.step_time_mean_s * 1e3:.3f} ms over {len(s.steps_used)} steps, MFU {s.mfu:.1%}, "
                      f"roofline efficiency {s.roofline_efficiency:.1%}, exposed comm "
                      f"{s.exposed_comm_per_step_s * 1e3:.3f} ms{worst}")
@@ -303,7 +306,7 @@ class Attachment:
                 return
             paths = tuple(Path(p) for p in answer["reports"])
             self.reports += paths
-            log.warning("traceroof: %s", answer["line"])
+            log.info("traceroof: %s", answer["line"])
             if self.on_report is not None:
                 self.on_report(WindowReport(window, paths, answer["line"], answer["summary"]))
         except Exception as e:  # noqa: BLE001 - a report failure must not reach the job
