@@ -225,16 +225,16 @@ def load_profile(inputs: Inputs) -> Profile:
         notes.append(f"op events with an id stat that is not a valid integer (corrupt stats) lost it: "
                      f"{', '.join(f'{n:,} {k}' for k, n in sorted(bad_ids.items()))}; they join to HLO and steps "
                      "without it")
-    if counts.get("async_extra_ps", 0) > ASYNC_NOTE_SHARE * counts.get("op_ps", 0):
-        notes.append(f"{counts['async_thunks']:,} op events are launches of asynchronous thunks: their time runs "
-                     f"to the thunk's `end:` event (+{counts['async_extra_ps'] / counts['op_ps']:.0%} op time)")
-    events, steps, annotation = _steps_by_execution(events, steps, annotation, notes)
-    extra = profile_hlo(events, embedded, inputs.hlo_proto_files, notes)
+    hlo_notes: list[str] = []  # stated after the step notes, as before async ends needed the HLO
+    extra = profile_hlo(events, embedded, inputs.hlo_proto_files, hlo_notes)
     truth = [m for m, _ in extra]
-    texts = parse_dumps(relevant_dumps(inputs.hlo_files, events), events, notes,
+    texts = parse_dumps(relevant_dumps(inputs.hlo_files, events), events, hlo_notes,
                         covered={m.program_id for m in truth if m.program_id is not None})
-    dumps, superseded = reconcile(texts, truth, notes)
+    dumps, superseded = reconcile(texts, truth, hlo_notes)
     check_dumps(dumps, events)
+    events = _bound_async_ends(events, truth + dumps, notes)
+    events, steps, annotation = _steps_by_execution(events, steps, annotation, notes)
+    notes += hlo_notes
     sources = {"HLO text dumps": len(dumps),
                "HloProtos embedded in the profile": sum(1 for _, how in extra if how == "embedded"),
                "HloProto files beside the profile": sum(1 for _, how in extra if how == "sidecar"),
@@ -310,7 +310,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         step_events = both[both["step_num"].notna()]
         ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
         ends = _name_mask(both["name"], r"end: ")
-        ev, (info["async_thunks"], info["async_extra_ps"], info["op_ps"]) = _async_thunk_ends(ev, both[ends])
+        ev = _async_thunk_ends(ev, both[ends])
         launches = launch_events(both[_name_mask(both["name"], HOST_EVENT_NAMES) & ~ends
                                       & both["hlo_op"].isna().to_numpy()])
         info["launches"] = len(launches)
@@ -343,6 +343,8 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         "launch_ps": pd.array(events["launch_ps"].to_numpy(np.float64), "Float64").astype("Int64")
         if "launch_ps" in events else pd.array([pd.NA] * len(events), "Int64"),
     })
+    if len(events) and "async_end_ps" in events:
+        out["async_end_ps"] = pd.array(events["async_end_ps"], "Int64")
     if len(events) and "framework_scope" in events:
         out["framework_scope"] = pd.Categorical(events["framework_scope"])
     for st in TPU_COST_STATS:
@@ -359,6 +361,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
 
 TPU_COST_STATS = ("flops", "model_flops", "bytes_accessed")
 ASYNC_NOTE_SHARE = 0.05  # async thunk ends adding more than this share of op time are stated in a note
+ASYNC_CUT_NOTE_SHARE = 0.01  # async thunk ends cut by more than this share of op time get a note of their own
 # host events read besides ops and steps: async thunk ends, PjRt launches and the PjitFunction events around them
 HOST_EVENT_NAMES = r"end: |PjitFunction\(|(?:\w+::)*\w*PjRt\w*Executable::Execute"
 
@@ -383,14 +386,16 @@ def _name_mask(names: pd.Series, pattern: str) -> np.ndarray:
     return hit[np.where(cat.codes >= 0, cat.codes, len(cat.categories))]
 
 
-def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> tuple[pd.DataFrame, tuple[int, int, int]]:
-    """XLA:CPU async thunks: an op event may be only the launch of a thunk that completes at its ``end: <op>``
-    event, linked by the flow stats (the op's producer ``_p`` = the end event's consumer ``_c``; xla
-    ``backends/cpu/runtime/thunk_executor.cc``). The op's time runs to the end event, less the time the completing
-    thread spent in other op events meanwhile (a completion delayed because that thread ran other ops is
-    scheduling, not this op's work). Returns the ops and (events extended, ps added, op ps before)."""
+def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> pd.DataFrame:
+    """XLA:CPU async thunks: an op event may be only the launch of a thunk that completes later; its ``end: <op>``
+    event is linked by the flow stats (the op's producer ``_p`` = the end event's consumer ``_c``; xla
+    ``backends/cpu/runtime/thunk_executor.cc`` ``TracedExecute``). Returns the ops with ``async_end_ps``: the end
+    that event implies, less the time the completing thread spent in other op events meanwhile (a completion
+    delayed because that thread ran other ops is scheduling, not this op's work); NA where the event does not
+    end after the op event. Durations are unchanged: :func:`_bound_async_ends` bounds these ends by the HLO."""
+    implied = pd.array([pd.NA] * len(ops), "Int64")
     if ops.empty or ends.empty or "_p" not in ops or "_c" not in ends:
-        return ops, (0, 0, 0)
+        return ops.assign(async_end_ps=implied)
     e = pd.DataFrame({"c": ends["_c"].to_numpy(dtype="float64", na_value=np.nan),
                       "end": (ends["start_ps"] + ends["duration_ps"]).to_numpy(np.int64),
                       "line": ends["line_id"].to_numpy(np.int64)}).dropna().drop_duplicates("c", keep="last")
@@ -405,7 +410,7 @@ def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> tuple[pd.DataFra
     done[has] = e["end"].to_numpy()[idx[has].astype(np.int64)]
     grow = has & (done > old_end)
     if not grow.any():
-        return ops, (0, 0, int(dur.sum()))
+        return ops.assign(async_end_ps=implied)
     extra = (done - old_end).astype(np.float64)
     end_line = np.full(len(ops), -1, np.int64)
     end_line[has] = e["line"].to_numpy()[idx[has].astype(np.int64)]
@@ -423,8 +428,167 @@ def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> tuple[pd.DataFra
 
         sel = grow & (end_line == line)
         extra[sel] -= busy(done[sel]) - busy(old_end[sel])
-    extra = np.where(grow, np.maximum(extra, 0), 0).astype(np.int64)
-    return ops.assign(duration_ps=dur + extra), (int((extra > 0).sum()), int(extra.sum()), int(dur.sum()))
+    extra = np.maximum(extra, 0).astype(np.int64)
+    grow &= extra > 0
+    return ops.assign(async_end_ps=pd.arrays.IntegerArray(old_end + extra, ~grow))
+
+
+NO_BOUND_PS = np.iinfo(np.int64).max
+
+
+def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], notes: list[str]) -> pd.DataFrame:
+    """Stretch async-thunk launches to the ends :func:`_async_thunk_ends` found, bounded by later work that
+    needed the result; drop ``async_end_ps``. Notes state the stretch (over ``ASYNC_NOTE_SHARE`` of op time,
+    with the number of ends cut) and, on their own, ends cut by over ``ASYNC_CUT_NOTE_SHARE`` of op time.
+
+    The ``end:`` event is not the thunk's completion but when the completion callback ran, which can be much
+    later: XLA registers the trace callback on the thunk's event before the executor registers its continuation,
+    and ``tsl::AsyncValue`` runs waiters newest first (``xla/tsl/concurrency/async_value.cc`` ``EnqueueWaiter``
+    / ``RunWaiters``), so the completing thread first runs the continuation (the thunks that became ready, in
+    sequence or by the execution graph, possibly to the end of the execution and PjRt's completion work) and
+    only then emits ``end:``; a descheduled thread delays it further (a profile showed ``end:`` events 1.7 and
+    2.2 ms after a 25 µs weight-gradient convolution, while the next step's convolution reading those weights
+    had already started; in the transformer fixture 166 of 273 such ends lie after an op reading the result had
+    started, by 0.955 ms in all, 0.4% of op time). Two bounds cut the end:
+
+    (a) the first start, in the same execution (host, device, ``run_id``), of an op that uses the result: an
+        instruction reading it in the HLO, looked through instructions with no op events (bitcasts, tuples).
+        The executor launches a thunk only after every thunk it reads from completed (``ExecutionGraph`` edges
+        include all data dependencies), in sequential and concurrent mode alike.
+    (b) the first op start of the next execution of the same program on that device, when the two executions'
+        op events do not otherwise overlap. An assumption, not a fact of XLA: successive executions of a program
+        are successive steps, and a training step reads the state the previous one wrote. It matters only for
+        an op no later op of its execution reads (its result an output of the program).
+
+    A bound by the execution's last other op end is not used: an async thunk may be the execution's last work
+    (its result an output), and then its real end is after every other op's. Without HLO only (b) applies.
+    """
+    if "async_end_ps" not in events:
+        return events
+    implied_col = pd.array(events["async_end_ps"], "Int64")
+    events = events.drop(columns="async_end_ps")
+    start = events["start_ps"].to_numpy(np.int64)
+    end = start + events["duration_ps"].to_numpy(np.int64)
+    grow = ~implied_col.isna()
+    implied = implied_col.to_numpy(np.int64, na_value=0)
+    grow &= implied > end
+    if not grow.any():
+        return events
+    by_user = _first_user_starts(events, modules, grow)
+    by_next = _next_execution_starts(events, grow)
+    new_end = np.where(grow, np.maximum(end, np.minimum(implied, np.minimum(by_user, by_next))), end)
+    cut_user = grow & (by_user < implied) & (by_user <= by_next)
+    cut_next = grow & (by_next < implied) & ~cut_user
+    op_ps = int((end - start).sum())
+    extra_ps = int((new_end - end).sum())
+    cut = cut_user | cut_next
+    removed_ps = int((implied - new_end)[cut].sum())
+    if removed_ps > ASYNC_CUT_NOTE_SHARE * op_ps:
+        notes.append(f"{int(cut.sum()):,} async thunk ends came after later work had started (their `end:` event "
+                     f"is when the completion was processed, not the op's end): their time is cut at the first "
+                     f"start of an op using the result ({int(cut_user.sum()):,}) or of the program's next "
+                     f"execution ({int(cut_next.sum()):,}), {removed_ps / 1e9:,.3f} ms of op time removed")
+    if extra_ps > ASYNC_NOTE_SHARE * op_ps:
+        notes.append(f"{int((new_end > end).sum()):,} op events are launches of asynchronous thunks: their time "
+                     f"runs to the thunk's `end:` event (+{extra_ps / op_ps:.0%} op time"
+                     + (f"; {int(cut.sum()):,} ends cut at later work that needed the result" if cut.any() else "")
+                     + ")")
+    return events.assign(duration_ps=new_end - start)
+
+
+def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow: np.ndarray) -> np.ndarray:
+    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first start after its own of an op event of
+    the same host, device and execution whose instruction uses the event's result (bound (a) of
+    :func:`_bound_async_ends`)."""
+    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    if not modules or "run_id" not in events:
+        return out
+    mod, _ = match_modules(events, modules)
+    run = events["run_id"].to_numpy(dtype="int64", na_value=0)
+    sel = np.flatnonzero(grow & (mod >= 0) & events["run_id"].notna().to_numpy(bool))
+    if not sel.size:
+        return out
+    op_code, op_names = pd.factorize(events["hlo_op"].astype(object))
+    code_of = {n: i for i, n in enumerate(op_names)}
+    host = pd.factorize(events["host"].astype(object))[0]
+    device = pd.factorize(events["device"].astype(object))[0]
+    start = events["start_ps"].to_numpy(np.int64)
+    users: dict[tuple[int, int], set[int]] = {}
+    for m in np.unique(mod[sel]):
+        evented = {str(op_names[c]) for c in np.unique(op_code[mod == m])}
+        graph = _users(modules[m])
+        for c in np.unique(op_code[sel[mod[sel] == m]]):
+            users[(int(m), int(c))] = {code_of[u] for u in _evented_users(str(op_names[c]), graph, evented)}
+    wanted = set().union(*users.values())
+    runs = np.unique(run[sel])
+    cand = np.flatnonzero(np.isin(mod, np.unique(mod[sel])) & np.isin(run, runs) & np.isin(op_code, list(wanted))
+                          & events["run_id"].notna().to_numpy(bool))
+    keys = pd.DataFrame({"h": host[cand], "d": device[cand], "m": mod[cand], "r": run[cand], "o": op_code[cand]})
+    groups = {k: np.sort(start[cand[v]]) for k, v in keys.groupby(["h", "d", "m", "r", "o"]).indices.items()}
+    for i in sel:
+        best = NO_BOUND_PS
+        for u in users[(int(mod[i]), int(op_code[i]))]:
+            starts = groups.get((host[i], device[i], mod[i], run[i], u))
+            if starts is not None:
+                j = np.searchsorted(starts, start[i], side="right")
+                if j < len(starts):
+                    best = min(best, int(starts[j]))
+        out[i] = best
+    return out
+
+
+def _users(module: HloModule) -> dict[str, list[str]]:
+    """Instruction name -> names of the instructions that read it (operands name instructions of the same
+    computation; names are unique in a module)."""
+    graph: dict[str, list[str]] = {}
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            for o in inst.operands:
+                graph.setdefault(o, []).append(inst.name)
+    return graph
+
+
+def _evented_users(name: str, graph: dict[str, list[str]], evented: set[str]) -> set[str]:
+    """The instructions with op events that read ``name``, directly or through instructions without events."""
+    found: set[str] = set()
+    seen = {name}
+    todo = list(graph.get(name, ()))
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u in evented:
+            found.add(u)
+        else:
+            todo.extend(graph.get(u, ()))
+    return found
+
+
+def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray:
+    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first op start of the next execution of its
+    program on its host and device, when the two executions' op events do not overlap (bound (b) of
+    :func:`_bound_async_ends`)."""
+    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    if "run_id" not in events:
+        return out
+    has_run = events["run_id"].notna().to_numpy(bool)
+    if not (grow & has_run).any():
+        return out
+    start = events["start_ps"].to_numpy(np.int64)
+    d = pd.DataFrame({"h": events["host"].to_numpy(object), "d": events["device"].to_numpy(object),
+                      "m": events["module"].to_numpy(object),
+                      "p": events["program_id"].to_numpy(dtype="int64", na_value=-1),
+                      "r": events["run_id"].to_numpy(dtype="int64", na_value=0),
+                      "s": start, "e": start + events["duration_ps"].to_numpy(np.int64)})[has_run]
+    key = ["h", "d", "m", "p"]
+    ex = d.groupby([*key, "r"], sort=False).agg(s=("s", "min"), e=("e", "max")).reset_index()
+    ex = ex.sort_values([*key, "s"], kind="stable")
+    nxt = ex.groupby(key, sort=False)["s"].shift(-1, fill_value=NO_BOUND_PS).to_numpy(np.int64)
+    ex["bound"] = np.where(ex["e"].to_numpy(np.int64) <= nxt, nxt, NO_BOUND_PS)
+    g = d[grow[has_run]].reset_index().merge(ex[[*key, "r", "bound"]], on=[*key, "r"], how="left")
+    out[g["index"].to_numpy()] = g["bound"].to_numpy(np.int64)
+    return out
 
 
 def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:
