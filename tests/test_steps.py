@@ -197,3 +197,14 @@ def test_trace_json_with_garbage_ids_is_read_not_crashed(job, tmp_path):
     a = analyze(broken, chip=str(HOST_CHIP))  # ids unusable: events still read, as NA ids, no exception
     assert a.summary.join.events_total > 0
     assert a.ops["program_id"].isna().all() and a.ops["run_id"].isna().all()
+
+
+def test_device_step_spans_are_never_negative_and_follow_every_earlier_step():
+    from traceroof.steps import device_step_spans
+
+    steps = pd.DataFrame({"host": ["h", "h", "h"], "step": pd.array([0, 1, 2], "Int64")})
+    # step 0 runs 0-100 ps; step 1's only op (10-50 ps) ran inside it; step 2 starts at 60 ps and ends at 300 ps
+    spans = device_step_spans(np.array([0, 1, 2]), np.array(["h", "h", "h"]), np.array([0, 10, 60]),
+                              np.array([100, 50, 300]), steps)
+    got = list(zip(spans["device_start_ps"].astype(int), spans["device_end_ps"].astype(int)))
+    assert got == [(0, 100), (50, 50), (100, 300)]  # step 2 starts after step 0's end, not only step 1's

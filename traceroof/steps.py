@@ -215,7 +215,8 @@ def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.D
 def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, when_ps: np.ndarray, end_ps: np.ndarray,
                       steps: pd.DataFrame) -> pd.DataFrame:
     """``steps`` with ``device_start_ps`` / ``device_end_ps``: per host and step, the first launch (no earlier
-    than the previous step's last op end) and the last op end of the step's events; NA for steps without ops."""
+    than the latest op end of the earlier steps, never after the step's own last op end) and the last op end of
+    the step's events; NA for steps without ops. A span is never negative."""
     out = steps.copy()
     out["device_start_ps"] = pd.array([pd.NA] * len(out), "Int64")
     out["device_end_ps"] = pd.array([pd.NA] * len(out), "Int64")
@@ -225,8 +226,11 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     d = d[d["step"] >= 0]
     g = d.groupby(["host", "step"]).agg(first=("first", "min"), last=("last", "max")).reset_index()
     g = g.sort_values(["host", "first"], kind="stable")
-    prev_end = g.groupby("host")["last"].shift(1)
-    g["first"] = np.where(prev_end.notna(), np.maximum(g["first"], prev_end.fillna(0)), g["first"])
+    # no earlier than the latest op end of any earlier step on the host (not only the one before), and never past
+    # the step's own last op end: a step whose ops all ran inside an earlier, longer one gets 0 device time
+    prev_end = g.groupby("host")["last"].cummax().groupby(g["host"]).shift(1)
+    first = np.where(prev_end.notna(), np.maximum(g["first"], prev_end.fillna(0)), g["first"])
+    g["first"] = np.minimum(first, g["last"])
     spans = {(h, int(s)): (int(f), int(e)) for h, s, f, e in g[["host", "step", "first", "last"]].itertuples(
         index=False)}
     for i, (h, s) in enumerate(zip(out["host"].astype(str), out["step"])):
