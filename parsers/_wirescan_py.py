@@ -18,7 +18,10 @@ path (the C scanner: 10-20 M/s).
 
 from __future__ import annotations
 
+import gc
 import struct
+from functools import lru_cache
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -300,6 +303,46 @@ def _lean_schema() -> Any:
 _LINE = _lean_schema()
 _NUMERIC = {"int64_value": _K_INT, "uint64_value": _K_UINT, "ref_value": _K_REF, "double_value": _K_DOUBLE}
 _STRINGS = ("str_value", "bytes_value", "compressed_str_value")
+_STATS = attrgetter("stats")
+
+
+@lru_cache(maxsize=None)
+def _split_schema(number: int) -> Any:
+    """A message whose only field is ``repeated bytes f = number``: protobuf keeps every other field as unknown
+    bytes, verbatim and in order (what :func:`split_fields` returns)."""
+    F = descriptor_pb2.FieldDescriptorProto
+    fd = descriptor_pb2.FileDescriptorProto(name=f"traceroof_split_{number}.proto", package="traceroof_split",
+                                            syntax="proto3")
+    m = fd.message_type.add(name=f"Split{number}")
+    m.field.add(name="f", number=number, type=F.TYPE_BYTES, label=F.LABEL_REPEATED)
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(fd)
+    return message_factory.GetMessageClass(pool.FindMessageTypeByName(f"traceroof_split.Split{number}"))
+
+
+def _split_fast(b: memoryview, start: int, end: int, field: int) -> tuple[bytes, int] | None:
+    """``split_fields`` through protobuf: the fields numbered ``field`` (length-delimited) counted, the others kept
+    verbatim; ``None`` when the kept bytes hold what the C walk refuses (a bad key, ``field`` with another wire
+    type) or protobuf refuses the bytes, so that the exact walk decides."""
+    msg = _split_schema(field)()
+    try:
+        with b[start:end] as payload:
+            msg.ParseFromString(payload)
+    except Exception as e:  # protobuf's DecodeError (or a nesting limit)
+        if type(e).__name__ != "DecodeError":
+            raise
+        return None
+    count = len(msg.f)
+    msg.ClearField("f")
+    kept = msg.SerializeToString()
+    p = 0
+    while p < len(kept):
+        f, wt, p, err = _key(kept, p, len(kept))
+        if not err:
+            _, p, err = _skip(kept, p, len(kept), wt)
+        if err or f == field:
+            return None
+    return kept, count
 
 
 def _vlen(x: np.ndarray) -> np.ndarray:
@@ -360,15 +403,15 @@ def _decode_fast(b: memoryview, start: int, end: int, line_ns: int, first: int, 
     del events_bytes
     if _fields_ok(b, run_end, end, False) is None:
         return None
-    evs = line.events
+    evs = list(line.events)  # one wrapper per event, then every attribute pass is cheap
     nev, n = len(evs), out.n
     if first + nev > n or (end - start >= 1 << _STR_LEN_BITS and _has_long_string(evs)):
         return None
     line_ps, line_bad = _line_ps(line_ns)
-    mid = np.fromiter((e.metadata_id for e in evs), np.int64, nev)
-    off = np.fromiter((e.offset_ps for e in evs), np.int64, nev)
-    dur = np.fromiter((e.duration_ps for e in evs), np.int64, nev)
-    agg = np.fromiter((e.WhichOneof("data") == "num_occurrences" for e in evs), bool, nev)
+    mid = np.array([e.metadata_id for e in evs], np.int64)
+    off = np.array([e.offset_ps for e in evs], np.int64)
+    dur = np.array([e.duration_ps for e in evs], np.int64)
+    agg = np.array([e.WhichOneof("data") == "num_occurrences" for e in evs], bool)
     with np.errstate(over="ignore"):
         if line_bad:
             t = np.full(nev, _BAD_START, np.int64)
@@ -382,45 +425,63 @@ def _decode_fast(b: memoryview, start: int, end: int, line_ns: int, first: int, 
     rows = slice(first, first + nev)
     out.mid[rows], out.st[rows], out.du[rows] = mid, t, dur
     if out.ncol:
-        want = out.want
-        for j in range(out.ncol):
-            out.kin[j * n + first: j * n + first + nev] = _K_ABSENT
-        cells: dict[int, tuple[int, int]] = {}  # j * n + row -> (value, kind); the event's last stat wins
-        redo: list[int] = []  # events with a wanted string stat: decoded by _event for the strings' offsets
-        for i, e in enumerate(evs):
-            for s in e.stats:
-                j = want.get(s.metadata_id)
-                if j is None:
-                    continue
-                k = s.WhichOneof("value")
-                if k is None:
-                    cells[j * n + first + i] = (0, _K_ABSENT)
-                elif k in _STRINGS:
-                    redo.append(i)
-                    break
-                else:
-                    v = getattr(s, k)
-                    if k == "double_value":
-                        v = struct.unpack("<q", struct.pack("<d", v))[0]
-                    elif v > _INT64_MAX:  # uint64 and ref values, bit-cast
-                        v -= 1 << 64
-                    cells[j * n + first + i] = (v, _NUMERIC[k])
-        if redo:
-            size = np.fromiter((e.ByteSize() for e in evs), np.int64, nev)
-            field_len = 1 + _vlen(size) + size
-            payload_start = a + np.concatenate(([0], np.cumsum(field_len)[:-1])) + 1 + _vlen(size)
-            for i in redo:
-                ps = int(payload_start[i])
-                for j in range(out.ncol):
-                    cells.pop(j * n + first + i, None)
-                for j, v, k in _event(b, ps, ps + int(size[i]), want)[4]:
-                    cells[j * n + first + i] = (v, k)
-        if cells:
-            pos = np.fromiter(cells.keys(), np.int64, len(cells))
-            out.val[pos] = np.fromiter((v for v, _ in cells.values()), np.int64, len(cells))
-            out.kin[pos] = np.fromiter((k for _, k in cells.values()), np.int8, len(cells))
+        _write_stats(b, a, evs, first, out)
     bad = int(np.count_nonzero((t > AGGREGATE_START) & (t <= _BAD_LONG_DURATION)))
     return nev, bad
+
+
+def _write_stats(b: memoryview, a: int, evs: list, first: int, out: _Out) -> None:
+    """Write the wanted stats of a line's events (protobuf messages; their event fields start at byte ``a``) into
+    rows ``first``.. of the value and kind columns. Stats are flattened and matched to the wanted ids with numpy;
+    an event's last stat of an id wins (as in the C code); events with a wanted string stat are decoded again by
+    :func:`_event`, which gives the strings' byte offsets."""
+    n, nev = out.n, len(evs)
+    for j in range(out.ncol):
+        out.kin[j * n + first: j * n + first + nev] = _K_ABSENT
+    per_event = [e.stats for e in evs]
+    flat = [s for stats in per_event for s in stats]
+    if not flat:
+        return
+    ids = np.array(sorted(out.want), np.int64)
+    cols = np.array([out.want[i] for i in ids.tolist()], np.int64)
+    smid = np.array([s.metadata_id for s in flat], np.int64)
+    at = np.minimum(np.searchsorted(ids, smid), len(ids) - 1)
+    hits = np.flatnonzero(ids[at] == smid)
+    if not len(hits):
+        return
+    event_of = np.repeat(np.arange(nev, dtype=np.int64), list(map(len, per_event)))[hits]
+    cell = cols[at[hits]] * n + first + event_of
+    values, kinds = np.zeros(len(hits), np.int64), np.zeros(len(hits), np.int8)
+    redo: set[int] = set()  # events with a wanted string stat
+    for h, k in enumerate(hits.tolist()):
+        s = flat[k]
+        w = s.WhichOneof("value")
+        if w is None:
+            continue
+        if w in _STRINGS:
+            redo.add(int(event_of[h]))
+            continue
+        v = getattr(s, w)
+        if w == "double_value":
+            v = struct.unpack("<q", struct.pack("<d", v))[0]
+        elif v > _INT64_MAX:  # uint64 and ref values, bit-cast
+            v -= 1 << 64
+        values[h], kinds[h] = v, _NUMERIC[w]
+    if redo:
+        keep = ~np.isin(event_of, np.fromiter(redo, np.int64, len(redo)))
+        cell, values, kinds = cell[keep], values[keep], kinds[keep]
+        size = np.array([e.ByteSize() for e in evs], np.int64)
+        payload_start = a + np.concatenate(([0], np.cumsum(1 + _vlen(size) + size)[:-1])) + 1 + _vlen(size)
+        extra = [(j * n + first + i, v, k) for i in sorted(redo)
+                 for j, v, k in _event(b, int(payload_start[i]), int(payload_start[i] + size[i]), out.want)[4]]
+        if extra:
+            cell = np.concatenate([cell, np.array([x[0] for x in extra], np.int64)])
+            values = np.concatenate([values, np.array([x[1] for x in extra], np.int64)])
+            kinds = np.concatenate([kinds, np.array([x[2] for x in extra], np.int8)])
+    # the last write of each cell wins: stats are in file order, and an event's cells are not shared with others
+    last = len(cell) - 1 - np.unique(cell[::-1], return_index=True)[1]
+    out.val[cell[last]] = values[last]
+    out.kin[cell[last]] = kinds[last]
 
 
 # -- the module's functions ------------------------------------------------------------------------------------
@@ -479,7 +540,13 @@ def split_fields(buf: Any, start: int, end: int, field: int) -> tuple[bytes, int
         kept: list[tuple[int, int]] = []  # runs of kept fields
         count = 0
         p = start
+        budget = 64 if 0 < field <= _MAX_FIELD else -1  # then protobuf splits the rest (many fields)
         while p < end:
+            budget -= 1
+            if budget == 0:
+                rest = _split_fast(b, p, end, field)
+                if rest is not None:
+                    return b"".join([*(bytes(b[s:e]) for s, e in kept), rest[0]]), count + rest[1]
             tag = p
             f, wt, p, err = _key(b, p, end)
             if err:
@@ -503,10 +570,15 @@ def decode_events(buf: Any, start: int, end: int, line_timestamp_ns: int, stat_i
     ``decode_events``. :raises ValueError: malformed input (the byte named) or output arrays of the wrong size."""
     with _bytes_view(buf) as b:
         out = _Out(stat_ids, metadata_id, start_ps, duration_ps, values, kinds, len(b), start, end, first)
+        collecting = gc.isenabled()
+        gc.disable()  # the fast path makes ~5 protobuf wrappers per event: collecting them as they come is slow
         try:
             done = _decode_fast(b, start, end, line_timestamp_ns, first, out)
         except _WireError:  # not reached on canonical bytes; the exact walk states the error
             done = None
+        finally:
+            if collecting:
+                gc.enable()
         try:
             return done or _decode_exact(b, start, end, line_timestamp_ns, first, out)
         except _WireError as e:

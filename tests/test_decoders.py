@@ -167,6 +167,9 @@ def test_edge_events_decode_alike(i, ts):
         buf = b"\x07" * 5 + payload
         for ids in ([], [2], [9, 2, 2]):
             assert _decode(P, buf, 5, len(buf), ts, rows, ids, 1) == _decode(C, buf, 5, len(buf), ts, rows, ids, 1)
+        for fn in (lambda m: m.split_fields(buf, 5, len(buf), 4), lambda m: m.split_fields(buf, 5, len(buf), 1),
+                   lambda m: m.scan_fields(buf, 5, len(buf), 4, 1000)):
+            assert _call(lambda: fn(P)) == _call(lambda: fn(C))
 
 
 def test_long_stat_strings_fail_alike():
