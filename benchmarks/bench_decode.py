@@ -3,7 +3,7 @@ peak memory under 3x the file size).
 
 Usage::
 
-    python benchmarks/bench_decode.py [--events 5000000] [--repeat 3]
+    python benchmarks/bench_decode.py [--events 5000000] [--repeat 3] [--decoder c|python]
 
 Builds the input with ``benchmarks/replicate.py`` when missing, then runs each measurement in a fresh process
 pinned to one CPU core:
@@ -14,9 +14,10 @@ pinned to one CPU core:
 * ``ProfileData`` (reference, when JAX is installed): iterating every event and its stats through
   ``jax.profiler.ProfileData``.
 
-Rates count every event in the file (all are walked); the kept count is the op and step events the
-analysis keeps. Prints events/s (median and best of ``--repeat`` runs) and peak RSS (``ru_maxrss``, which includes the
-interpreter) as a multiple of the file size.
+``--decoder`` picks the wire scanner (``TRACEROOF_DECODER`` of the measured processes): the C one
+(``parsers/_wirescan.c``, the default when built) or its pure-Python twin. Rates count every event in the file
+(all are walked); the kept count is the op and step events the analysis keeps. Prints events/s (median and best of
+``--repeat`` runs) and peak RSS (``ru_maxrss``, which includes the interpreter) as a multiple of the file size.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--events", type=int, default=5_000_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--modes", default="decode,decode+join,profiledata")
+    ap.add_argument("--decoder", choices=("c", "python"), help="wire scanner (default: C when built)")
     args = ap.parse_args(argv)
+    if args.decoder:
+        os.environ["TRACEROOF_DECODER"] = args.decoder  # inherited by the measured processes
     path = ROOT / "benchmarks" / "data" / f"transformer_x{args.events}" / "plugins" / "profile" / "run" / \
         "host.xplane.pb"
     if not path.exists():
@@ -91,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
 
     total = sum(line.event_count for plane in read_xspace(path).planes for line in plane.lines)
     hlo = ROOT / "fixtures" / "transformer" / "hlo"
-    print(f"input: {path.relative_to(ROOT)} ({size / 1e6:.1f} MB)")
+    print(f"input: {path.relative_to(ROOT)} ({size / 1e6:.1f} MB); decoder {read_xspace(path).decoder}")
     for mode in args.modes.split(","):
         runs = []
         for _ in range(args.repeat):

@@ -39,9 +39,9 @@ def _field(num: int, payload: bytes) -> bytes:
 
 def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
     """Write the replicated profile; returns (op events written, copies)."""
-    from parsers import _wirescan
-    from parsers.xspace import SCHEMA
+    from parsers.xspace import SCHEMA, scanner
 
+    _wirescan = scanner()[1]
     data = src.read_bytes()
     XP, XL = SCHEMA["XPlane"], SCHEMA["XLine"]
     top = _wirescan.scan_fields(data, 0, len(data))

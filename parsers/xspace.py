@@ -7,6 +7,10 @@ are millions in real profiles, are walked by the C scanner in ``parsers/_wiresca
 (no Python object per event). Times follow ``XEventVisitor::TimestampPs``:
 ``start_ps = line.timestamp_ns * 1000 + event.offset_ps``.
 
+Decoders: the C scanner when it was built (a C compiler at install time), else its pure-Python twin
+``parsers/_wirescan_py.py`` (same results and errors, much slower); ``TRACEROOF_DECODER=python`` (or ``c``)
+chooses one, and :attr:`XSpace.decoder` says which ran.
+
 Input contract: a byte layout protobuf cannot have written (field number 0, group or undefined wire types,
 lengths past the buffer) is a :class:`FormatError` naming the byte; more than :data:`MAX_PLANES` planes or
 :data:`MAX_LINES` lines is a :class:`FormatError` too, so memory follows what is decoded. Events with impossible
@@ -17,7 +21,9 @@ dropped, counted, and stated in :attr:`XSpace.notes`; the rest of the profile is
 from __future__ import annotations
 
 import mmap
+import os
 import re
+from types import ModuleType
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -26,7 +32,7 @@ import numpy as np
 import pandas as pd
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from parsers import _wirescan
+from parsers import _wirescan_py
 from parsers.errors import FormatError, InputError, SizeLimitError
 from parsers.inflate import inflate
 
@@ -34,14 +40,38 @@ _F = descriptor_pb2.FieldDescriptorProto
 _KIND_INT, _KIND_UINT, _KIND_DOUBLE, _KIND_REF, _KIND_STR, _KIND_BYTES, _KIND_ZSTR = 1, 2, 3, 4, 5, 6, 7
 _STR_LEN_BITS = 24
 AGGREGATE_START_PS = np.iinfo(np.int64).min  # start_ps of events that carry num_occurrences instead of a time
-TIME_LIMIT_PS = _wirescan.TIME_LIMIT_PS  # 2^62 ps: |start_ps| beyond this is impossible (profile times are relative)
-DURATION_LIMIT_PS = _wirescan.DURATION_LIMIT_PS  # 2^60 ps (13.3 days)
+TIME_LIMIT_PS = _wirescan_py.TIME_LIMIT_PS  # 2^62 ps: |start_ps| beyond this is impossible (profile times are relative)
+DURATION_LIMIT_PS = _wirescan_py.DURATION_LIMIT_PS  # 2^60 ps (13.3 days)
 # start_ps codes the scanner writes for events with impossible times, and why (the events are dropped)
 _BAD_TIMES = {AGGREGATE_START_PS + 1: "a start time that overflows or lies beyond 2^62 ps (53 days)",
               AGGREGATE_START_PS + 2: "a negative duration",
               AGGREGATE_START_PS + 3: "a duration above 2^60 ps (13 days)"}
 MAX_PLANES = 1 << 16
 MAX_LINES = 1 << 20
+try:
+    from parsers import _wirescan as _wirescan_c  # built from parsers/_wirescan.c when a C compiler was there
+except ImportError:
+    _wirescan_c = None
+DECODERS = ("c", "python")
+
+
+def scanner(decoder: str | None = None) -> tuple[str, ModuleType]:
+    """The wire scanner to use: (``"c"`` or ``"python"``, its module). ``decoder`` (else the environment
+    variable ``TRACEROOF_DECODER``) names one; by default the C scanner, or the Python one when the C extension
+    is not built.
+
+    :raises InputError: an unknown name, or ``"c"`` where the C extension cannot be imported.
+    """
+    name = decoder or os.environ.get("TRACEROOF_DECODER", "") or ("c" if _wirescan_c is not None else "python")
+    if name not in DECODERS:
+        raise InputError(f"TRACEROOF_DECODER={name!r} is not one of {', '.join(DECODERS)}; unset it to choose "
+                         "automatically")
+    if name == "python":
+        return name, _wirescan_py
+    if _wirescan_c is None:
+        raise InputError("the C decoder (parsers/_wirescan.c) is not built in this installation; use "
+                         "TRACEROOF_DECODER=python, or reinstall traceroof where a C compiler is available")
+    return name, _wirescan_c
 
 
 def _schema() -> dict[str, Any]:
@@ -172,6 +202,7 @@ class Plane:
     _buf: Any = field(repr=False, default=None)
     source: str = ""
     _dropped: dict[int, dict[int, int]] = field(repr=False, default_factory=dict)  # line index -> {code: count}
+    _scan: ModuleType = field(repr=False, default=_wirescan_py)  # the wire scanner (see scanner())
 
     @property
     def notes(self) -> list[str]:
@@ -221,7 +252,7 @@ class Plane:
             row = bad = 0
             for s, e in line._ranges:
                 try:
-                    done, nbad = _wirescan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
+                    done, nbad = self._scan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
                                                          mid, start, dur, vals, kinds)
                 except ValueError as err:
                     raise FormatError(f"{self.source}: plane {self.name!r} line {line.name!r}: {err}; "
@@ -375,7 +406,8 @@ def _categorical(codes: np.ndarray, categories: list[str]) -> pd.Categorical:
 
 @dataclass(eq=False)
 class XSpace:
-    """A decoded ``.xplane.pb``: planes in file order, plus the XSpace errors/warnings/hostnames."""
+    """A decoded ``.xplane.pb``: planes in file order, plus the XSpace errors/warnings/hostnames. ``decoder``
+    is the wire scanner that reads it: ``"c"`` or ``"python"`` (see :func:`scanner`)."""
 
     path: str
     planes: list[Plane]
@@ -383,6 +415,7 @@ class XSpace:
     errors: list[str]
     warnings: list[str]
     size_bytes: int = 0
+    decoder: str = "python"
 
     @property
     def notes(self) -> list[str]:
@@ -425,15 +458,17 @@ def _load_bytes(path: Path) -> Any:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-def read_xspace(path: str | Path) -> XSpace:
+def read_xspace(path: str | Path, decoder: str | None = None) -> XSpace:
     """Decode an ``.xplane.pb`` (or gzip-compressed ``.xplane.pb.gz``) file.
 
     Plane headers, metadata and stats are parsed by protobuf; line events are left in the (memory-mapped)
-    file and decoded on demand by :meth:`Plane.events`.
+    file and decoded on demand by :meth:`Plane.events`, with the wire scanner :func:`scanner` picks for
+    ``decoder`` (``"c"``, ``"python"``, or ``None``: ``TRACEROOF_DECODER``, else the C one when built).
 
-    :raises InputError: the file cannot be opened.
+    :raises InputError: the file cannot be opened; an unknown or unavailable decoder.
     :raises FormatError: the bytes are not a valid XSpace (corrupt, truncated, or text-mangled).
     """
+    decoder, scan = scanner(decoder)
     p = Path(path)
     buf = _load_bytes(p)
     size = len(buf)
@@ -445,29 +480,29 @@ def read_xspace(path: str | Path) -> XSpace:
         return FormatError(f"{p}: not a valid XSpace protobuf: {why}{hint}; pass an intact .xplane.pb")
 
     try:
-        top = _wirescan.scan_fields(buf, 0, size, 1, MAX_PLANES)
+        top = scan.scan_fields(buf, 0, size, 1, MAX_PLANES)
     except ValueError as e:
         raise bad(str(e).replace("fields numbered 1", "planes")) from None
     XS, XP, XL = SCHEMA["XSpace"], SCHEMA["XPlane"], SCHEMA["XLine"]
     header = XS()
     planes: list[Plane] = []
     try:
-        header.ParseFromString(_wirescan.split_fields(buf, 0, size, 1)[0])
+        header.ParseFromString(scan.split_fields(buf, 0, size, 1)[0])
         nlines = 0
         for _, wt, _, s, e, _ in top:
             if wt != 2:
                 raise bad("plane field has the wrong wire type")
-            fields = _wirescan.scan_fields(buf, s, e, 3, MAX_LINES - nlines)
+            fields = scan.scan_fields(buf, s, e, 3, MAX_LINES - nlines)
             nlines += len(fields)
             xp = XP()
-            xp.ParseFromString(_wirescan.split_fields(buf, s, e, 3)[0])
+            xp.ParseFromString(scan.split_fields(buf, s, e, 3)[0])
             stat_names = {k: v.name for k, v in xp.stat_metadata.items()}
             where = f"{p}: plane {xp.name!r}: a compressed stat"
             lines = []
             for _, lwt, _, fs, fe, _ in fields:
                 if lwt != 2:
                     raise bad(f"plane {len(planes)}: line field has the wrong wire type")
-                head, count = _wirescan.split_fields(buf, fs, fe, 4)
+                head, count = scan.split_fields(buf, fs, fe, 4)
                 xl = XL()
                 xl.ParseFromString(head)
                 lines.append(Line(xl.id, xl.display_id or xl.id, xl.name, xl.display_name or xl.name,
@@ -480,14 +515,15 @@ def read_xspace(path: str | Path) -> XSpace:
             }
             pstats = {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names, where)
                       for st in xp.stats}
-            planes.append(Plane(xp.id, xp.name, pstats, metas, stat_names, lines, buf, str(p)))
+            planes.append(Plane(xp.id, xp.name, pstats, metas, stat_names, lines, buf, str(p), _scan=scan))
     except ValueError as e:
         raise bad(f"plane {len(planes)}: " + str(e).replace("fields numbered 3", "lines in all")) from None
     except Exception as e:  # protobuf's DecodeError
         if type(e).__name__ == "DecodeError":
             raise bad(str(e)) from None
         raise
-    return XSpace(str(p), planes, list(header.hostnames), list(header.errors), list(header.warnings), size)
+    return XSpace(str(p), planes, list(header.hostnames), list(header.errors), list(header.warnings), size,
+                  decoder)
 
 
 def parse_full(path: str | Path) -> Any:

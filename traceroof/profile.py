@@ -143,7 +143,8 @@ class Profile:
     ``events``: one row per op execution: ``host``, ``device``, ``program_id`` (Int64, NA when unknown),
     ``module``, ``hlo_op``, ``start_ps``, ``duration_ps`` (int64, one clock across hosts), ``step`` (Int64; NA
     outside marked steps). ``steps``: ``host``, ``step``, ``start_ps``, ``end_ps``. ``device_kind`` is ``cpu``,
-    ``gpu`` or ``tpu``; ``notes`` says what was missing or odd.
+    ``gpu`` or ``tpu``; ``notes`` says what was missing or odd. ``decoder``: the wire scanner that read the
+    ``.xplane.pb`` files, ``"c"`` or ``"python"`` (:func:`parsers.xspace.scanner`); ``""`` for trace JSON.
     """
 
     inputs: Inputs
@@ -157,6 +158,7 @@ class Profile:
     notes: list[str] = field(default_factory=list)
     hlo_sources: dict[str, int] = field(default_factory=dict)
     dump_sources: frozenset[str] = frozenset()  # HLO text files superseded by the profile's own HLO
+    decoder: str = ""
 
 
 def load_profile(inputs: Inputs) -> Profile:
@@ -172,8 +174,10 @@ def load_profile(inputs: Inputs) -> Profile:
     starts = []
     counts: dict[str, int] = {}
     embedded: list[tuple[int | None, str, bytes, str]] = []
+    decoder = ""
     if inputs.kind == "xplane":
         spaces = [read_xspace(p) for p in inputs.profiles]
+        decoder = ",".join(sorted({xs.decoder for xs in spaces}))
         starts = [xs.profile_start_time_ns for xs in spaces]
         known = [s for s in starts if s is not None]
         base = min(known, default=None)
@@ -240,7 +244,7 @@ def load_profile(inputs: Inputs) -> Profile:
                "HloProto files beside the profile": sum(1 for _, how in extra if how == "sidecar"),
                "HLO text dumps of the same programs (not needed)": len(superseded)}
     return Profile(inputs, events, steps, truth + dumps, device_kind, device_desc, annotation, plane_stats, notes,
-                   {k: v for k, v in sources.items() if v}, superseded)
+                   {k: v for k, v in sources.items() if v}, superseded, decoder)
 
 
 def _host_of(path: str) -> str:
