@@ -8,9 +8,10 @@ transformers FlaxGPT2, Keras on JAX):
    weight-gradient convolution) takes the name of a named instruction in its fused computation: a dot /
    convolution / custom-call first, else the named instruction nearest the root. A bare compiler name
    (``op_name="reduce_sum"``, a parameter's ``"st.step"``) counts as no name.
-2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users first, then from
-   their operands (in rounds, each round reading only the previous round's labels, until nothing changes),
-   then from the instruction that calls their computation.
+2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users (in rounds, each
+   reading only the previous round's labels, until nothing changes), then from their operands (one round, then
+   users again), then from the instruction that calls their computation. An unnamed weight-gradient dot /
+   convolution takes the layer that reads the parameter it differentiates (:func:`_weight_gradients`).
 3. **Scopes from stack frames.** Where the named scopes are missing (Flax NNX writes none: its ops are
    ``jit(step)/jvp()/dot_general``) or generic library names (Equinox writes ``eqx.nn.MLP/eqx.nn.Linear``
    for the user's ``Block``), the scope comes from the metadata's ``stack_frame_id`` chain: model class methods
@@ -28,10 +29,20 @@ transformers FlaxGPT2, Keras on JAX):
    gradient) finds the optimizer ops, keeping those whose every user is an optimizer op or an update output.
    The ``optimizer_pattern`` scope regex still wins. Optimizer ops without a model scope get
    ``(optimizer)``.
+5. **Backward from the data flow.** Ops outside the differentiated function that compute only from gradients
+   (the data-parallel gradient all-reduce after ``value_and_grad``) are ``backward``
+   (:func:`_gradient_results`).
+6. **Random numbers outside the model.** jax.random work outside any layer (the step's key folding, a batch
+   generated inside the step annotation) is layer ``(rng)``, phase ``other``: neither forward nor backward work
+   of the model. A dropout's own bits stay in its layer's forward.
 
 Repeated blocks (``h/0``…``h/11``, ``Block_3``, ``layers_2``) are found here too, since telling a block stack
 from ``Conv_0``/``Conv_1`` needs the HLO: instances (a numbered scope with child scopes) collapse when their
-dot / convolution ops — relative scope, phase, opcode and shape — are the same.
+dot / convolution ops — relative scope, phase, opcode and shape — are the same. Frame scopes have no instance
+names: a class called from several call sites is numbered per call site (:func:`_number_call_sites`), a list of
+blocks called in a loop is split by the data flow (:func:`_frame_instances`).
+
+Labels inherited from a neighbour carry no source line: the ``source`` of an op is its own metadata's or empty.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from parsers.hlo import Computation, HloModule, Instruction, StackFrame
-from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, TOP_LEVEL, is_rng, parse_scope, phase_of
+from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, OTHER_PHASE, TOP_LEVEL, is_rng, parse_scope, phase_of
 
 OPTIMIZER_SCOPE = "(optimizer)"
 RNG_SCOPE = "(rng)"
@@ -137,6 +148,7 @@ class _Frames:
         fits = {d: sum(1 for i, f in frames.items() if 0 <= f.parent_frame_id - d < i) for d in (0, 1)}
         self.offset = 1 if fits[1] > fits[0] else 0
         self._paths: dict[int, tuple[str, bool]] = {}
+        self.sites: dict[tuple[str, int], int] = {}  # call site (file, line) -> id in the paths' ``@<id>``
 
     def chain(self, fid: int) -> list[StackFrame]:
         """Frames from the innermost (``fid``) outwards."""
@@ -149,28 +161,84 @@ class _Frames:
         return out
 
     def resolve(self, fid: int) -> tuple[str, bool]:
-        """(model path from the frames, whether a frame lies in an optimizer library)."""
+        """(model path from the frames, whether a frame lies in an optimizer library). Each class below the
+        outermost carries its call site as ``@<id>`` (see :func:`_number_call_sites`)."""
         if fid not in self._paths:
             chain = self.chain(fid)
-            self._paths[fid] = (_model_path(chain), any(OPTIMIZER_FILES.search(f.file_name) for f in chain))
+            path = "/".join(c if site is None else f"{c}@{self.sites.setdefault(site, len(self.sites))}"
+                            for c, site in _model_path(chain))
+            self._paths[fid] = (path, any(OPTIMIZER_FILES.search(f.file_name) for f in chain))
         return self._paths[fid]
 
 
-def _model_path(chain: list[StackFrame]) -> str:
-    """Class names of the model-class frames of a chain (innermost first), outermost first, '/'-joined."""
-    classes: list[str] = []
+def _model_path(chain: list[StackFrame]) -> list[tuple[str, tuple[str, int] | None]]:
+    """(class name, call site) of the model-class frames of a chain (innermost first), outermost first. The call
+    site (file, line) is the first model or user frame outside the class's methods (``self.stem(x)`` in
+    ``Net.__call__``); None for the outermost class."""
+    classes: list[list] = []  # [class, site]
     for f in chain:
         parts = f.function_name.split(".")  # qualified: ``make.<locals>.Block.__call__`` is a method of Block
         m = _METHOD.fullmatch(".".join(parts[-2:])) if len(parts) >= 2 and parts[-2] != "<locals>" else None
         library = bool(LIBRARY_FILES.search(f.file_name))
         model = m is not None and (not library or (bool(MODEL_LIBRARY_FILES.search(f.file_name))
                                                    and not NOT_MODEL_FILES.search(f.file_name)))
+        if classes and classes[-1][1] is None and (model or not library) \
+                and not (model and classes[-1][0] == m.group(1)):
+            classes[-1][1] = (f.file_name, f.line)
         if model:
-            if not classes or classes[-1] != m.group(1):
-                classes.append(m.group(1))
+            if not classes or classes[-1][0] != m.group(1):
+                classes.append([m.group(1), None])
         elif classes and not library:
             break  # the first user frame outside the model (loss closure, train step) ends the path
-    return "/".join(reversed(classes))
+    if classes:
+        classes[-1][1] = None
+    return [(c, site) for c, site in reversed(classes)]
+
+
+_SITE = re.compile(r"(.+)@(\d+)")
+
+
+def _number_call_sites(infos: dict[str, ScopeInfo], sites: Mapping[tuple[str, int], int]) -> None:
+    """Distinct instances of one class called from distinct places: a class called at two or more call sites
+    under the same parent (``self.stem(x)`` and ``self.stage2(x)``, both ``ConvBNBlock``, in
+    ``SmallConvNet.__call__``) becomes ``ConvBNBlock_0``, ``ConvBNBlock_1``, numbered in call-site order (file,
+    then line: the order of the calls in the caller's code); a class called from one place keeps its name.
+
+    Why this naming: the metadata carries no attribute names (NNX / Equinox write no scopes) and the user's source
+    is not read, so ``stem`` cannot be recovered; ``ConvBNBlock@net.py:24`` puts a line number where a reader
+    looks for a layer; ``ConvBNBlock_0`` / ``_1`` is Flax linen's own naming of unnamed submodules
+    (``Conv_0``, ``Conv_1``), which readers know. Numbered instances of the same shapes with parts of their own
+    are repeated blocks and collapse into ``ConvBNBlock_*`` with the spread across instances (``_repeats``);
+    instances of different shapes stay separate rows, so two different layers are never summed into one row
+    that looks like one layer. A block list called in a loop has one call site: ``_frame_instances`` splits it."""
+    by_parent: dict[tuple[str, str], set[int]] = {}
+    order = {i: site for site, i in sites.items()}
+    parsed: dict[str, list[tuple[str, int | None]]] = {}
+    for scope in {i.scope for i in infos.values() if "@" in i.scope}:
+        segs = []
+        for seg in scope.split("/"):
+            m = _SITE.fullmatch(seg)
+            segs.append((m.group(1), int(m.group(2))) if m else (seg, None))
+        parsed[scope] = segs
+    # number outermost first, so that a parent's name is final before its children are grouped under it
+    renamed: dict[str, str] = {}
+    depth = max((len(v) for v in parsed.values()), default=0)
+    names = {scope: [c for c, _ in segs] for scope, segs in parsed.items()}
+    for d in range(depth):
+        by_parent = {}
+        for scope, segs in parsed.items():
+            if d < len(segs) and segs[d][1] is not None:
+                by_parent.setdefault(("/".join(names[scope][:d]), segs[d][0]), set()).add(segs[d][1])
+        for scope, segs in parsed.items():
+            if d < len(segs) and segs[d][1] is not None:
+                ids = by_parent[("/".join(names[scope][:d]), segs[d][0])]
+                if len(ids) > 1:
+                    k = sorted(ids, key=lambda i: order[i]).index(segs[d][1])
+                    names[scope][d] = f"{segs[d][0]}_{k}"
+    renamed = {scope: "/".join(n) for scope, n in names.items()}
+    for name, i in infos.items():
+        if i.scope in renamed:
+            infos[name] = ScopeInfo(renamed[i.scope], i.phase, i.source, i.how, i.in_grad)
 
 
 def _generic(scope: str) -> bool:
@@ -471,6 +539,7 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
                         changed = True
         if not changed:
             break
+    _number_call_sites(infos, frames.sites)
     _loop_plumbing(module, infos)
     _gradient_accumulators(module, infos, opt_lib)
     _gradient_results(module, infos, moves_only=True)
@@ -480,6 +549,9 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
         infos[n] = ScopeInfo(i.scope, "optimizer", i.source, i.how, i.in_grad)
     _name_optimizer(infos, opt_lib, optimizer_pattern)
     _gradient_results(module, infos, moves_only=False)
+    for n, i in infos.items():  # key handling and data generation outside any layer: not the model's forward
+        if i.scope == RNG_SCOPE and i.phase == "forward":
+            infos[n] = ScopeInfo(i.scope, OTHER_PHASE, i.source, i.how, i.in_grad)
     _frame_instances(module, infos)
     return ModuleScopes(infos, _repeats(module, infos))
 
