@@ -47,7 +47,6 @@ Labels inherited from a neighbour carry no source line: the ``source`` of an op 
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -211,7 +210,6 @@ def _number_call_sites(infos: dict[str, ScopeInfo], sites: Mapping[tuple[str, in
     are repeated blocks and collapse into ``ConvBNBlock_*`` with the spread across instances (``_repeats``);
     instances of different shapes stay separate rows, so two different layers are never summed into one row
     that looks like one layer. A block list called in a loop has one call site: ``_frame_instances`` splits it."""
-    by_parent: dict[tuple[str, str], set[int]] = {}
     order = {i: site for site, i in sites.items()}
     parsed: dict[str, list[tuple[str, int | None]]] = {}
     for scope in {i.scope for i in infos.values() if "@" in i.scope}:
@@ -221,11 +219,10 @@ def _number_call_sites(infos: dict[str, ScopeInfo], sites: Mapping[tuple[str, in
             segs.append((m.group(1), int(m.group(2))) if m else (seg, None))
         parsed[scope] = segs
     # number outermost first, so that a parent's name is final before its children are grouped under it
-    renamed: dict[str, str] = {}
     depth = max((len(v) for v in parsed.values()), default=0)
     names = {scope: [c for c, _ in segs] for scope, segs in parsed.items()}
     for d in range(depth):
-        by_parent = {}
+        by_parent: dict[tuple[str, str], set[int]] = {}
         for scope, segs in parsed.items():
             if d < len(segs) and segs[d][1] is not None:
                 by_parent.setdefault(("/".join(names[scope][:d]), segs[d][0]), set()).add(segs[d][1])
