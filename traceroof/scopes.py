@@ -804,14 +804,18 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     # the weight readers first, then every other op that ranks the same way (a LayerNorm's mean and variance
     # read the previous block's output, not a weight: their neighbours would give them the previous instance);
     # among those, equal ranks (a side branch: the normalised input kept for the backward pass) are ordered by
-    # their place in the schedule, which runs the instances one after the other
+    # the latest run of weight readers of their phase they depend on (the previous block's, or none), then by
+    # their place in the text (a scheduled module runs the instances one after the other)
     position = {inst.name: k for k, inst in enumerate(entry.instructions)}
+    runs: dict[tuple[str, int], int] = {}  # (phase, run in execution order) -> bits of its weight readers
     for group_ops in (seeds, [m for m in ranked_ops if not reads[m.name]]):
         ranked, valid, _ = _rank(group_ops, infos, p, bit, anc)
         for key, order in ranked.items():
             levels = sorted({r for r, _ in order})
             if n not in valid[key] and group_ops is not seeds and len(order) % n == 0:
-                order = sorted(order, key=lambda rn: (rn[0], position[rn[1]]))
+                def after(name: str, phase: str = key[1]) -> int:
+                    return max((c for (ph, c), b in runs.items() if ph == phase and anc[name] & b), default=-1)
+                order = sorted(order, key=lambda rn: (rn[0], after(rn[1]), position[rn[1]]))
                 valid[key].add(n)
             for pos, (r, name) in enumerate(order):
                 if n in valid[key]:
@@ -821,6 +825,8 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
                 else:
                     break
                 assign[name] = n - 1 - k if key[1] == "backward" else k
+                if group_ops is seeds:
+                    runs[(key[1], k)] = runs.get((key[1], k), 0) | bit[name]
     member_names = {m.name for m in members}
     owner: dict[str, set[int]] = {}  # parameter -> instances of the placed ops reading it
     for name, k in assign.items():
