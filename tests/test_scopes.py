@@ -352,9 +352,11 @@ def test_stack_frame_parent_offset_and_model_path():
     assert f.offset == 1
     assert [x.function_name for x in f.chain(4)] == ["Linear.__call__", "Block.__call__", "step.<locals>.loss",
                                                      "<module>"]
-    assert _model_path(f.chain(4)) == "Block/Linear"
-    assert _model_path(f.chain(5)) == "Block"  # jax's own frame skipped
-    assert _model_path(f.chain(2)) == ""  # the loss closure is not a model
+    # each class below the outermost with its call site: the first model or user frame outside its methods
+    assert _model_path(f.chain(4)) == [("Block", None), ("Linear", (user, 9))]
+    assert _model_path(f.chain(5)) == [("Block", None)]  # jax's own frame skipped
+    assert _model_path(f.chain(2)) == []  # the loss closure is not a model
+    assert f.resolve(4) == ("Block/Linear@0", False)
 
 
 def test_layer_namer_rules():

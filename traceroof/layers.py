@@ -16,6 +16,9 @@ import pandas as pd
 
 NO_SCOPE = "(no scope)"
 TOP_LEVEL = "(top level)"
+# phase of work that is neither the model's forward, backward nor optimizer: jax.random outside any layer (the
+# step's key handling, a batch generated inside the step annotation); see traceroof.scopes
+OTHER_PHASE = "other"
 # a scope segment that names an optimizer update (whole segment, case-insensitive)
 DEFAULT_OPTIMIZER_PATTERN = (r"optimizer|optim|optax(_\w+)?|opt_update|apply_updates|apply_gradients|adam\w*|sgd|"
                              r"momentum|lamb|lion|adafactor|rmsprop|shampoo")
@@ -216,7 +219,7 @@ class LayerNamer:
         return expanded if expanded != self.layer(scope, depth) else ""
 
 
-PHASE_ORDER = {"forward": 0, "remat": 1, "backward": 2, "optimizer": 3}
+PHASE_ORDER = {"forward": 0, "remat": 1, "backward": 2, "optimizer": 3, OTHER_PHASE: 4}
 
 
 def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd.DataFrame:

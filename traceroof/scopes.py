@@ -8,9 +8,10 @@ transformers FlaxGPT2, Keras on JAX):
    weight-gradient convolution) takes the name of a named instruction in its fused computation: a dot /
    convolution / custom-call first, else the named instruction nearest the root. A bare compiler name
    (``op_name="reduce_sum"``, a parameter's ``"st.step"``) counts as no name.
-2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users first, then from
-   their operands (in rounds, each round reading only the previous round's labels, until nothing changes),
-   then from the instruction that calls their computation.
+2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users (in rounds, each
+   reading only the previous round's labels, until nothing changes), then from their operands (one round, then
+   users again), then from the instruction that calls their computation. An unnamed weight-gradient dot /
+   convolution takes the layer that reads the parameter it differentiates (:func:`_weight_gradients`).
 3. **Scopes from stack frames.** Where the named scopes are missing (Flax NNX writes none: its ops are
    ``jit(step)/jvp()/dot_general``) or generic library names (Equinox writes ``eqx.nn.MLP/eqx.nn.Linear``
    for the user's ``Block``), the scope comes from the metadata's ``stack_frame_id`` chain: model class methods
@@ -28,22 +29,31 @@ transformers FlaxGPT2, Keras on JAX):
    gradient) finds the optimizer ops, keeping those whose every user is an optimizer op or an update output.
    The ``optimizer_pattern`` scope regex still wins. Optimizer ops without a model scope get
    ``(optimizer)``.
+5. **Backward from the data flow.** Ops outside the differentiated function that compute only from gradients
+   (the data-parallel gradient all-reduce after ``value_and_grad``) are ``backward``
+   (:func:`_gradient_results`).
+6. **Random numbers outside the model.** jax.random work outside any layer (the step's key folding, a batch
+   generated inside the step annotation) is layer ``(rng)``, phase ``other``: neither forward nor backward work
+   of the model. A dropout's own bits stay in its layer's forward.
 
 Repeated blocks (``h/0``…``h/11``, ``Block_3``, ``layers_2``) are found here too, since telling a block stack
 from ``Conv_0``/``Conv_1`` needs the HLO: instances (a numbered scope with child scopes) collapse when their
-dot / convolution ops — relative scope, phase, opcode and shape — are the same.
+dot / convolution ops — relative scope, phase, opcode and shape — are the same. Frame scopes have no instance
+names: a class called from several call sites is numbered per call site (:func:`_number_call_sites`), a list of
+blocks called in a loop is split by the data flow (:func:`_frame_instances`).
+
+Labels inherited from a neighbour carry no source line: the ``source`` of an op is its own metadata's or empty.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from parsers.hlo import Computation, HloModule, Instruction, StackFrame
-from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, TOP_LEVEL, is_rng, parse_scope, phase_of
+from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, OTHER_PHASE, TOP_LEVEL, is_rng, parse_scope, phase_of
 
 OPTIMIZER_SCOPE = "(optimizer)"
 RNG_SCOPE = "(rng)"
@@ -65,6 +75,7 @@ _GENERIC_SEGMENT = re.compile(r"[a-z_]\w*(\.[a-z_]\w*)*\.[A-Z]\w*")
 _PRIORITY_OPCODES = ("convolution", "dot", "custom-call")
 _GRAD_WRAPPERS = ("jvp(", "transpose(")
 _NUMBERED = re.compile(r"(.*[A-Za-z])_(\d+)")  # ``Block_3``, ``layers_2``
+_STRUCTURAL = frozenset({"tuple", "get-tuple-element", "parameter", "constant"})
 
 
 @dataclass(frozen=True)
@@ -136,6 +147,7 @@ class _Frames:
         fits = {d: sum(1 for i, f in frames.items() if 0 <= f.parent_frame_id - d < i) for d in (0, 1)}
         self.offset = 1 if fits[1] > fits[0] else 0
         self._paths: dict[int, tuple[str, bool]] = {}
+        self.sites: dict[tuple[str, int], int] = {}  # call site (file, line) -> id in the paths' ``@<id>``
 
     def chain(self, fid: int) -> list[StackFrame]:
         """Frames from the innermost (``fid``) outwards."""
@@ -148,28 +160,82 @@ class _Frames:
         return out
 
     def resolve(self, fid: int) -> tuple[str, bool]:
-        """(model path from the frames, whether a frame lies in an optimizer library)."""
+        """(model path from the frames, whether a frame lies in an optimizer library). Each class below the
+        outermost carries its call site as ``@<id>`` (see :func:`_number_call_sites`)."""
         if fid not in self._paths:
             chain = self.chain(fid)
-            self._paths[fid] = (_model_path(chain), any(OPTIMIZER_FILES.search(f.file_name) for f in chain))
+            path = "/".join(c if site is None else f"{c}@{self.sites.setdefault(site, len(self.sites))}"
+                            for c, site in _model_path(chain))
+            self._paths[fid] = (path, any(OPTIMIZER_FILES.search(f.file_name) for f in chain))
         return self._paths[fid]
 
 
-def _model_path(chain: list[StackFrame]) -> str:
-    """Class names of the model-class frames of a chain (innermost first), outermost first, '/'-joined."""
-    classes: list[str] = []
+def _model_path(chain: list[StackFrame]) -> list[tuple[str, tuple[str, int] | None]]:
+    """(class name, call site) of the model-class frames of a chain (innermost first), outermost first. The call
+    site (file, line) is the first model or user frame outside the class's methods (``self.stem(x)`` in
+    ``Net.__call__``); None for the outermost class."""
+    classes: list[list] = []  # [class, site]
     for f in chain:
         parts = f.function_name.split(".")  # qualified: ``make.<locals>.Block.__call__`` is a method of Block
         m = _METHOD.fullmatch(".".join(parts[-2:])) if len(parts) >= 2 and parts[-2] != "<locals>" else None
         library = bool(LIBRARY_FILES.search(f.file_name))
         model = m is not None and (not library or (bool(MODEL_LIBRARY_FILES.search(f.file_name))
                                                    and not NOT_MODEL_FILES.search(f.file_name)))
+        if classes and classes[-1][1] is None and (model or not library) \
+                and not (model and classes[-1][0] == m.group(1)):
+            classes[-1][1] = (f.file_name, f.line)
         if model:
-            if not classes or classes[-1] != m.group(1):
-                classes.append(m.group(1))
+            if not classes or classes[-1][0] != m.group(1):
+                classes.append([m.group(1), None])
         elif classes and not library:
             break  # the first user frame outside the model (loss closure, train step) ends the path
-    return "/".join(reversed(classes))
+    if classes:
+        classes[-1][1] = None
+    return [(c, site) for c, site in reversed(classes)]
+
+
+_SITE = re.compile(r"(.+)@(\d+)")
+
+
+def _number_call_sites(infos: dict[str, ScopeInfo], sites: Mapping[tuple[str, int], int]) -> None:
+    """Distinct instances of one class called from distinct places: a class called at two or more call sites
+    under the same parent (``self.stem(x)`` and ``self.stage2(x)``, both ``ConvBNBlock``, in
+    ``SmallConvNet.__call__``) becomes ``ConvBNBlock_0``, ``ConvBNBlock_1``, numbered in call-site order (file,
+    then line: the order of the calls in the caller's code); a class called from one place keeps its name.
+
+    Why this naming: the metadata carries no attribute names (NNX / Equinox write no scopes) and the user's source
+    is not read, so ``stem`` cannot be recovered; ``ConvBNBlock@net.py:24`` puts a line number where a reader
+    looks for a layer; ``ConvBNBlock_0`` / ``_1`` is Flax linen's own naming of unnamed submodules
+    (``Conv_0``, ``Conv_1``), which readers know. Numbered instances of the same shapes with parts of their own
+    are repeated blocks and collapse into ``ConvBNBlock_*`` with the spread across instances (``_repeats``);
+    instances of different shapes stay separate rows, so two different layers are never summed into one row
+    that looks like one layer. A block list called in a loop has one call site: ``_frame_instances`` splits it."""
+    order = {i: site for site, i in sites.items()}
+    parsed: dict[str, list[tuple[str, int | None]]] = {}
+    for scope in {i.scope for i in infos.values() if "@" in i.scope}:
+        segs = []
+        for seg in scope.split("/"):
+            m = _SITE.fullmatch(seg)
+            segs.append((m.group(1), int(m.group(2))) if m else (seg, None))
+        parsed[scope] = segs
+    # number outermost first, so that a parent's name is final before its children are grouped under it
+    depth = max((len(v) for v in parsed.values()), default=0)
+    names = {scope: [c for c, _ in segs] for scope, segs in parsed.items()}
+    for d in range(depth):
+        by_parent: dict[tuple[str, str], set[int]] = {}
+        for scope, segs in parsed.items():
+            if d < len(segs) and segs[d][1] is not None:
+                by_parent.setdefault(("/".join(names[scope][:d]), segs[d][0]), set()).add(segs[d][1])
+        for scope, segs in parsed.items():
+            if d < len(segs) and segs[d][1] is not None:
+                ids = by_parent[("/".join(names[scope][:d]), segs[d][0])]
+                if len(ids) > 1:
+                    k = sorted(ids, key=lambda i: order[i]).index(segs[d][1])
+                    names[scope][d] = f"{segs[d][0]}_{k}"
+    renamed = {scope: "/".join(n) for scope, n in names.items()}
+    for name, i in infos.items():
+        if i.scope in renamed:
+            infos[name] = ScopeInfo(renamed[i.scope], i.phase, i.source, i.how, i.in_grad)
 
 
 def _generic(scope: str) -> bool:
@@ -211,41 +277,163 @@ def _contractions(module: HloModule) -> set[str]:
 
 
 def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]],
-             contractions: set[str] = frozenset()) -> bool:
-    """Label unlabelled instructions from labelled users, then operands, in rounds; True if any changed. An
-    unnamed dot / convolution with an operand from the backward pass takes that operand's label first: it computes
-    a gradient (a weight-gradient convolution whose user is the optimizer's gradient clipping is not optimizer)."""
+             contractions: set[str] = frozenset(), weight_grads: Mapping[str, ScopeInfo] | None = None) -> bool:
+    """Label unlabelled instructions from labelled users until none changes, then from operands (one round, then
+    users again); True if any changed. Users come first because an op XLA made without metadata serves its
+    users (the argmax ``reduce-window`` of a max pool's ``select_and_scatter`` is that backward op's, though it
+    reads the forward activations). An unnamed weight-gradient dot / convolution takes the label of
+    ``weight_grads`` (the layer reading the parameter it differentiates, see :func:`_weight_gradients`), else of
+    an operand from the backward pass: it computes a gradient (a weight-gradient convolution whose user is the
+    optimizer's gradient clipping is not optimizer). Inherited labels carry no source line (the op has none)."""
     changed = False
     wait = True  # contractions wait for all their operands' labels before taking a user's
+    operands = False  # whether this round may read operands
     while True:
         new: dict[str, ScopeInfo] = {}
         deferred = False
         for inst in comp.instructions:
             if inst.name in infos:
                 continue
+            if weight_grads and inst.name in weight_grads:
+                new[inst.name] = weight_grads[inst.name]
+                continue
             src = None
+            how = "operand"
             if inst.name in contractions:  # an unnamed matmul fed by the backward pass computes a gradient
                 src = next((infos[o] for o in inst.operands if o in infos and infos[o].in_grad
                             and infos[o].phase == "backward"), None)
                 if src is None and wait and any(o not in infos for o in inst.operands):
                     deferred = True
                     continue
-            how = "operand"
             if src is None:
                 src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos), None)
                 how = "user"
-            if src is None:
+            if src is None and operands:
                 src = next((infos[o] for o in inst.operands if o in infos), None)
                 how = "operand"
             if src is not None:
-                new[inst.name] = ScopeInfo(src.scope, src.phase, src.source, how, src.in_grad)
-        if not new:
-            if deferred and wait:
-                wait = False
-                continue
+                new[inst.name] = ScopeInfo(src.scope, src.phase, "", how, src.in_grad)
+        if new:
+            infos.update(new)
+            changed = True
+            operands = False
+        elif not operands:
+            operands = True
+        elif deferred and wait:
+            wait, operands = False, False
+        else:
             return changed
-        infos.update(new)
-        changed = True
+
+
+def _params_read(entry: Computation, inst: Instruction) -> set[str]:
+    """The entry parameters ``inst`` reads through single-operand ops (copies, transposes of the weights)."""
+    out = set()
+    for o in inst.operands:
+        x, depth = entry.by_name.get(o), 0
+        while x is not None and depth < 4:
+            if x.opcode == "parameter":
+                out.add(x.name)
+                break
+            ops = [y for y in x.operands if y in entry.by_name and entry.by_name[y].opcode != "constant"]
+            if len(ops) != 1:
+                break
+            x, depth = entry.by_name[ops[0]], depth + 1
+    return out
+
+
+def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contractions: set[str]
+                      ) -> dict[str, ScopeInfo]:
+    """Labels of the unnamed dots / convolutions of the entry computation that are weight gradients: one whose
+    users (up to 3 ops on: the optimizer's update) read an entry parameter with as many elements as it has, read
+    in the differentiated forward pass by ops of one scope only, is that scope's backward (XLA CPU's
+    weight-gradient convolution of a conv kernel has no metadata; its operands are the layer's input and the
+    gradient of its output, which the neighbours would give to the next layer's backward)."""
+    owners: dict[str, set[str]] = {}  # parameter -> scopes of the forward ops that read it
+    for inst in entry.instructions:
+        i = infos.get(inst.name)
+        if i is None or not i.in_grad or i.phase != "forward" or i.scope.startswith("(") or \
+                inst.opcode in _STRUCTURAL:
+            continue
+        for p in _params_read(entry, inst):
+            owners.setdefault(p, set()).add(i.scope)
+    if not owners:
+        return {}
+    users = _users(entry)
+    out: dict[str, ScopeInfo] = {}
+    for inst in entry.instructions:
+        if inst.name in infos or inst.name not in contractions or inst.shape.is_tuple:
+            continue
+        scopes: set[str] = set()
+        frontier, seen = [inst.name], {inst.name}
+        for _ in range(3):
+            frontier = [u.name for f in frontier for u in users.get(f, ()) if u.name not in seen
+                        and not seen.add(u.name)]
+            for f in frontier:
+                for p in _params_read(entry, entry.by_name[f]):
+                    if entry.by_name[p].shape.elements == inst.shape.elements:
+                        scopes |= owners.get(p, set())
+        if len(scopes) == 1:
+            out[inst.name] = ScopeInfo(scopes.pop(), "backward", "", "weight", True)
+    return out
+
+
+_COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+                          "collective-broadcast", "ragged-all-to-all"})
+_MOVES = frozenset({"get-tuple-element", "bitcast", "copy", "reshape", "transpose", "convert", "tuple"})
+
+
+def _collective(opcode: str) -> bool:
+    return opcode.removesuffix("-start").removesuffix("-done") in _COLLECTIVES
+
+
+def _moves(module: HloModule, inst: Instruction, depth: int = 0) -> bool:
+    """A collective, or an op that only moves or reshapes data (a fusion by its root)."""
+    if inst.opcode == "fusion":
+        comps = [module.computations.get(c) for c in inst.called]
+        return depth < 4 and all(c is not None and c.root is not None and _moves(module, c.root, depth + 1)
+                                 for c in comps)
+    return _collective(inst.opcode) or inst.opcode in _MOVES
+
+
+def _gradient_results(module: HloModule, infos: dict[str, ScopeInfo], moves_only: bool) -> None:
+    """Ops outside the differentiated function that compute only from gradients are backward: a ``forward``
+    op (not in the differentiated function, so labelled ``forward`` by default) whose data operands (constants
+    aside) are all ``backward`` results; a variadic collective (one all-reduce of several arrays, as XLA's
+    combiner makes) when its backward operands carry most of its bytes (the loss riding along with the
+    gradients), and a ``get-tuple-element`` of one by the operand it selects. This is the data-parallel
+    gradient all-reduce after ``value_and_grad`` (``jax.lax.pmean(grads, "batch")``: no ``transpose(`` in its
+    name), which belongs to the backward pass. A forward op never reads a backward result within one step, so
+    no forward work moves. Run twice: with ``moves_only`` (collectives and data movement) before the optimizer
+    is found, so that the optimizer's data flow stops at the synchronised gradient, then for every op left
+    ``forward`` (a gradient norm logged as a metric)."""
+    fused = {c for comp in module.computations.values() for i in comp.instructions if i.opcode == "fusion"
+             for c in i.called}
+    for comp in module.computations.values():
+        if comp.name in fused:
+            continue
+        for inst in comp.instructions:  # text order: operands first, so chains follow
+            i = infos.get(inst.name)
+            if i is None or i.phase != "forward" or i.in_grad or inst.opcode in ("parameter", "constant") \
+                    or (moves_only and not _moves(module, inst)):
+                continue
+            data = [comp.by_name[o] for o in inst.operands
+                    if o in comp.by_name and comp.by_name[o].opcode not in ("constant", "iota")]
+            if inst.opcode == "get-tuple-element" and data and _collective(data[0].opcode) \
+                    and len(data[0].operands) > 1:
+                k = _tuple_index(inst)
+                src = data[0]
+                data = [comp.by_name[src.operands[k]]] if 0 <= k < len(src.operands) \
+                    and src.operands[k] in comp.by_name else []
+            if not data:
+                continue
+            back = [infos.get(d.name) is not None and infos[d.name].phase == "backward" for d in data]
+            if _collective(inst.opcode) and len(data) > 1:
+                sizes = [d.shape.byte_size() for d in data]
+                grad = 2 * sum(b for b, f in zip(sizes, back) if f) > sum(sizes)
+            else:
+                grad = all(back)
+            if grad:
+                infos[inst.name] = ScopeInfo(i.scope, "backward", i.source, "gradient", False)
 
 
 def _alias_outputs(module: HloModule) -> dict[int, int]:
@@ -334,26 +522,33 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
                 callers.setdefault(c, inst)
     users = {name: _users(comp) for name, comp in module.computations.items()}
     contractions = _contractions(module)
+    weight_grads = _weight_gradients(module.entry, infos, contractions)
     for _ in range(len(module.computations) + 1):
         changed = False
         for name, comp in module.computations.items():
-            changed |= _inherit(comp, infos, users[name], contractions)
+            changed |= _inherit(comp, infos, users[name], contractions, weight_grads)
             caller = callers.get(name)
             src = infos.get(caller.name) if caller is not None else None
             if src is not None:
                 for inst in comp.instructions:
                     if inst.name not in infos:
-                        infos[inst.name] = ScopeInfo(src.scope, src.phase, src.source, "caller", src.in_grad)
+                        infos[inst.name] = ScopeInfo(src.scope, src.phase, "", "caller", src.in_grad)
                         changed = True
         if not changed:
             break
+    _number_call_sites(infos, frames.sites)
     _loop_plumbing(module, infos)
     _gradient_accumulators(module, infos, opt_lib)
+    _gradient_results(module, infos, moves_only=True)
     optimizer = {n for n in opt_lib if not infos[n].in_grad} | _update_optimizer(module, infos)
     for n in optimizer:
         i = infos[n]
         infos[n] = ScopeInfo(i.scope, "optimizer", i.source, i.how, i.in_grad)
     _name_optimizer(infos, opt_lib, optimizer_pattern)
+    _gradient_results(module, infos, moves_only=False)
+    for n, i in infos.items():  # key handling and data generation outside any layer: not the model's forward
+        if i.scope == RNG_SCOPE and i.phase == "forward":
+            infos[n] = ScopeInfo(i.scope, OTHER_PHASE, i.source, i.how, i.in_grad)
     _frame_instances(module, infos)
     return ModuleScopes(infos, _repeats(module, infos))
 
@@ -476,7 +671,7 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
                 grad = next((infos[o] for o in r.operands if o in infos and infos[o].phase == "backward"), None)
                 if grad is None or not reads & set(r.operands):
                     continue
-                label = ScopeInfo(grad.scope, "backward", grad.source, "accumulate", False)
+                label = ScopeInfo(grad.scope, "backward", "", "accumulate", False)
                 for n in {r_name} | reads:
                     infos[n] = label
                 if init is not None and init.opcode == "tuple" and k < len(init.operands):
@@ -570,7 +765,6 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
                     infos[inst.name] = ScopeInfo(f"{p}_{k}{i.scope[len(p):]}", i.phase, i.source, i.how, i.in_grad)
 
 
-_STRUCTURAL = frozenset({"tuple", "get-tuple-element", "parameter", "constant"})
 
 
 def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
@@ -582,45 +776,17 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     if len(members) < 4:
         return {}
 
-    def weights(inst: Instruction) -> set[str]:
-        """The entry parameters ``inst`` reads through single-operand ops (copies, transposes of the weights)."""
-        out = set()
-        for o in inst.operands:
-            x, depth = entry.by_name.get(o), 0
-            while x is not None and depth < 4:
-                if x.opcode == "parameter":
-                    out.add(x.name)
-                    break
-                ops = [y for y in x.operands if y in entry.by_name and entry.by_name[y].opcode != "constant"]
-                if len(ops) != 1:
-                    break
-                x, depth = entry.by_name[ops[0]], depth + 1
-        return out
-
-    reads = {m.name: weights(m) for m in members if m.opcode not in _STRUCTURAL}
+    reads = {m.name: _params_read(entry, m) for m in members if m.opcode not in _STRUCTURAL}
     seeds = [m for m in members if reads.get(m.name)]
-    bit = {s.name: 1 << n for n, s in enumerate(seeds)}
+    ranked_ops = [m for m in members if m.name in reads]
+    bit = {m.name: 1 << k for k, m in enumerate(ranked_ops)}
     anc: dict[str, int] = {}
     for inst in entry.instructions:  # text order: operands first
         a = bit.get(inst.name, 0)
         for o in inst.operands:
             a |= anc.get(o, 0)
         anc[inst.name] = a
-    groups: dict[tuple, list[Instruction]] = {}
-    for sd in seeds:
-        i = infos[sd.name]
-        groups.setdefault((i.scope[len(p):], i.phase, sd.opcode, str(sd.shape)), []).append(sd)
-    ranked: dict[tuple, list[tuple[int, str]]] = {}  # group -> (same-group ancestors, name), sorted
-    valid: dict[tuple, set[int]] = {}
-    for key, g in groups.items():
-        mask = sum(bit[sd.name] for sd in g)
-        order = sorted((bin(anc[sd.name] & mask).count("1"), sd.name) for sd in g)
-        if order[0][0] == order[-1][0]:
-            continue  # no order among them (an RNG counter per instance): placed by their neighbours
-        ranked[key] = order
-        size = len(order)
-        valid[key] = {n for n in range(2, size + 1) if size % n == 0  # n tie-free chunks of consecutive ranks
-                      and all(order[j * size // n - 1][0] != order[j * size // n][0] for j in range(1, n))}
+    ranked, valid, groups = _rank(seeds, infos, p, bit, anc)
     score = Counter(n for key, ns in valid.items() for n in ns for _ in ranked[key])
     n = max(score, key=lambda c: (score[c], c), default=0)
     if n < 2 or 2 * score[n] < sum(len(o) for o in ranked.values()):
@@ -635,11 +801,32 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     if any(4 * ok < total for ok, total in fits.values()):
         return {}  # a part called once (``Model``'s embedding when ``p`` is ``Model``): ``p`` is not repeated
     assign: dict[str, int] = {}
-    for key, order in ranked.items():
-        if n in valid[key]:
-            for pos, (_, name) in enumerate(order):
-                k = pos * n // len(order)
+    # the weight readers first, then every other op that ranks the same way (a LayerNorm's mean and variance
+    # read the previous block's output, not a weight: their neighbours would give them the previous instance);
+    # among those, equal ranks (a side branch: the normalised input kept for the backward pass) are ordered by
+    # the latest run of weight readers of their phase they depend on (the previous block's, or none), then by
+    # their place in the text (a scheduled module runs the instances one after the other)
+    position = {inst.name: k for k, inst in enumerate(entry.instructions)}
+    runs: dict[tuple[str, int], int] = {}  # (phase, run in execution order) -> bits of its weight readers
+    for group_ops in (seeds, [m for m in ranked_ops if not reads[m.name]]):
+        ranked, valid, _ = _rank(group_ops, infos, p, bit, anc)
+        for key, order in ranked.items():
+            levels = sorted({r for r, _ in order})
+            if n not in valid[key] and group_ops is not seeds and len(order) % n == 0:
+                def after(name: str, phase: str = key[1]) -> int:
+                    return max((c for (ph, c), b in runs.items() if ph == phase and anc[name] & b), default=-1)
+                order = sorted(order, key=lambda rn: (rn[0], after(rn[1]), position[rn[1]]))
+                valid[key].add(n)
+            for pos, (r, name) in enumerate(order):
+                if n in valid[key]:
+                    k = pos * n // len(order)
+                elif len(levels) == n:  # n levels of unequal sizes (XLA fused across instances)
+                    k = levels.index(r)
+                else:
+                    break
                 assign[name] = n - 1 - k if key[1] == "backward" else k
+                if group_ops is seeds:
+                    runs[(key[1], k)] = runs.get((key[1], k), 0) | bit[name]
     member_names = {m.name for m in members}
     owner: dict[str, set[int]] = {}  # parameter -> instances of the placed ops reading it
     for name, k in assign.items():
@@ -654,7 +841,7 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
             frontier = [u.name for f in frontier for u in users.get(f, ()) if u.name not in member_names
                         and u.name not in seen and not seen.add(u.name)]
             for f in frontier:
-                for w in weights(entry.by_name[f]):
+                for w in _params_read(entry, entry.by_name[f]):
                     ks |= owner.get(w, set())
         if len(ks) == 1:
             assign[m.name] = ks.pop()
@@ -683,6 +870,29 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
                 if m.name not in assign and len(ks) == 1:
                     assign[m.name] = ks.pop()
     return {name: k for name, k in assign.items() if name in member_names}
+
+
+def _rank(ops: list[Instruction], infos: Mapping[str, ScopeInfo], p: str, bit: Mapping[str, int],
+          anc: Mapping[str, int]) -> tuple[dict[tuple, list[tuple[int, str]]], dict[tuple, set[int]], dict]:
+    """``ops`` grouped by (scope under ``p``, phase, opcode, shape); per group with an order among its members,
+    the (same-group ancestors, name) sorted, and the instance counts ``n`` that cut it into ``n`` tie-free runs
+    of equal size; and the groups."""
+    groups: dict[tuple, list[Instruction]] = {}
+    for op in ops:
+        i = infos[op.name]
+        groups.setdefault((i.scope[len(p):], i.phase, op.opcode, str(op.shape)), []).append(op)
+    ranked: dict[tuple, list[tuple[int, str]]] = {}
+    valid: dict[tuple, set[int]] = {}
+    for key, g in groups.items():
+        mask = sum(bit[op.name] for op in g)
+        order = sorted((bin(anc[op.name] & mask).count("1"), op.name) for op in g)
+        if order[0][0] == order[-1][0]:
+            continue  # no order among them (an RNG counter per instance): placed by their neighbours
+        ranked[key] = order
+        size = len(order)
+        valid[key] = {n for n in range(2, size + 1) if size % n == 0  # n tie-free chunks of consecutive ranks
+                      and all(order[j * size // n - 1][0] != order[j * size // n][0] for j in range(1, n))}
+    return ranked, valid, groups
 
 
 def _instances(scope: str) -> Iterable[tuple[str, str]]:

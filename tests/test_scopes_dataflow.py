@@ -1,0 +1,317 @@
+"""Labels from the data flow on patterns a new user's five unseen models brought (/work/trial FINDINGS 2-5, 8),
+each compiled here from a small JAX program: the data-parallel gradient all-reduce, an NNX CNN's unnamed
+weight-gradient convolutions and max-pool, two instances of one class at different call sites, an Equinox list
+of blocks split into instances, and random numbers generated outside the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+
+from parsers.hlo import HloModule
+from parsers.hlo_text import parse_hlo_text
+from traceroof.cost import CostModel
+from traceroof.layers import OTHER_PHASE, LayerNamer
+from traceroof.scopes import RNG_SCOPE, ModuleScopes, assign_scopes
+
+jax = pytest.importorskip("jax")
+jnp = jax.numpy
+optax = pytest.importorskip("optax")
+
+
+def _module(compiled_text: str) -> tuple[HloModule, ModuleScopes]:
+    m = parse_hlo_text(compiled_text)[0]
+    return m, assign_scopes(m)
+
+
+def _executed(m: HloModule):
+    """(computation, instruction) of the ops that run as their own events (not inside fusions)."""
+    fused = {c for comp in m.computations.values() for i in comp.instructions if i.opcode == "fusion"
+             for c in i.called}
+    return [(comp, i) for comp in m.computations.values() if comp.name not in fused for i in comp.instructions
+            if i.opcode not in ("parameter", "constant")]
+
+
+def _holds(m: HloModule, inst, opcode: str) -> bool:
+    return inst.opcode == opcode or any(x.opcode == opcode for n in inst.called for x in m.computations[n].instructions)
+
+
+# -- 1. the data-parallel gradient all-reduce ----------------------------------------------------------------
+
+_DP = textwrap.dedent("""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(jax.devices()[:8], ("batch",))
+
+    def loss_fn(p, x, y):
+        with jax.named_scope("hidden"):
+            h = jnp.tanh(x @ p["w1"])
+        with jax.named_scope("out"):
+            return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    def step(p, x, y):
+        loss, g = jax.value_and_grad(loss_fn)(p, x, y)
+        g = jax.lax.pmean(g, "batch")
+        loss = jax.lax.pmean(loss, "batch")
+        return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g), loss
+
+    p = {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 4))}
+    x, y = jnp.ones((64, 16)), jnp.ones((64, 4))
+    out = {}
+    for vma in (False, True):
+        f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=(P(), P()),
+                                  check_vma=vma))
+        out[str(vma)] = f.lower(p, x, y).compile().as_text()
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def data_parallel() -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-c", _DP], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("vma", ["False", "True"])
+def test_gradient_all_reduce_after_value_and_grad_is_backward(data_parallel, vma):
+    m, ms = _module(data_parallel[vma])
+    reduces = [i for _, i in _executed(m) if i.opcode == "all-reduce"]
+    assert reduces
+    grad_bytes = 0
+    for ar in reduces:
+        # every all-reduce here carries parameter gradients (XLA's combiner may add the scalar loss to one)
+        assert ms.get(ar.name).phase == "backward", (ar.name, ms.get(ar.name), ar.metadata.op_name)
+        grad_bytes += sum(s.byte_size() for s in ar.shape.leaves())
+    assert grad_bytes >= 4 * (16 * 32 + 32 * 4)  # both weight gradients are synchronised
+    before = [i for _, i in _executed(m) if "transpose(" not in i.metadata.op_name and i.opcode == "all-reduce"]
+    assert before  # the pmean has no transpose( in its name: phase came from the data flow
+    # no forward work moved: the forward matmuls and the loss stay forward, the SGD update is the optimizer
+    for _, i in _executed(m):
+        name = i.metadata.op_name
+        if "jvp(" in name and "transpose(" not in name:
+            assert ms.get(i.name).phase == "forward", (i.name, name)
+        if name.endswith("/div") and "transpose(" not in name and i.shape.dims == ():
+            assert ms.get(i.name).phase == "forward"  # the loss mean
+        if i.shape.dims in ((16, 32), (32, 4)) and _holds(m, i, "subtract"):
+            assert ms.get(i.name).phase == "optimizer"
+    # a get-tuple-element of the loss riding in a gradient all-reduce stays forward
+    for _, g in _executed(m):
+        if g.opcode == "get-tuple-element" and g.operands[0] in {r.name for r in reduces} and g.shape.dims == ():
+            assert ms.get(g.name).phase == "forward"
+
+
+# -- 2./3. NNX CNN: weight-gradient convolutions, max-pool, instances per call site ---------------------------
+
+@pytest.fixture(scope="module")
+def nnx_cnn():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class ConvBNBlock(nnx.Module):
+        def __init__(self, cin, cout, rngs):
+            self.conv = nnx.Conv(cin, cout, (3, 3), rngs=rngs)
+            self.bn = nnx.BatchNorm(cout, rngs=rngs)
+
+        def __call__(self, x):
+            return nnx.relu(self.bn(self.conv(x)))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.stem = ConvBNBlock(3, 8, rngs)
+            self.stage2 = ConvBNBlock(8, 16, rngs)
+            self.stage3 = ConvBNBlock(16, 16, rngs)
+            self.head = nnx.Linear(16 * 4 * 4, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = nnx.max_pool(self.stem(x), (2, 2), (2, 2))
+            x = self.stage2(x)
+            x = self.stage3(x)
+            return self.head(x.reshape(x.shape[0], -1))
+
+    def make():  # abstract state (shapes only): lowering needs no weights, and eager init costs seconds
+        model = Net(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.01, momentum=0.9, nesterov=True), wrt=nnx.Param)
+
+    model, opt = nnx.eval_shape(make)
+
+    @nnx.jit
+    def train_step(model, opt, x, y):
+        loss, grads = nnx.value_and_grad(
+            lambda mdl: optax.softmax_cross_entropy_with_integer_labels(mdl(x), y).mean())(model)
+        opt.update(model, grads)
+        return loss
+
+    jax.clear_caches()
+    return _module(train_step.lower(model, opt, jnp.ones((2, 8, 8, 3)), jnp.zeros((2,), jnp.int32))
+                   .compile().as_text())
+
+
+def test_unnamed_weight_gradient_convolution_is_its_conv_backward(nnx_cnn):
+    m, ms = nnx_cnn
+    kernels = {(3, 3, 3, 8): "ConvBNBlock_0", (3, 3, 8, 16): "ConvBNBlock_1"}
+    found = set()
+    for _, i in _executed(m):
+        if i.metadata.op_name or not _holds(m, i, "convolution"):
+            continue
+        shape = tuple(sorted(i.shape.dims))
+        owner = next((b for k, b in kernels.items() if tuple(sorted(k)) == shape), None)
+        if owner is None:
+            continue
+        info = ms.get(i.name)
+        # before: the stem's kernel gradient was ConvBNBlock/BatchNorm backward with BatchNorm's source line
+        assert (info.scope, info.phase) == (f"Net/{owner}/Conv", "backward"), (i.name, info)
+        assert info.source == ""
+        found.add(owner)
+    assert found == set(kernels.values())
+
+
+def test_inherited_labels_carry_no_source_line(nnx_cnn):
+    m, ms = nnx_cnn
+    inherited = [ms.get(i.name) for _, i in _executed(m) if ms.get(i.name).how in ("user", "operand", "caller")]
+    assert inherited and all(info.source == "" for info in inherited)
+
+
+def test_max_pool_argmax_without_metadata_is_the_pool_backward(nnx_cnn):
+    m, ms = nnx_cnn
+    windows = [i for _, i in _executed(m) if not i.metadata.op_name and _holds(m, i, "reduce-window")
+               and i.shape.is_tuple]
+    assert windows  # XLA's argmax for select_and_scatter: used only by the pool's backward scatter
+    for w in windows:
+        assert (ms.get(w.name).scope, ms.get(w.name).phase) == ("Net", "backward")  # before: ConvBNBlock forward
+
+
+def test_instances_at_different_call_sites_are_separate_rows(nnx_cnn):
+    m, ms = nnx_cnn
+    scopes = {i.scope for i in ms.infos.values()}
+    assert {f"Net/ConvBNBlock_{k}/Conv" for k in range(3)} <= scopes and "Net/ConvBNBlock/Conv" not in scopes
+    namer = LayerNamer.build(Counter(i.scope for i in ms.infos.values()), ms.repeats)
+    layers = {(namer.layer(i.scope, 2), i.phase) for i in ms.infos.values()}
+    # before: one ConvBNBlock row summing all three. stem (3->8), stage2 (8->16), stage3 (16->16) differ:
+    # one row each, in call order
+    for k in range(3):
+        assert {(f"ConvBNBlock_{k}/Conv", "forward"), (f"ConvBNBlock_{k}/Conv", "backward"),
+                (f"ConvBNBlock_{k}/BatchNorm", "forward")} <= layers
+    assert ms.repeats == {}  # instances of different shapes never collapse into one row
+
+
+# -- 4. Equinox list of blocks: instances split evenly ---------------------------------------------------------
+
+def test_equinox_block_list_instances_get_equal_flops():
+    eqx = pytest.importorskip("equinox")
+    d = 16
+
+    class ResidualMLP(eqx.Module):
+        norm: eqx.nn.LayerNorm
+        up: eqx.nn.Linear
+        down: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.norm, self.up, self.down = eqx.nn.LayerNorm(d), eqx.nn.Linear(d, 2 * d, key=k1), \
+                eqx.nn.Linear(2 * d, d, key=k2)
+
+        def __call__(self, x):
+            return x + self.down(jax.nn.gelu(self.up(self.norm(x))))
+
+    class Model(eqx.Module):
+        embed: eqx.nn.Embedding
+        blocks: list
+        final_norm: eqx.nn.LayerNorm
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            ks = jax.random.split(key, 5)
+            self.embed = eqx.nn.Embedding(20, d, key=ks[0])
+            self.blocks = [ResidualMLP(k) for k in ks[1:4]]
+            self.final_norm, self.head = eqx.nn.LayerNorm(d), eqx.nn.Linear(d, 20, key=ks[4])
+
+        def __call__(self, tok):
+            x = jax.vmap(self.embed)(tok)
+            for blk in self.blocks:
+                x = jax.vmap(blk)(x)
+            return jax.vmap(self.head)(jax.vmap(self.final_norm)(x))
+
+    opt = optax.sgd(1e-3)
+    # abstract arrays (shapes only): lowering needs no weights, and eager init costs seconds
+    params, static = eqx.partition(eqx.filter_eval_shape(Model, jax.random.PRNGKey(0)),
+                                   lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    state = jax.eval_shape(opt.init, params)
+
+    @jax.jit
+    def train_step(params, state, tok, tgt):
+        loss, g = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+            jax.vmap(eqx.combine(p, static))(tok), tgt).mean())(params)
+        u, state = opt.update(g, state, params)
+        return optax.apply_updates(params, u), state, loss
+
+    tok = jnp.zeros((4, 8), jnp.int32)
+    m, ms = _module(train_step.lower(params, state, tok, tok).compile().as_text())
+    assert ms.repeats == {f"Model/ResidualMLP_{k}": "Model/ResidualMLP_*" for k in range(3)}
+    cm = CostModel(m)
+    flops: Counter = Counter()
+    for _, inst, k in cm.executed_instructions():
+        info = ms.get(inst.name)
+        if inst.opcode != "parameter" and info.scope.startswith("Model/ResidualMLP_"):
+            block, _, part = info.scope[len("Model/"):].partition("/")
+            flops[(block, part, info.phase)] += cm.cost(inst).flops * k
+    # before: LayerNorm forward 101 k / 59.4 k / 17.4 k FLOP in the trial model (block k's first LayerNorm ops,
+    # which read block k-1's output, went to block k-1)
+    for part, phase in (("LayerNorm", "forward"), ("Linear", "forward")):
+        per = [flops[(f"ResidualMLP_{k}", part, phase)] for k in range(3)]
+        assert per[0] > 0 and per[0] == per[1] == per[2], (part, phase, per)
+    dots = [flops[(f"ResidualMLP_{k}", "Linear", "backward")] for k in range(3)]
+    assert max(dots) <= 1.1 * min(dots)  # XLA fuses the residual gradient's adds across blocks
+    # (and the last block's residual add into the final LayerNorm: the blocks' own rows differ by that add)
+
+
+# -- 5. random numbers outside the model --------------------------------------------------------------------
+
+def test_random_batch_generation_is_rng_other_not_forward():
+    m, ms = _module(jax.jit(lambda k: jax.random.randint(k, (8, 4), 0, 10)).lower(jax.random.PRNGKey(0))
+                    .compile().as_text())
+    labels = {(ms.get(i.name).scope, ms.get(i.name).phase) for _, i in _executed(m)}
+    assert labels == {(RNG_SCOPE, OTHER_PHASE)}
+
+
+def test_same_shape_instances_at_different_call_sites_collapse():
+    nnx = pytest.importorskip("flax.nnx")
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.fc, self.norm = nnx.Linear(16, 16, rngs=rngs), nnx.LayerNorm(16, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.fc(self.norm(x))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(8, 16, rngs=rngs)
+            self.first, self.second = Block(rngs), Block(rngs)
+
+        def __call__(self, x):
+            x = self.first(self.embed(x))
+            x = self.second(x)
+            return (x * x).mean()
+
+    model = nnx.eval_shape(lambda: Net(nnx.Rngs(0)))
+
+    @nnx.jit
+    def grads(model, x):
+        return nnx.grad(lambda mdl: mdl(x))(model)
+
+    m, ms = _module(grads.lower(model, jnp.ones((2, 8))).compile().as_text())
+    # two call sites, the same shapes: repeated blocks, one Block_* row with the spread across the two
+    assert ms.repeats == {"Net/Block_0": "Net/Block_*", "Net/Block_1": "Net/Block_*"}
+    namer = LayerNamer.build(Counter(i.scope for i in ms.infos.values()), ms.repeats)
+    assert namer.layer("Net/Block_1/Linear", 2) == "Block_*/Linear"
+    assert namer.instance("Net/Block_1/Linear", 2) == "Block_1/Linear"
