@@ -134,6 +134,7 @@ def test_hlo_of_another_program_is_ignored_when_the_profile_carries_its_own():
     summary = json.loads(r.stdout)["summary"]
     assert any("describes none of the profiled programs" in n for n in summary["notes"])
     assert summary["join"]["events_joined"] == summary["join"]["events_total"]
+    assert summary["hlo_sources"] == {"HloProtos embedded in the profile": 1}  # the ignored file is not a source
 
 
 def test_a_bug_is_one_line_and_exit_3_never_1(monkeypatch):

@@ -271,3 +271,14 @@ def test_findings_name_the_straggler_and_the_exposed_collective():
     out = communication_findings(table, skew, SimpleNamespace(step_time_mean_s=10e-3), steps=2)
     assert any("all-reduce.7" in f and "reduce-scatter + all-gather" in f for f in out)
     assert any(f.startswith("host_b/gpu:3 arrives last at 100%") for f in out)
+
+
+def test_collectives_on_virtual_cpu_devices_get_no_interconnect_advice():
+    a = analyze(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
+    comm = [f for f in a.findings if "all-reduce" in f or "all-gather" in f]
+    assert comm and all("virtual CPU devices" in f and "arrival skew" in f for f in comm), comm
+    assert not any("reduce-scatter + all-gather" in f or "prefetch" in f for f in a.findings)
+    from traceroof.analysis import communication_findings
+
+    real = communication_findings(a.collectives, a.collectives.iloc[:0], a.summary, 4, virtual_devices=False)
+    assert any("split it into reduce-scatter + all-gather" in f for f in real), real

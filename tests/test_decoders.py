@@ -4,6 +4,8 @@ decodes to the same events, column for column, and every corrupt input fails wit
 
 from __future__ import annotations
 
+import json
+
 import random
 import subprocess
 import sys
@@ -311,4 +313,14 @@ def test_without_the_c_extension_the_cli_runs_on_the_python_decoder(tmp_path):
         f"'-o', {str(tmp_path / 'r.json')!r}])\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert (tmp_path / "r.json").stat().st_size > 1000
+    assert json.loads((tmp_path / "r.json").read_text())["summary"]["decoder"] == "python"
+
+
+def test_the_report_header_says_which_decoder_ran(monkeypatch):
+    from traceroof import analyze
+    from traceroof.report import render
+
+    monkeypatch.setenv("TRACEROOF_DECODER", "python")
+    assert "(decoder: pure Python, slower" in render(analyze(SRC.parents[4], chip=HOST_CHIP), "terminal")
+    monkeypatch.setenv("TRACEROOF_DECODER", "c")
+    assert "(decoder: C)" in render(analyze(SRC.parents[4], chip=HOST_CHIP), "markdown")

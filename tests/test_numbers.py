@@ -316,3 +316,30 @@ def test_model_flops_option_on_a_profile_and_in_reports():
     assert summary["model_flops_per_step"] == n and summary["hfu"] > 0 and "given" in summary["model_flops_source"]
     text = CliRunner().invoke(main, ["analyze", str(FIXTURES / "scan_mlp"), "--chip", HOST_CHIP])
     assert "HFU" in text.output and "MFU" in text.output and "model FLOPs" in text.output
+
+
+def test_random_bits_are_executed_work_but_not_model_flops():
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    from traceroof.cost import categorize
+
+    B, D = 32, 64
+
+    def loss(w, x, key):
+        h = jnp.tanh(x @ w)
+        keep = jax.random.bernoulli(key, 0.9, h.shape)  # dropout: threefry bits, u32 ops
+        return jnp.sum(jnp.where(keep, h / 0.9, 0.0) @ w)
+
+    w, x = jnp.full((D, D), 0.01), jnp.ones((B, D))
+    compiled = jax.jit(jax.grad(loss)).lower(w, x, jax.random.key(0)).compile()
+    (m,) = parse_hlo_text(compiled.as_text())
+    model = CostModel(m)
+    rows = [{"flops": model.cost(inst).flops * k, "phase": "forward", "dtype": categorize(model, inst)[1]}
+            for _, inst, k in model.executed_instructions()]
+    ops = pd.DataFrame(rows)
+    random_flops = ops.loc[ops["dtype"].str.fullmatch(r"u\d+"), "flops"].sum()
+    assert random_flops > 0.1 * ops["flops"].sum()  # the hash is a large share of this small model's count
+    model_flops, source, mfu, hfu = flop_utilization(ops, 1, 1e-3, 1e12, 1)
+    assert model_flops == pytest.approx(ops["flops"].sum() - random_flops)
+    assert model_flops >= 3 * 2 * B * D * D  # the matmuls (forward, and the backward's two) stay
+    assert hfu > mfu and "random-bit generation" in source

@@ -83,6 +83,7 @@ class Summary:
     model_flops_source: str = ""
     hfu: float = float("nan")
     chip_calibrated_at: str = ""  # when a calibrated host chip was measured (UTC, from its chip file)
+    decoder: str = ""  # wire scanner that read the .xplane.pb files: "c" or "python" (Profile.decoder); "" otherwise
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,7 +133,8 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: Sc
     return {
         "opcode": inst.opcode, "category": category, "fusion_kind": inst.fusion_kind, "dtype": dtype,
         "shape": str(inst.shape), "operand_shapes": ", ".join(operand_shapes), "scope": scope, "phase": phase,
-        "source": info.source if info is not None and info.source else model.module.source_line(inst), "flops": cost.flops, "transcendentals": cost.transcendentals,
+        "source": info.source if info is not None and info.source else model.module.source_line(inst),
+        "flops": cost.flops, "transcendentals": cost.transcendentals,
         "logical_bytes": cost.bytes_accessed, "padded_bytes": cost.padded_bytes, "hbm_bytes": cost.hbm_bytes,
         "opaque": cost.opaque, "cost_note": cost.note,
         "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),
@@ -324,6 +326,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
     if "traceroof_flops" in ops:
         notes += _cost_disagreements(ops)
     user = {str(f) for f in profile.inputs.user_hlo_files}
+    hlo_sources = dict(profile.hlo_sources)
     if user and not user & (set(join.matched_sources) | profile.dump_sources):
         ran = sorted({f"{m}({p})" if pd.notna(p) else str(m) for m, p in
                       profile.events[["module", "program_id"]].drop_duplicates().itertuples(index=False)})
@@ -332,8 +335,11 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
                                    f"ran {', '.join(ran[:4])}); pass the after-optimization dumps of the profiled run")
         notes.append(f"the HLO given (--hlo) describes none of the profiled programs ({', '.join(ran[:4])}): "
                      "ignored; the profile carries its own")
+        ignored = sum(1 for m in profile.modules if str(m.source) in user)
+        hlo_sources["HLO text dumps"] = hlo_sources.get("HLO text dumps", 0) - ignored
+        hlo_sources = {k: v for k, v in hlo_sources.items() if v > 0}
     if not profile.modules and not framework:
-        notes.append("no HLO found (no dumps, no HloProto in the profile): times only; pass --hlo DIR "
+        notes.append("no usable HLO (no dumps, no HloProto in the profile that decodes): times only; pass --hlo DIR "
                      "(an --xla_dump_to folder) for the roofline")
     if framework:
         notes.append("no XLA ops in this profile (framework ops without HLO, e.g. TensorFlow without XLA): times "
@@ -414,9 +420,9 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         roofline_efficiency=expected / step_mean if step_mean > 0 and join.events_joined else float("nan"),
         devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
         step_times_s=tuple(float(x) for x in durations),
-        hlo_sources=dict(profile.hlo_sources), notes=tuple(notes), host_step_time_mean_s=host_mean,
+        hlo_sources=hlo_sources, notes=tuple(notes), host_step_time_mean_s=host_mean,
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
-        chip_calibrated_at=target.calibrated_at,
+        chip_calibrated_at=target.calibrated_at, decoder=profile.decoder,
     )
     layers = rollup(ops, per, step_mean)
     skew = arrival_skew(ops)
@@ -425,7 +431,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
     return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
                     tuple(_findings(summary, counted, per, target.kind) + outlier_findings(stats)
                           + layout_findings(counted, per)
-                          + communication_findings(coll_table, skew, summary, len(used))),
+                          + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")),
                     coll_table, topo.describe(), per)
 
 
@@ -688,7 +694,8 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     """(model FLOPs per step per device, where they came from, MFU, HFU).
 
     Model FLOPs: the user's whole-program count per step (e.g. 6·N·T) ÷ ``program_devices``, else the executed
-    FLOPs of ``counted`` rows without the rematerialised forward (phase ``remat``, or XProf's remat flag).
+    FLOPs of ``counted`` rows without the rematerialised forward (phase ``remat``, or XProf's remat flag) and
+    without random-bit generation (:func:`_random_bits`).
     MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
     §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
     """
@@ -701,12 +708,27 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
         remat = counted["phase"].astype(str).to_numpy() == "remat"
         if "remat" in counted:
             remat |= counted["remat"].fillna(False).to_numpy(bool)
-        model = float(counted.loc[~remat, "flops"].sum()) / per if per else float("nan")
+        rng = _random_bits(counted) & ~remat
+        model = float(counted.loc[~remat & ~rng, "flops"].sum()) / per if per else float("nan")
         recomputed = float(counted.loc[remat, "flops"].sum()) / per if per else 0.0
         source = f"counted: executed FLOPs less {recomputed:.4g} FLOP of rematerialised forward"
+        if rng.any():
+            random = float(counted.loc[rng, "flops"].sum()) / per if per else 0.0
+            source += f" and {random:.4g} FLOP of random-bit generation (unsigned-integer ops)"
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
     return model, source, model / step_s / peak, executed / step_s / peak
+
+
+def _random_bits(counted: pd.DataFrame) -> np.ndarray:
+    """Rows that generate random bits (jax.random's threefry hash: unsigned-integer adds, shifts, xors): ops whose
+    result is an unsigned integer, and RNG work outside any layer (phase ``other``). They are executed work (HFU)
+    but not model FLOPs (the 6·N·T of How to Scale Your Model §4 counts the matmuls' multiply-adds): dropout's
+    bits can be a third of a small transformer's counted FLOPs."""
+    rng = counted["phase"].astype(str).to_numpy() == "other"
+    if "dtype" in counted:
+        rng |= counted["dtype"].astype(str).str.fullmatch(r"u\d+").fillna(False).to_numpy(bool)
+    return rng
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
@@ -777,12 +799,24 @@ def collectives_table(counted: pd.DataFrame, collectives: list, estimates: dict,
         .reset_index(drop=True)
 
 
-def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, steps: int) -> list[str]:
-    """The largest exposed collectives with what would hide them, and the device that makes others wait."""
+def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, steps: int,
+                           virtual_devices: bool = False) -> list[str]:
+    """The largest exposed collectives with what would hide them, and the device that makes others wait.
+
+    ``virtual_devices``: the devices are threads of one host (XLA:CPU's ``--xla_force_host_platform_device_count``):
+    a collective's time is mostly device threads waiting for each other on a few cores, so no interconnect
+    advice is given, only that reading."""
     out = []
     if len(table) and s.step_time_mean_s > 0:
         top = table[table["exposed_per_step_s"] > EXPOSED_SHARE_MIN * s.step_time_mean_s].head(3)
         for r in top.itertuples(index=False):
+            if virtual_devices:
+                skew_s = r.arrival_skew_s if np.isfinite(r.arrival_skew_s) else 0.0
+                out.append(f"{r.hlo_op} ({r.kind}, {r.bytes_out / 1e6:.3g} MB, group {r.group_size}) takes "
+                           f"{r.exposed_per_step_s * 1e3:.3f} ms per step on virtual CPU devices (threads of one "
+                           f"host; arrival skew {skew_s * 1e3:.3f} ms): mostly devices waiting for each other on "
+                           "shared cores, not data movement; profile on the real accelerators to judge it")
+                continue
             advice = {"all-gather": "prefetch it a layer ahead (FSDP overlap) or let XLA schedule it async",
                       "reduce-scatter": "overlap it with the next layer's backward (async collective)",
                       "all-reduce": "split it into reduce-scatter + all-gather that overlap compute, or shard "

@@ -49,7 +49,8 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
     j = s.join
     joined_time = j.time_joined_ps / j.time_total_ps if j.time_total_ps else 0.0
     lines = [
-        ("input", s.input),
+        ("input", s.input + {"c": " (decoder: C)", "python": " (decoder: pure Python, slower: no C compiler at "
+                                "install, or TRACEROOF_DECODER=python)"}.get(s.decoder, "")),
         ("device", f"{s.device}; {s.devices} device(s) with op events"),
         ("chip", f"{s.chip_name} [{s.chip_id}]: {peaks}; HBM {hbm}"
                  + (f"; calibrated {s.chip_calibrated_at}" if s.chip_calibrated_at else "")),
