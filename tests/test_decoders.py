@@ -5,7 +5,6 @@ decodes to the same events, column for column, and every corrupt input fails wit
 from __future__ import annotations
 
 import json
-
 import random
 import subprocess
 import sys
