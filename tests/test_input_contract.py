@@ -283,6 +283,18 @@ def test_hlo_stats_export_well_formed_and_truncated(tmp_path):
         read_hlo_stats(f)
 
 
+@pytest.mark.parametrize("cell, value, match", [
+    (6, 1e30, r"row 1: op 'fusion.1' totals 1e\+24 s, beyond 13 days"),  # int(ps) would overflow int64
+    (7, 1e300, r"row 1: op 'fusion.1': FLOP or HBM rate times its time overflows"),  # FLOPs would be inf
+], ids=["huge-time", "overflowing-rate"])
+def test_export_figures_that_overflow_are_format_errors(tmp_path, cell, value, match):
+    from traceroof.xprof import export_op_table
+
+    f = _hlo_stats(tmp_path, lambda d: d["rows"][1]["c"][cell].update(v=value))
+    with pytest.raises(FormatError, match=match):
+        export_op_table(f)
+
+
 def test_hlo_stats_csv_with_a_non_numeric_cell(tmp_path):
     f = tmp_path / "x_hlo_stats.csv.gz"
     f.write_bytes(gzip.compress(b"HLO op name,#Occurrences,Total self time (us)\nfusion.1,3,12.5\nfusion.2,x,1\n"))

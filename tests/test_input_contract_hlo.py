@@ -363,7 +363,8 @@ def _report(tmp_path, name="base.json", **summary) -> "Path":
     ({"step_time_mean_s": 0}, "step_time_mean_s is 0"), ({"step_time_mean_s": float("nan")}, "step_time_mean_s"),
     ({"step_time_mean_s": -3.07e6}, "step_time_mean_s"), ({"step_time_mean_s": None}, "missing"),
     ({"step_time_mean_s": "10ms"}, "not a number"), ({"step_times_s": "0.01"}, "step_times_s"),
-    ({"step_times_s": [0.01, -1]}, "step_times_s"), ({"flops_per_step": float("inf")}, "flops_per_step"),
+    ({"step_times_s": [0.01, -1]}, "step_times_s"), ({"step_times_s": [0.0, 4.3e-05]}, "positive finite step"),
+    ({"flops_per_step": float("inf")}, "flops_per_step"),
 ])
 def test_bad_baseline_figures_are_format_errors(tmp_path, summary, match):
     with pytest.raises(FormatError, match=match):

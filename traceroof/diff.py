@@ -111,8 +111,8 @@ def side_from_json(path: Path) -> Side:
                           "report has no step time to compare with; save a report of a profile with steps")
     times = s.get("step_times_s") or []
     if not isinstance(times, list) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                                              and math.isfinite(t) and t >= 0 for t in times):
-        raise FormatError(f"{path}: summary.step_times_s is not a list of finite step times >= 0")
+                                              and math.isfinite(t) and t > 0 for t in times):
+        raise FormatError(f"{path}: summary.step_times_s is not a list of positive finite step times")
     chip = s.get("chip_id", "")
     return Side(str(path), chip if isinstance(chip, str) else str(chip), tuple(float(t) for t in times), step,
                 figures["flops_per_step"] or 0.0, figures["exposed_comm_per_step_s"] or 0.0,

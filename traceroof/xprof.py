@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from parsers.errors import HloParseError
+from parsers.errors import FormatError, HloParseError
 from parsers.hlo_text import parse_hlo_text
 from parsers.xprof_export import ExportContext, read_export_context, read_hlo_stats
 from traceroof.chips import Chip, Figure, per_device_chip
@@ -25,6 +25,8 @@ from traceroof.collectives import classify
 from traceroof.cost import CostModel, _sizes
 from traceroof.findings import is_retiling
 from traceroof.layers import layer_of, parse_scope
+
+MAX_OP_TIME_S = 2**60 * 1e-12  # 13.3 days, the profile parsers' duration limit (parsers/xspace.DURATION_LIMIT_PS)
 
 # XProf "HLO op category" -> traceroof category
 CATEGORY = {
@@ -92,6 +94,10 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
                 unparsed += 1
         total_s = float(r.get("total_time") or 0.0) * 1e-6
         self_s = float(r.get("total_self_time") or 0.0) * 1e-6
+        if max(total_s, self_s) > MAX_OP_TIME_S:
+            raise FormatError(f"{p}: row {len(rows) + unparsed}: op {str(r.get('hlo_op_name'))[:60]!r} totals "
+                              f"{max(total_s, self_s):.3g} s, beyond {MAX_OP_TIME_S / 86400:.0f} days; the export "
+                              "is corrupt")
         occ = float(r.get("occurrences") or 0.0)
         xcat = str(r.get("category") or "")
         opcode = inst.opcode if inst is not None else xcat
@@ -110,6 +116,9 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
         scope, phase = parse_scope(tf_op)
         flops = float(r.get("model_flop_rate") or 0.0) * 1e9 * total_s
         hbm = float(r.get("hbm_bw") or 0.0) * 2**30 * total_s
+        if not (np.isfinite(flops) and np.isfinite(hbm)):
+            raise FormatError(f"{p}: row {len(rows) + unparsed}: op {str(r.get('hlo_op_name'))[:60]!r}: FLOP or "
+                              "HBM rate times its time overflows; the export is corrupt")
         category = "collective" if coll is not None else _category(xcat, opcode)
         rows.append({
             "host": "", "device": "xprof export", "program_id": r.get("program_id"), "module": "",
