@@ -404,6 +404,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
                                                            model_flops_per_step)
     if not join.events_joined:
         mfu = hfu = float("nan")
+    notes += utilization_notes(mfu, hfu, peak, peak_key)
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
         chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
@@ -434,11 +435,15 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
     annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
     than ``STEP_TIME_DISAGREEMENT``, and which side waits."""
-    host = (sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12
+    host = _valid_steps((sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12, "step annotations",
+                        notes)
     host_mean = float(host.mean()) if len(host) else float("nan")
     if not len(sel) or "device_end_ps" not in sel or sel["device_end_ps"].isna().any():
         return host, host_mean
-    device = (sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12
+    device = _valid_steps((sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12,
+                          "device steps (first launch -> last op end)", notes)
+    if not len(device):
+        return host, host_mean
     dev_mean = float(device.mean())
     if marked and abs(dev_mean - host_mean) > STEP_TIME_DISAGREEMENT * max(dev_mean, 1e-30):
         why = ("asynchronous dispatch: the host runs ahead of the device" if dev_mean > host_mean else
@@ -446,6 +451,18 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
         notes.append(f"device step time (first launch -> last op end) {dev_mean * 1e3:.3f} ms differs from the "
                      f"step annotations' {host_mean * 1e3:.3f} ms ({why}); per-step figures use the device time")
     return device, host_mean
+
+
+def _valid_steps(durations_s: np.ndarray, what: str, notes: list[str]) -> np.ndarray:
+    """The step durations (s) that are positive and finite; the others (an end before its start, times that
+    wrapped or overflowed) are dropped with a note saying how many."""
+    ok = np.isfinite(durations_s) & (durations_s > 0)
+    if not ok.all():
+        bad = durations_s[~ok]
+        notes.append(f"{len(bad)} of {len(durations_s)} {what} have a duration that is not a positive time "
+                     f"({', '.join(f'{x:.3g} s' for x in bad[:3])}): the profile's times are inconsistent "
+                     "(an end before its start, or wrapped timestamps); those steps are left out of the step time")
+    return durations_s[ok]
 
 
 OP_ID = ["module", "program_id", "hlo_op"]
@@ -649,6 +666,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     peak, peak_key = main_matmul_peak(counted, target, "bf16")
     model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, cores,
                                                            model_flops_per_step)
+    notes += utilization_notes(mfu, hfu, peak, peak_key)
     n = len(ops)
     join = JoinReport(n, n, int(ops["duration_ps"].sum()), int(ops["duration_ps"].sum()), (), 0, ())
     notes.append("rows are XProf's aggregates: FLOPs and HBM bytes are libtpu's measured per-op counts "
@@ -707,6 +725,17 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
     return model, source, model / step_s / peak, executed / step_s / peak
+
+
+def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str) -> list[str]:
+    """A note when MFU or HFU is outside [0, 1]: more FLOPs per second than the peak (or fewer than none) is
+    impossible, so the FLOP count, the step time or the chip's peak is wrong; the figures are shown as computed."""
+    odd = [f"{name} {v:.3g}" for name, v in (("MFU", mfu), ("HFU", hfu)) if not np.isnan(v) and not 0 <= v <= 1]
+    if not odd:
+        return []
+    return [f"{' and '.join(odd)} outside 0-100 % of the {peak_key} peak ({peak or float('nan'):.3g} FLOP/s): "
+            "impossible, so the FLOP count, the step time or the chip's peak is wrong; check "
+            "--model-flops-per-step, the chip file and the profile's times"]
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
