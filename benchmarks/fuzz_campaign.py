@@ -56,10 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     outcomes = ["report", "error", *fuzzing.FINDINGS]
     print(f"{len(results):,} inputs ({args.n:,} per class, seeds {args.start}..{args.start + args.n - 1}) in "
           f"{wall:.0f} s with {args.workers} workers\n")
-    print(f"{'class':14s}" + "".join(f"{o:>9s}" for o in outcomes))
+    print(f"{'class':14s}" + "".join(f"{o:>9s}" for o in outcomes) + f"{'mean ms':>9s}")
     for c in classes:
         row = summary["per_class"].get(c, {})
-        print(f"{c:14s}" + "".join(f"{row.get(o, 0):>9,d}" for o in outcomes))
+        print(f"{c:14s}" + "".join(f"{row.get(o, 0):>9,d}" for o in outcomes)
+              + f"{summary['mean_s'].get(c, 0) * 1e3:>9.1f}")
     findings = summary["findings"]
     print(f"\n{len(findings)} distinct finding places")
     for f in findings:
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         Path(args.output).write_text(json.dumps({
             "inputs_per_class": args.n, "first_seed": args.start, "workers": args.workers, "wall_s": round(wall, 1),
-            "per_class": summary["per_class"], "findings": findings}, indent=1))
+            "per_class": summary["per_class"], "mean_s": summary["mean_s"],
+            "findings": findings}, indent=1))
     return 1 if findings else 0
 
 

@@ -11,7 +11,7 @@ class              what is mutated                                      run thro
 ``hlo_text``       ``tiny.hlo.txt`` (tokens, shapes, layouts, calls)     ``analyze(trace JSON, hlo=[file])``
 ``hlo_proto``      ``jit_step(N).hlo_proto.pb`` (protobuf fields)        ``analyze(trace JSON + sidecar file)``
 ``xprof_export``   ``tiny_hlo_stats.json`` / ``.csv``, overview page     ``analyze(export file)``
-``chip_toml``      ``tiny_chip.toml`` and two bundled chip files         ``get_chip(file)``, then ``analyze``
+``chip_toml``      ``tiny_chip.toml`` and two bundled chip files         ``get_chip(file)``, ``analyze`` (xplane/export)
 ``json_report``    ``tiny_report.json`` (``analyze --format json``)      ``diff.load_side`` + ``diff`` + ``gate``
 =================  ===================================================  =========================================
 
@@ -56,6 +56,9 @@ FINDINGS = ("bug", "range", "memory", "timeout", "crash")
 MAX_INPUT_BYTES = 4 << 20  # mutations that grow an input stop here (a gzip bomb is its own mutator)
 EFFICIENCY_MAX = 1.5  # MFU, HFU, roofline efficiency above this need a note (a 1.5x faster-than-roof finding)
 OP_TIME_MAX_S = 86_400.0  # one op execution lasting more than a day is garbage unless a note says so
+# phrases of a note that explains a figure out of range (matched case-insensitively in notes and findings)
+STEP_NOTES = ("not a positive", "no step time")
+VALUE_NOTES = ("negative", "not finite", "non-finite", "overflow")
 INTERESTING_VARINTS = (0, 1, 0x7F, 0x80, 0xFFFFFFFF, 1 << 31, 1 << 32, 1 << 40, (1 << 63) - 1, 1 << 63,
                        (1 << 64) - 1, (1 << 64) - 2)
 INTERESTING_NUMBERS: tuple[Any, ...] = (0, -1, -1.5, 1e308, -1e308, 2**63, 2**64, -(2**63), 10**30, 1e-320,
@@ -655,8 +658,12 @@ def make_input(cls: str, seed: int) -> FuzzInput:
     if cls == "chip_toml":
         role = rng.choice(("chip", "chip", "chip_gpu", "chip_tpu"))
         b, how = mutate_toml(rng, seed_bytes(role))
-        return FuzzInput(cls, seed, f"{role}:{how}", {"tiny.xplane.pb": seed_bytes("xplane"), "chip.toml": b},
-                         "chip.toml")
+        if rng.random() < .5:  # judged on the profile (device count, host topology) or on the export (cheaper)
+            return FuzzInput(cls, seed, f"{role}:{how}", {"tiny.xplane.pb": seed_bytes("xplane"), "chip.toml": b},
+                             "chip.toml")
+        return FuzzInput(cls, seed, f"{role}:{how}+export", {"tiny_hlo_stats.json": seed_bytes("export_json"),
+                                                               "tiny_overview_page.json": seed_bytes("overview"),
+                                                               "chip.toml": b}, "chip.toml")
     if cls == "json_report":
         data = seed_bytes("report")
         b, how = mutate_json(rng, data) if rng.random() < .8 else mutate_bytes(rng, data)
@@ -684,7 +691,8 @@ def cli_args(inp: FuzzInput, folder: Path) -> list[str]:
     if inp.cls == "hlo_proto":
         return ["analyze", str(folder / "run" / "tiny.trace.json"), "--chip", chip]
     if inp.cls == "chip_toml":
-        return ["analyze", str(folder / "tiny.xplane.pb"), "--chip", main]
+        profile = "tiny.xplane.pb" if "tiny.xplane.pb" in inp.files else "tiny_hlo_stats.json"
+        return ["analyze", str(folder / profile), "--chip", main]
     if inp.cls == "json_report":
         return ["diff", main, str(seed_files()["report"]), "--fail-above", "5"]
     return ["analyze", main, "--chip", chip]
@@ -704,7 +712,8 @@ def run_entry(inp: FuzzInput, folder: Path) -> Any:
         return traceroof.analyze(folder / "run" / "tiny.trace.json", chip=chip)
     if inp.cls == "chip_toml":
         c = traceroof.get_chip(str(main))
-        return c, traceroof.analyze(folder / "tiny.xplane.pb", chip=c)
+        profile = "tiny.xplane.pb" if "tiny.xplane.pb" in inp.files else "tiny_hlo_stats.json"
+        return c, traceroof.analyze(folder / profile, chip=c)
     if inp.cls == "json_report":
         base = diff_mod.load_side(main)
         new = diff_mod.load_side(seed_files()["report"])
@@ -749,18 +758,18 @@ def check_analysis(a: Any) -> list[str]:
     s = a.summary
     notes = list(s.notes) + list(a.findings) + [s.chip_note]
     out = []
-    if not (math.isfinite(s.step_time_mean_s) and s.step_time_mean_s > 0) and not _noted(notes, "step"):
+    if not (math.isfinite(s.step_time_mean_s) and s.step_time_mean_s > 0) and not _noted(notes, *STEP_NOTES):
         out.append(f"step_time_mean_s: {s.step_time_mean_s!r}")
     bad_steps = [t for t in s.step_times_s if not (math.isfinite(t) and t > 0)]
-    if bad_steps and not _noted(notes, "step"):
+    if bad_steps and not _noted(notes, *STEP_NOTES):
         out.append(f"step_times_s: {bad_steps[:3]}")
     for name in ("flops_per_step", "hbm_bytes_per_step", "op_time_per_step_s", "expected_per_step_s",
                  "model_flops_per_step"):
         v = getattr(s, name)
-        if _bad(v) and not _noted(notes, name.split("_")[0]):
+        if _bad(v, allow_nan=name.startswith(("expected", "model"))) and not _noted(notes, *VALUE_NOTES):
             out.append(f"{name}: {v!r}")
-    for name, words in (("mfu", ("mfu", "utilization")), ("hfu", ("hfu", "utilization")),
-                        ("roofline_efficiency", ("faster than", "roofline", "efficiency"))):
+    for name, words in (("mfu", ("mfu",)), ("hfu", ("hfu",)),
+                        ("roofline_efficiency", ("faster than their roofline", "roofline efficiency"))):
         v = getattr(s, name)
         if (_bad(v) or (not math.isnan(float(v)) and float(v) > EFFICIENCY_MAX)) and not _noted(notes, *words):
             out.append(f"{name}: {v!r}")
@@ -769,18 +778,18 @@ def check_analysis(a: Any) -> list[str]:
     for col in ("measured_s", "flops", "hbm_bytes", "transcendentals"):
         if col in ops and len(ops):
             v = ops[col].to_numpy(np.float64)
-            if (~np.isfinite(v) | (v < 0)).any() and not _noted(notes, col.split("_")[0]):
+            if (~np.isfinite(v) | (v < 0)).any() and not _noted(notes, *VALUE_NOTES):
                 out.append(f"ops.{col}: {v[~np.isfinite(v) | (v < 0)][:3].tolist()}")
     if "measured_s" in ops and len(ops):
         v = ops["measured_s"].to_numpy(np.float64)
-        if (v > OP_TIME_MAX_S).any() and not _noted(notes, "dropped", "longer than", "duration"):
+        if (v > OP_TIME_MAX_S).any() and not _noted(notes, "longer than", "implausibl"):
             out.append(f"op execution over a day: {float(v.max()):.3g} s")
     if "duration_ps" in ops and len(ops) and (ops["duration_ps"].to_numpy() < 0).any():
         out.append("ops.duration_ps: < 0")
     for col in ("time_per_step_s", "flops_per_step", "hbm_bytes_per_step"):
         if col in a.layers and len(a.layers):
             v = a.layers[col].to_numpy(np.float64)
-            if (~np.isfinite(v) | (v < 0)).any() and not _noted(notes, col.split("_")[0]):
+            if (~np.isfinite(v) | (v < 0)).any() and not _noted(notes, *VALUE_NOTES):
                 out.append(f"layers.{col}: {v[~np.isfinite(v) | (v < 0)][:3].tolist()}")
     return out
 
@@ -1009,7 +1018,9 @@ def summarize(results: Iterable[Result]) -> dict[str, Any]:
     """Counts of outcomes per class and the distinct finding places, each with a count and an example."""
     per: dict[str, dict[str, int]] = {}
     places: dict[tuple[str, str, str], dict[str, Any]] = {}
+    seconds: dict[str, float] = {}
     for r in results:
+        seconds[r.cls] = seconds.get(r.cls, 0.0) + r.seconds
         per.setdefault(r.cls, {}).setdefault(r.outcome, 0)
         per[r.cls][r.outcome] += 1
         if r.outcome in FINDINGS:
@@ -1018,7 +1029,8 @@ def summarize(results: Iterable[Result]) -> dict[str, Any]:
                                         "example_seed": r.seed, "example_mutation": r.mutation,
                                         "detail": r.detail})
             e["count"] += 1
-    return {"per_class": per, "findings": sorted(places.values(), key=lambda e: (-e["count"], e["place"]))}
+    return {"per_class": per, "mean_s": {c: round(t / max(sum(per[c].values()), 1), 4) for c, t in seconds.items()},
+            "findings": sorted(places.values(), key=lambda e: (-e["count"], e["place"]))}
 
 
 def _main(argv: list[str]) -> int:
