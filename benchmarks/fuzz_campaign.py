@@ -8,7 +8,8 @@ Usage::
 Prints a table of outcomes per class (``report``, ``error`` = a TraceroofError, and the findings ``bug``,
 ``range``, ``memory``, ``timeout``, ``crash``), then every distinct finding place (``file:line ExceptionType``
 for bugs; the figure for out-of-range reports) with its count and one reproducer
-(``python -m tests.fuzzing CLASS SEED``). ``-o`` writes the same as JSON. Exit status 0 when nothing was found,
+(``python -m tests.fuzzing CLASS SEED``). ``-o`` writes the same as JSON (every 1,000 inputs, so a campaign
+cut short leaves its figures). Exit status 0 when nothing was found,
 1 otherwise. Seeds start at ``--start`` (default 1,000,000, so the campaign's inputs differ from the test
 suite's, which start at 0).
 """
@@ -42,17 +43,29 @@ def main(argv: list[str] | None = None) -> int:
     classes = [c for c in args.classes.split(",") if c]
     tasks = fuzzing.interleaved(classes, args.n, args.start)
     t0 = time.monotonic()
-    done = [0]
+    results: list[fuzzing.Result] = []
 
-    def progress(_: fuzzing.Result) -> None:
-        done[0] += 1
-        if done[0] % 1000 == 0:
-            print(f"  {done[0]:,}/{len(tasks):,} inputs, {time.monotonic() - t0:.0f} s", file=sys.stderr, flush=True)
+    def save(complete: bool) -> dict:
+        summary = fuzzing.summarize(results)
+        if args.output:  # rewritten every 1,000 inputs: a long campaign cut short still leaves its figures
+            Path(args.output).write_text(json.dumps({
+                "inputs_per_class": args.n, "first_seed": args.start, "workers": args.workers,
+                "inputs_done": len(results), "complete": complete, "wall_s": round(time.monotonic() - t0, 1),
+                "per_class": summary["per_class"], "mean_s": summary["mean_s"], "findings": summary["findings"]},
+                indent=1))
+        return summary
 
-    results = fuzzing.run_many(tasks, workers=args.workers, timeout_s=args.timeout,
-                               memory_bytes=int(args.memory_gb * (1 << 30)), on_result=progress)
+    def progress(r: fuzzing.Result) -> None:
+        results.append(r)
+        if len(results) % 1000 == 0:
+            save(False)
+            print(f"  {len(results):,}/{len(tasks):,} inputs, {time.monotonic() - t0:.0f} s", file=sys.stderr,
+                  flush=True)
+
+    fuzzing.run_many(tasks, workers=args.workers, timeout_s=args.timeout,
+                     memory_bytes=int(args.memory_gb * (1 << 30)), on_result=progress)
     wall = time.monotonic() - t0
-    summary = fuzzing.summarize(results)
+    summary = save(True)
     outcomes = ["report", "error", *fuzzing.FINDINGS]
     print(f"{len(results):,} inputs ({args.n:,} per class, seeds {args.start}..{args.start + args.n - 1}) in "
           f"{wall:.0f} s with {args.workers} workers\n")
@@ -67,11 +80,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{f['count']:>6,d}  {f['outcome']:7s} {f['class']:13s} {f['place']}\n"
               f"        e.g. python -m tests.fuzzing {f['class']} {f['example_seed']}  ({f['example_mutation']}): "
               f"{f['detail'][:160]}")
-    if args.output:
-        Path(args.output).write_text(json.dumps({
-            "inputs_per_class": args.n, "first_seed": args.start, "workers": args.workers, "wall_s": round(wall, 1),
-            "per_class": summary["per_class"], "mean_s": summary["mean_s"],
-            "findings": findings}, indent=1))
     return 1 if findings else 0
 
 
