@@ -41,7 +41,13 @@ def test_mfu_from_an_absurd_peak_gets_a_note() -> None:
 def test_mfu_from_absurd_flops_gets_a_note() -> None:
     assert utilization_notes(1.3e13, 2.6e13, 1e11, "f32")[0].startswith("MFU 1.3e+13 and HFU 2.6e+13 outside")
     assert utilization_notes(-0.5, 0.2, 1e11, "f32")[0].startswith("MFU -0.5 outside")
-    assert utilization_notes(0.4, 0.9, 1e11, "f32") == utilization_notes(float("nan"), float("nan"), None, "") == []
+    assert utilization_notes(0.4, 0.9, 1e11, "f32", 1.2) == utilization_notes(float("nan"), float("nan"), None, "") == []
+
+
+def test_roofline_efficiency_from_rows_counted_twice_gets_a_note() -> None:
+    """An export whose rows repeat showed a roofline efficiency of 1.79 (expected longer than the step) silently."""
+    (note,) = utilization_notes(0.5, 0.5, 1e11, "f32", 1.79)
+    assert note.startswith("roofline efficiency 1.79: the roofline expects more than 1.5x the measured step time")
 
 
 def test_export_mfu_from_repeated_rows_gets_a_note(tmp_path) -> None:

@@ -404,7 +404,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
                                                            model_flops_per_step)
     if not join.events_joined:
         mfu = hfu = float("nan")
-    notes += utilization_notes(mfu, hfu, peak, peak_key)
+    efficiency = expected / step_mean if step_mean > 0 and join.events_joined else float("nan")
+    notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
         chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
@@ -412,7 +413,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         steps_total=len(all_steps), steps_used=used, warmup_steps=min(warmup_steps, len(all_steps)),
         step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
         expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
-        roofline_efficiency=expected / step_mean if step_mean > 0 and join.events_joined else float("nan"),
+        roofline_efficiency=efficiency,
         devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
         step_times_s=tuple(float(x) for x in durations),
         hlo_sources=dict(profile.hlo_sources), notes=tuple(notes), host_step_time_mean_s=host_mean,
@@ -666,7 +667,8 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     peak, peak_key = main_matmul_peak(counted, target, "bf16")
     model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, cores,
                                                            model_flops_per_step)
-    notes += utilization_notes(mfu, hfu, peak, peak_key)
+    efficiency = expected / step_mean if step_mean > 0 else float("nan")
+    notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     n = len(ops)
     join = JoinReport(n, n, int(ops["duration_ps"].sum()), int(ops["duration_ps"].sum()), (), 0, ())
     notes.append("rows are XProf's aggregates: FLOPs and HBM bytes are libtpu's measured per-op counts "
@@ -680,7 +682,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=float(counted["hbm_bytes"].sum()) / per,
         expected_per_step_s=expected, op_time_per_step_s=float(counted["measured_s"].sum()) / per,
         mfu=mfu, mfu_peak_key=peak_key,
-        roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=cores, join=join,
+        roofline_efficiency=efficiency, devices=cores, join=join,
         step_times_s=tuple(full) if steps else (),
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
         exposed_comm_per_step_s=float("nan"),  # an export has no timeline
@@ -727,15 +729,22 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     return model, source, model / step_s / peak, executed / step_s / peak
 
 
-def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str) -> list[str]:
-    """A note when MFU or HFU is outside [0, 1]: more FLOPs per second than the peak (or fewer than none) is
-    impossible, so the FLOP count, the step time or the chip's peak is wrong; the figures are shown as computed."""
+def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,
+                      roofline_efficiency: float = float("nan")) -> list[str]:
+    """Notes on whole-step figures that cannot be right, shown as computed: MFU or HFU outside [0, 1] (more FLOPs
+    per second than the peak is impossible: the FLOP count, the step time or the chip's peak is wrong), and a
+    roofline efficiency above ``FASTER_THAN_ROOF_RATIO`` (the roofline expects far longer than the step took)."""
+    out = []
     odd = [f"{name} {v:.3g}" for name, v in (("MFU", mfu), ("HFU", hfu)) if not np.isnan(v) and not 0 <= v <= 1]
-    if not odd:
-        return []
-    return [f"{' and '.join(odd)} outside 0-100 % of the {peak_key} peak ({peak or float('nan'):.3g} FLOP/s): "
-            "impossible, so the FLOP count, the step time or the chip's peak is wrong; check "
-            "--model-flops-per-step, the chip file and the profile's times"]
+    if odd:
+        out.append(f"{' and '.join(odd)} outside 0-100 % of the {peak_key} peak ({peak or float('nan'):.3g} "
+                   "FLOP/s): impossible, so the FLOP count, the step time or the chip's peak is wrong; check "
+                   "--model-flops-per-step, the chip file and the profile's times")
+    if roofline_efficiency > FASTER_THAN_ROOF_RATIO:
+        out.append(f"roofline efficiency {roofline_efficiency:.3g}: the roofline expects more than "
+                   f"{FASTER_THAN_ROOF_RATIO:g}x the measured step time, so the chip's figures understate it or "
+                   "the op counts overstate the work (ops counted twice, a step time that is too short)")
+    return out
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
