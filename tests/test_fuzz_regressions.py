@@ -94,3 +94,21 @@ def test_zero_nan_and_negative_chip_figures_give_no_expectation() -> None:
             v = out[col].to_numpy(np.float64)
             assert not (v < 0).any() and not np.isinf(v).any(), (peak, bw, col, v)
         assert main_matmul_peak(out.iloc[:0], chip, "f32")[0] is None
+
+
+def test_export_without_steps_or_time_has_no_step_time_of_zero(tmp_path) -> None:
+    """An export whose op times add up to 0 (no overview page) showed a step time of 0 s."""
+    import csv
+    import io
+
+    rows = list(csv.reader(io.StringIO((SEED / "tiny_hlo_stats.csv").read_text())))
+    for col in ("Total time (us)", "Avg. time (us)", "Total self time (us)", "Avg. self time (us)"):
+        i = rows[0].index(col)
+        for r in rows[1:]:
+            r[i] = "0"
+    buf = io.StringIO()
+    csv.writer(buf).writerows(rows)
+    (tmp_path / "z_hlo_stats.csv").write_text(buf.getvalue())
+    s = traceroof.analyze(tmp_path / "z_hlo_stats.csv", chip=str(CHIP)).summary
+    assert np.isnan(s.step_time_mean_s) and np.isnan(s.mfu)
+    assert any(n.startswith("no step time: the export's op times add up to 0 s") for n in s.notes)

@@ -646,7 +646,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     ops = apply_roofline(ops, target)
     for col in ("comm_window_s", "comm_hidden_s", "comm_exposed_s"):
         ops[col] = np.nan  # an export has no timeline: overlap cannot be measured
-    steps = [t for t in ctx.step_times_s if t > 0]
+    steps = [t for t in ctx.step_times_s if np.isfinite(t) and t > 0]
     cores = max(ctx.device_core_count, 1)
     total_s = float(ops["measured_s"].sum())
     if steps:
@@ -657,6 +657,9 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     else:
         step_mean, step_std, eff_steps = total_s / cores, 0.0, 1.0
         notes.append("no overview_page export beside the HLO Op Stats: the whole capture is one step")
+        if not (np.isfinite(step_mean) and step_mean > 0):
+            notes.append(f"no step time: the export's op times add up to {total_s:.3g} s, not a positive time")
+            step_mean = float("nan")
     if len(steps) != len(ctx.step_times_s) or (steps and len(full) < len(steps)):
         notes.append(f"{len(steps)} steps in the overview, {len(steps) - len(full)} partial: per-step figures "
                      f"divide totals by {eff_steps:.3g} effective steps x {cores} cores")
