@@ -764,9 +764,9 @@ def check_analysis(a: Any) -> list[str]:
     if bad_steps and not _noted(notes, *STEP_NOTES):
         out.append(f"step_times_s: {bad_steps[:3]}")
     for name in ("flops_per_step", "hbm_bytes_per_step", "op_time_per_step_s", "expected_per_step_s",
-                 "model_flops_per_step"):
+                 "model_flops_per_step", "exposed_comm_per_step_s"):
         v = getattr(s, name)
-        if _bad(v, allow_nan=name.startswith(("expected", "model"))) and not _noted(notes, *VALUE_NOTES):
+        if _bad(v, allow_nan=name.startswith(("expected", "model", "exposed"))) and not _noted(notes, *VALUE_NOTES):
             out.append(f"{name}: {v!r}")
     for name, words in (("mfu", ("mfu",)), ("hfu", ("hfu",)),
                         ("roofline_efficiency", ("faster than their roofline", "roofline efficiency"))):
@@ -898,7 +898,6 @@ def _worker(conn: Any, memory_bytes: int) -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    sys.setrecursionlimit(max(sys.getrecursionlimit(), 1000))
     if memory_bytes:
         limit = _vm_bytes() + memory_bytes
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
