@@ -6,7 +6,7 @@ Seven input classes (:data:`CLASSES`), each mutated from the tiny real seeds in 
 =================  ===================================================  =========================================
 class              what is mutated                                      run through
 =================  ===================================================  =========================================
-``xplane``         ``tiny.xplane.pb`` (bytes, protobuf fields)           ``analyze(file, chip=seed chip)``
+``xplane``         ``tiny[_sharded].xplane.pb`` (bytes, protobuf fields) ``analyze(file, chip=seed chip)``
 ``trace_json``     ``tiny.trace.json`` (plain or gzipped; JSON, bytes)   ``analyze(file, chip=seed chip)``
 ``hlo_text``       ``tiny.hlo.txt`` (tokens, shapes, layouts, calls)     ``analyze(trace JSON, hlo=[file])``
 ``hlo_proto``      ``jit_step(N).hlo_proto.pb`` (protobuf fields)        ``analyze(trace JSON + sidecar file)``
@@ -72,7 +72,8 @@ WRONG_TYPES: tuple[Any, ...] = ("x", "", "12abc", [], [1, 2], {}, {"a": 1}, None
 def seed_files() -> dict[str, Path]:
     """The seed files by role (see ``fixtures/fuzz/generate.py``)."""
     proto = next(SEEDS.glob("*.hlo_proto.pb"))
-    return {"xplane": SEEDS / "tiny.xplane.pb", "trace_json": SEEDS / "tiny.trace.json",
+    return {"xplane": SEEDS / "tiny.xplane.pb", "xplane_sharded": SEEDS / "tiny_sharded.xplane.pb",
+            "trace_json": SEEDS / "tiny.trace.json",
             "hlo_text": SEEDS / "tiny.hlo.txt", "hlo_proto": proto, "export_json": SEEDS / "tiny_hlo_stats.json",
             "export_csv": SEEDS / "tiny_hlo_stats.csv", "overview": SEEDS / "tiny_overview_page.json",
             "chip": SEEDS / "tiny_chip.toml", "report": SEEDS / "tiny_report.json",
@@ -599,7 +600,8 @@ def make_input(cls: str, seed: int) -> FuzzInput:
     """The deterministic input number ``seed`` of class ``cls``."""
     rng = _rng(cls, seed)
     if cls == "xplane":
-        data = seed_bytes("xplane")
+        sharded = rng.random() < .15  # collectives on 2 devices: 4x the analysis time of the 1-device seed
+        data = seed_bytes("xplane_sharded" if sharded else "xplane")
         r = rng.random()
         if r < .5:
             b, how = mutate_protobuf(rng, data)
@@ -607,7 +609,7 @@ def make_input(cls: str, seed: int) -> FuzzInput:
             b, how = mutate_bytes(rng, data, [seed_bytes("hlo_proto")])
         else:
             b, how = rng.choice(((b"\x00" * (4 << 20), "zeros"), (b"", "empty"), (gzip_bomb(), "gzip-bomb")))
-        return FuzzInput(cls, seed, how, {"tiny.xplane.pb": b}, "tiny.xplane.pb")
+        return FuzzInput(cls, seed, ("sharded:" if sharded else "") + how, {"tiny.xplane.pb": b}, "tiny.xplane.pb")
     if cls == "trace_json":
         data = seed_bytes("trace_json")
         r = rng.random()
