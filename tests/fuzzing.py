@@ -862,7 +862,8 @@ def run_one(inp: FuzzInput, folder: Path) -> Result:
     except TraceroofError as e:
         msg = str(e)
         if "\n" in msg.strip() or not msg.strip():
-            return Result(inp.cls, inp.seed, inp.mutation, "bug", f"{_place(e)} (message of {msg.count(chr(10)) + 1} lines)",
+            lines = msg.count("\n") + 1
+            return Result(inp.cls, inp.seed, inp.mutation, "bug", f"{_place(e)} (message of {lines} lines)",
                           msg[:200], time.perf_counter() - t0)
         return Result(inp.cls, inp.seed, inp.mutation, "error", type(e).__name__, msg[:200], time.perf_counter() - t0)
     except MemoryError as e:

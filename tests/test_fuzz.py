@@ -148,9 +148,9 @@ def test_bad_inputs_through_the_cli_exit_2_with_one_line(tmp_path: Path) -> None
         folder = tmp_path / cls
         folder.mkdir()
         fuzzing.write_input(inp, folder)
-        procs.append((cls, inp, subprocess.Popen([sys.executable, "-m", "traceroof.cli", *fuzzing.cli_args(inp, folder)],
-                                                 cwd=fuzzing.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                 text=True)))
+        cmd = [sys.executable, "-m", "traceroof.cli", *fuzzing.cli_args(inp, folder)]
+        procs.append((cls, inp, subprocess.Popen(cmd, cwd=fuzzing.ROOT, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE, text=True)))
     for cls, inp, p in procs:
         out, err = p.communicate(timeout=120)
         lines = err.splitlines()
