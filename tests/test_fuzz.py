@@ -37,7 +37,7 @@ KNOWN_OPEN: dict[str, str] = {
                 "its own computation, deep parentheses); parsers/hlo_text.py:435 and parsers/hlo.py:162 ValueError "
                 "(layout {1<0}); traceroof/scopes.py:268/272 MemoryError, :281 ValueError (huge numbers); "
                 "negative FLOPs from absurd shapes (cost.py)",
-    "hlo_proto": "traceroof/cost.py:87/88/464/532 OverflowError (huge dims); traceroof/scopes.py:272 MemoryError; "
+    "hlo_proto": "traceroof/cost.py:87/88/330/464/532 OverflowError (huge dims); traceroof/scopes.py:272 MemoryError; "
                  "negative FLOPs (-1 per reduce) from a damaged shape (cost.py)",
     "xprof_export": "parsers/xprof_export.py:60-63 AttributeError/TypeError/ValueError (cols, rows of the wrong "
                     "type), :128 EOFError/BadGzipFile/zlib.error (damaged gzip CSV), :148 TypeError, :172 "
