@@ -3,10 +3,11 @@ figures are in range (or say why not) or in a one-line TraceroofError; bad input
 one ``traceroof: error:`` line. ``TRACEROOF_FUZZ_N`` changes the number per class; the long campaign is
 ``benchmarks/fuzz_campaign.py``.
 
-Cost (measured on the 2-core development machine): the 7,000 inputs take about 290 CPU-seconds in the 2 workers,
-about 2.5 minutes of wall time on idle cores (6 minutes beside another fuzz run). A full analysis of even the
-tiny seeds costs 50-70 ms of fixed pandas work (layer rollup, profile loading, op statistics), and about half
-the mutated inputs reach it, so 1,000 inputs per class do not fit in well under two minutes on 2 cores."""
+Cost (measured on the 2-core development machine): this file takes about 300 CPU-seconds, 206 s of wall time
+with the machine mostly idle (6 minutes beside another fuzz run); at least 150 s on 2 free cores. A full
+analysis of even the tiny seeds costs 50-70 ms of fixed pandas work (layer rollup, profile loading, op
+statistics), and about half the mutated inputs reach it, so 1,000 inputs per class do not fit in well under two
+minutes on 2 cores."""
 
 from __future__ import annotations
 
