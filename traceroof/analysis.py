@@ -410,6 +410,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
                                                            model_flops_per_step)
     if not join.events_joined:
         mfu = hfu = float("nan")
+    efficiency = expected / step_mean if step_mean > 0 and join.events_joined else float("nan")
+    notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
         chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
@@ -417,7 +419,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         steps_total=len(all_steps), steps_used=used, warmup_steps=min(warmup_steps, len(all_steps)),
         step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
         expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
-        roofline_efficiency=expected / step_mean if step_mean > 0 and join.events_joined else float("nan"),
+        roofline_efficiency=efficiency,
         devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
         step_times_s=tuple(float(x) for x in durations),
         hlo_sources=hlo_sources, notes=tuple(notes), host_step_time_mean_s=host_mean,
@@ -440,11 +442,15 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
     annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
     than ``STEP_TIME_DISAGREEMENT``, and which side waits."""
-    host = (sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12
+    host = _valid_steps((sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12, "step annotations",
+                        notes)
     host_mean = float(host.mean()) if len(host) else float("nan")
     if not len(sel) or "device_end_ps" not in sel or sel["device_end_ps"].isna().any():
         return host, host_mean
-    device = (sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12
+    device = _valid_steps((sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12,
+                          "device steps (first launch -> last op end)", notes)
+    if not len(device):
+        return host, host_mean
     dev_mean = float(device.mean())
     if marked and abs(dev_mean - host_mean) > STEP_TIME_DISAGREEMENT * max(dev_mean, 1e-30):
         why = ("asynchronous dispatch: the host runs ahead of the device" if dev_mean > host_mean else
@@ -452,6 +458,18 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
         notes.append(f"device step time (first launch -> last op end) {dev_mean * 1e3:.3f} ms differs from the "
                      f"step annotations' {host_mean * 1e3:.3f} ms ({why}); per-step figures use the device time")
     return device, host_mean
+
+
+def _valid_steps(durations_s: np.ndarray, what: str, notes: list[str]) -> np.ndarray:
+    """The step durations (s) that are positive and finite; the others (an end before its start, times that
+    wrapped or overflowed) are dropped with a note saying how many."""
+    ok = np.isfinite(durations_s) & (durations_s > 0)
+    if not ok.all():
+        bad = durations_s[~ok]
+        notes.append(f"{len(bad)} of {len(durations_s)} {what} have a duration that is not a positive time "
+                     f"({', '.join(f'{x:.3g} s' for x in bad[:3])}): the profile's times are inconsistent "
+                     "(an end before its start, or wrapped timestamps); those steps are left out of the step time")
+    return durations_s[ok]
 
 
 OP_ID = ["module", "program_id", "hlo_op"]
@@ -634,7 +652,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     ops = apply_roofline(ops, target)
     for col in ("comm_window_s", "comm_hidden_s", "comm_exposed_s"):
         ops[col] = np.nan  # an export has no timeline: overlap cannot be measured
-    steps = [t for t in ctx.step_times_s if t > 0]
+    steps = [t for t in ctx.step_times_s if np.isfinite(t) and t > 0]
     cores = max(ctx.device_core_count, 1)
     total_s = float(ops["measured_s"].sum())
     if steps:
@@ -645,6 +663,9 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     else:
         step_mean, step_std, eff_steps = total_s / cores, 0.0, 1.0
         notes.append("no overview_page export beside the HLO Op Stats: the whole capture is one step")
+        if not (np.isfinite(step_mean) and step_mean > 0):
+            notes.append(f"no step time: the export's op times add up to {total_s:.3g} s, not a positive time")
+            step_mean = float("nan")
     if len(steps) != len(ctx.step_times_s) or (steps and len(full) < len(steps)):
         notes.append(f"{len(steps)} steps in the overview, {len(steps) - len(full)} partial: per-step figures "
                      f"divide totals by {eff_steps:.3g} effective steps x {cores} cores")
@@ -655,6 +676,8 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
     peak, peak_key = main_matmul_peak(counted, target, "bf16")
     model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, cores,
                                                            model_flops_per_step)
+    efficiency = expected / step_mean if step_mean > 0 else float("nan")
+    notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     n = len(ops)
     join = JoinReport(n, n, int(ops["duration_ps"].sum()), int(ops["duration_ps"].sum()), (), 0, ())
     notes.append("rows are XProf's aggregates: FLOPs and HBM bytes are libtpu's measured per-op counts "
@@ -668,7 +691,7 @@ def _analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: in
         step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=float(counted["hbm_bytes"].sum()) / per,
         expected_per_step_s=expected, op_time_per_step_s=float(counted["measured_s"].sum()) / per,
         mfu=mfu, mfu_peak_key=peak_key,
-        roofline_efficiency=expected / step_mean if step_mean > 0 else float("nan"), devices=cores, join=join,
+        roofline_efficiency=efficiency, devices=cores, join=join,
         step_times_s=tuple(full) if steps else (),
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
         exposed_comm_per_step_s=float("nan"),  # an export has no timeline
@@ -729,6 +752,24 @@ def _random_bits(counted: pd.DataFrame) -> np.ndarray:
     if "dtype" in counted:
         rng |= counted["dtype"].astype(str).str.fullmatch(r"u\d+").fillna(False).to_numpy(bool)
     return rng
+
+
+def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,
+                      roofline_efficiency: float = float("nan")) -> list[str]:
+    """Notes on whole-step figures that cannot be right, shown as computed: MFU or HFU outside [0, 1] (more FLOPs
+    per second than the peak is impossible: the FLOP count, the step time or the chip's peak is wrong), and a
+    roofline efficiency above ``FASTER_THAN_ROOF_RATIO`` (the roofline expects far longer than the step took)."""
+    out = []
+    odd = [f"{name} {v:.3g}" for name, v in (("MFU", mfu), ("HFU", hfu)) if not np.isnan(v) and not 0 <= v <= 1]
+    if odd:
+        out.append(f"{' and '.join(odd)} outside 0-100 % of the {peak_key} peak ({peak or float('nan'):.3g} "
+                   "FLOP/s): impossible, so the FLOP count, the step time or the chip's peak is wrong; check "
+                   "--model-flops-per-step, the chip file and the profile's times")
+    if roofline_efficiency > FASTER_THAN_ROOF_RATIO:
+        out.append(f"roofline efficiency {roofline_efficiency:.3g}: the roofline expects more than "
+                   f"{FASTER_THAN_ROOF_RATIO:g}x the measured step time, so the chip's figures understate it or "
+                   "the op counts overstate the work (ops counted twice, a step time that is too short)")
+    return out
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

@@ -19,6 +19,14 @@ import pandas as pd
 from traceroof.chips import Chip
 
 
+def _usable(figure: object) -> bool:
+    """A chip figure that can divide work into time: a positive finite number (anything else: no expectation)."""
+    try:
+        return bool(np.isfinite(figure) and figure > 0)
+    except TypeError:
+        return False
+
+
 def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     """Add roofline columns to an op table.
 
@@ -37,12 +45,12 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     peak_of: dict[tuple[str, str, str], tuple[float, str]] = {}
     for cat, dtype, prec in frame.drop_duplicates().itertuples(index=False):
         value, key = chip.peak_for(dtype, vector=cat != "matmul", precision=prec if cat == "matmul" else "")
-        peak_of[(cat, dtype, prec)] = (value if value else np.nan, key)
+        peak_of[(cat, dtype, prec)] = (value if _usable(value) else np.nan, key)
     keys = list(frame.itertuples(index=False, name=None))
     peak = np.array([peak_of[k][0] for k in keys], dtype=np.float64) if len(out) else np.zeros(0)
     out["peak_flops_per_s"] = peak
     out["peak_key"] = pd.Categorical([peak_of[k][1] for k in keys])
-    bw = chip.hbm_bandwidth_bytes_per_s or np.nan
+    bw = chip.hbm_bandwidth_bytes_per_s if _usable(chip.hbm_bandwidth_bytes_per_s) else np.nan
     work = out["flops"].to_numpy(np.float64) + out["transcendentals"].to_numpy(np.float64)
     compute = np.where(work > 0, work / peak, 0.0)
     memory = out["hbm_bytes"].to_numpy(np.float64) / bw
@@ -78,7 +86,8 @@ def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") 
         by_key = mm.groupby(mm["peak_key"].astype(str))["flops"].sum()
         key = str(by_key.idxmax())
         return float(mm.loc[mm["peak_key"].astype(str) == key, "peak_flops_per_s"].iloc[0]), key
-    return chip.peak_for(default_dtype)
+    value, key = chip.peak_for(default_dtype)
+    return (value if _usable(value) else None), key
 
 
 def precision_notes(ops: pd.DataFrame, chip: Chip) -> list[str]:

@@ -1,0 +1,171 @@
+"""The fuzzer in the suite: 1,000 mutated inputs per input class (``tests/fuzzing.py``) end in a report whose
+figures are in range (or say why not) or in a one-line TraceroofError; bad input through the CLI exits 2 with
+one ``traceroof: error:`` line. ``TRACEROOF_FUZZ_N`` changes the number per class; the long campaign is
+``benchmarks/fuzz_campaign.py``.
+
+Cost (measured on the 2-core development machine): this file takes about 300 CPU-seconds, 206 s of wall time
+with the machine mostly idle (6 minutes beside another fuzz run); at least 150 s on 2 free cores. A full
+analysis of even the tiny seeds costs 50-70 ms of fixed pandas work (layer rollup, profile loading, op
+statistics), and about half the mutated inputs reach it, so 1,000 inputs per class do not fit in well under two
+minutes on 2 cores."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fuzzing
+
+N = int(os.environ.get("TRACEROOF_FUZZ_N", "1000"))
+
+# Crash sites still open on this branch (fixed on other branches of issue 11): the class's test is expected to
+# fail until they merge. Each reason lists the sites the fuzzer found (file:line ExceptionType, or the figure).
+# Found by the baseline campaign (benchmarks/fuzz_campaign.py on b636c30; /work/fuzz_findings.md has reproducers).
+KNOWN_OPEN: dict[str, str] = {
+    "xplane": "parsers/xspace.py:403 MemoryError (gzip of zeros), :192 OverflowError; traceroof/profile.py:493 "
+              "ValueError, :611 IndexError; traceroof/cost.py:532 OverflowError; negative FLOPs (-1 per reduce) "
+              "from a damaged HloProto shape (cost.py); op executions lasting months kept",
+    "trace_json": "parsers/trace_json.py:47/48/49/50 TypeError/ValueError/OverflowError (pid, tid, ts, dur of the "
+                  "wrong type or huge), :55/:60/:105/:107/:109 TypeError/AttributeError/ValueError (name, args of "
+                  "the wrong type), :79 RecursionError (deep nesting); traceroof/profile.py:497/:521 "
+                  "IntCastingNaNError; negative durations kept (ops.measured_s < 0)",
+    "hlo_text": "traceroof/cost.py:87, parsers/hlo.py:66, parsers/hlo_text.py:116 RecursionError (a fusion calling "
+                "its own computation, deep parentheses); parsers/hlo_text.py:435 and parsers/hlo.py:162 ValueError "
+                "(layout {1<0}); traceroof/scopes.py:268/272 MemoryError, :281 ValueError (huge numbers); "
+                "negative FLOPs from absurd shapes (cost.py)",
+    "hlo_proto": "traceroof/cost.py:87/88/330/464/532 OverflowError (huge dims); traceroof/scopes.py:272 MemoryError; "
+                 "negative FLOPs (-1 per reduce) from a damaged shape (cost.py)",
+    "xprof_export": "parsers/xprof_export.py:60-63 AttributeError/TypeError/ValueError (cols, rows of the wrong "
+                    "type), :128 EOFError/BadGzipFile/zlib.error (damaged gzip CSV), :148 TypeError, :172 "
+                    "TypeError/ValueError/OverflowError (device_core_count); parsers/trace_json.py:79 RecursionError; "
+                    "traceroof/xprof.py:111/138/140 OverflowError/TypeError, :136 KeyError; negative or infinite "
+                    "times, FLOP rates and bandwidths from export cells kept",
+    "chip_toml": "traceroof/chips.py:186 UnicodeDecodeError (non-UTF-8), :79/:86 TypeError/ValueError (a figure "
+                 "of the wrong type); traceroof/collectives.py:276 ZeroDivisionError (gpus_per_node = 0), :274 "
+                 "TypeError/ValueError/OverflowError; traceroof/xprof.py:50/53 TypeError/ValueError/OverflowError "
+                 "(TensorCore count); peaks and bandwidths of 0, NaN, inf or < 0 accepted (chips.py)",
+    "json_report": "traceroof/diff.py:54 RecursionError (deep nesting), :61-64 TypeError/ValueError/AttributeError "
+                   "(summary figures of the wrong type), :107 TypeError/ValueError, :140/:178 KeyError, :179 "
+                   "TypeError (op_stats / layers of the wrong shape); a baseline step time <= 0 or NaN, or step "
+                   "times that are not numbers, accepted by the gate",
+}
+
+
+def _marks(cls: str) -> list:
+    return [pytest.mark.xfail(strict=False, reason=KNOWN_OPEN[cls])] if cls in KNOWN_OPEN else []
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[str, list[fuzzing.Result]]:
+    out: dict[str, list[fuzzing.Result]] = {c: [] for c in fuzzing.CLASSES}
+    for r in fuzzing.run_many(fuzzing.interleaved(fuzzing.CLASSES, N), workers=2, timeout_s=15.0):
+        out[r.cls].append(r)
+    return out
+
+
+@pytest.mark.parametrize("cls", [pytest.param(c, marks=_marks(c)) for c in fuzzing.CLASSES])
+def test_fuzzed_inputs_end_in_a_report_or_a_traceroof_error(cls: str, results: dict) -> None:
+    rs = results[cls]
+    assert len(rs) == N
+    summary = fuzzing.summarize(rs)
+    counts = summary["per_class"][cls]
+    assert counts.get("report", 0) and counts.get("error", 0), f"mutations reach neither side: {counts}"
+    lines = [f"{f['count']} x {f['outcome']} {f['place']}: python -m tests.fuzzing {cls} {f['example_seed']} "
+             f"({f['example_mutation']}) {f['detail'][:120]}" for f in summary["findings"]]
+    assert not lines, f"{len(lines)} finding place(s) in {N} {cls} inputs ({counts}):\n" + "\n".join(lines)
+
+
+def test_inputs_are_deterministic_and_mutated() -> None:
+    for cls in fuzzing.CLASSES:
+        a, b = fuzzing.make_input(cls, 7), fuzzing.make_input(cls, 7)
+        assert a == b
+        seeds = {fuzzing.make_input(cls, s).files[fuzzing.make_input(cls, s).main] for s in range(20)}
+        assert len(seeds) > 10, cls  # different seeds, different inputs
+
+
+def test_structure_aware_mutations_make_the_named_cases() -> None:
+    import random
+
+    hlo = fuzzing.seed_bytes("hlo_text")
+    texts = [fuzzing.mutate_hlo(random.Random(s), hlo) for s in range(400)]
+    self_calls = [t.decode() for t, how in texts if how == "hlo:selfcall"]
+    assert any("%fused_computation" in t and "calls=%fused_computation" in t.split("%fused_computation", 1)[1]
+               .split("ENTRY", 1)[0] or "calls=%main" in t for t in self_calls)
+    assert any(b"{1<0}" in t for t, _ in texts) and any(b"(((" in t for t, _ in texts)
+    proto = fuzzing.seed_bytes("xplane")
+    hows = {fuzzing.mutate_protobuf(random.Random(s), proto)[1].split("@")[0] for s in range(400)}
+    assert {"protobuf:varint", "protobuf:length", "protobuf:field0", "protobuf:nest"} <= hows
+    js = [fuzzing.mutate_json(random.Random(s), fuzzing.seed_bytes("trace_json")) for s in range(300)]
+    assert any(t.count(b"[") > 100_000 for t, _ in js) and any(b"NaN" in t for t, _ in js)
+    toml = [fuzzing.mutate_toml(random.Random(s), fuzzing.seed_bytes("chip")) for s in range(200)]
+    assert any(b"gpus_per_node" in t and b"= 0" in t for t, _ in toml) and any(b"\xff" in t for t, _ in toml)
+
+
+def test_range_checks_catch_garbage_figures() -> None:
+    import traceroof
+
+    a = traceroof.analyze(fuzzing.seed_files()["xplane"], chip=str(fuzzing.seed_files()["chip"]))
+    assert fuzzing.check_analysis(a) == []
+    for change, what in (({"step_time_mean_s": -3.07e6}, "step_time_mean_s"), ({"mfu": 1.3e13}, "mfu"),
+                         ({"flops_per_step": float("nan")}, "flops_per_step"),
+                         ({"peak_flops_per_s": {"f32": 0.0}}, "peak used")):
+        bad = dataclasses.replace(a, summary=dataclasses.replace(a.summary, **change))
+        assert [p for p in fuzzing.check_analysis(bad) if p.startswith(what)], change
+    noted = dataclasses.replace(a, summary=dataclasses.replace(a.summary, mfu=3.0, notes=("MFU 300 %: ...",)))
+    assert fuzzing.check_analysis(noted) == []
+
+
+def test_runner_records_hangs_crashes_and_memory_blowups(monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    real = fuzzing.run_entry
+
+    def entry(inp: fuzzing.FuzzInput, folder: Path):
+        if inp.seed == 1:
+            time.sleep(60)
+        if inp.seed == 2:
+            os.kill(os.getpid(), 9)
+        if inp.seed == 3:
+            return bytearray(8 << 30)
+        if inp.seed == 4:
+            raise KeyError("boom")
+        return real(inp, folder)
+
+    monkeypatch.setattr(fuzzing, "run_entry", entry)
+    rs = {r.seed: r for r in fuzzing.run_many([("chip_toml", s) for s in range(5)], timeout_s=3,
+                                              memory_bytes=1 << 30)}
+    assert [rs[s].outcome for s in range(1, 5)] == ["timeout", "crash", "memory", "bug"]
+    assert rs[4].place.endswith("(outside the project) KeyError")
+
+
+def _first_error(cls: str) -> fuzzing.FuzzInput:
+    import tempfile
+
+    for seed in range(200):
+        inp = fuzzing.make_input(cls, seed)
+        with tempfile.TemporaryDirectory() as d:
+            if fuzzing.run_one(inp, Path(d)).outcome == "error":
+                return inp
+    raise AssertionError(f"no {cls} input in 200 gave a TraceroofError")
+
+
+def test_bad_inputs_through_the_cli_exit_2_with_one_line(tmp_path: Path) -> None:
+    procs = []
+    for cls in fuzzing.CLASSES:
+        inp = _first_error(cls)
+        folder = tmp_path / cls
+        folder.mkdir()
+        fuzzing.write_input(inp, folder)
+        cmd = [sys.executable, "-m", "traceroof.cli", *fuzzing.cli_args(inp, folder)]
+        procs.append((cls, inp, subprocess.Popen(cmd, cwd=fuzzing.ROOT, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE, text=True)))
+    for cls, inp, p in procs:
+        out, err = p.communicate(timeout=120)
+        lines = err.splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("traceroof: error: "), \
+            (cls, inp.seed, inp.mutation, p.returncode, err[-500:])
