@@ -181,10 +181,23 @@ def attr_problem(attrs: dict[str, str]) -> str:
     return ""
 
 
+def parameter_problem(computations: dict[str, "Computation"]) -> tuple[str, str]:
+    """(computation, why) when a computation's parameter numbers are not 0..n-1, each once (XLA's HloVerifier
+    requires it: xla/service/hlo_verifier.cc), else ``("", "")``. Later stages index by parameter number (bit masks
+    of parameters), so an absurd number must not get that far."""
+    for name, comp in computations.items():
+        numbers = sorted(i.parameter_number for i in comp.instructions if i.opcode == "parameter")
+        if numbers != list(range(len(numbers))):
+            bad = next((n for k, n in enumerate(numbers) if n != k), numbers[-1] if numbers else -1)
+            return name, (f"computation {name}: parameter numbers {numbers[:4]}{'...' if len(numbers) > 4 else ''} "
+                          f"are not 0..{len(numbers) - 1}, each once (parameter({bad}))")
+    return "", ""
+
+
 def call_graph_problem(computations: dict[str, "Computation"]) -> tuple[str, str]:
-    """(computation, why) when the calls between computations cannot be a program, else ``("", "")``: a computation that calls itself
-    (directly or through others: fusion ``calls``, while ``body``/``condition``, ``to_apply``, branches ...), or
-    calls nested deeper than :data:`MAX_CALL_DEPTH`. Calls to computations the module lacks are ignored (the
+    """(computation, why) when the calls between computations cannot be a program, else ``("", "")``: a
+    computation that calls itself (directly or through others: fusion ``calls``, while ``body``/``condition``,
+    ``to_apply``, branches ...), or calls nested deeper than :data:`MAX_CALL_DEPTH`. Calls to computations the module lacks are ignored (the
     cost model reports them). Iterative: no recursion proportional to the input."""
     callees = {name: [c for inst in comp.instructions for c in inst.called if c in computations]
                for name, comp in computations.items()}

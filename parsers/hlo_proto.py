@@ -20,7 +20,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from parsers.errors import HloParseError, InputError
 from parsers.hlo import (INT_LIST_ATTRS, MAX_TUPLE_DEPTH, Computation, HloModule, Instruction, Layout, Metadata,
-                         Shape, StackFrame, call_graph_problem, shape_problem)
+                         Shape, StackFrame, call_graph_problem, parameter_problem, shape_problem)
 
 # xla/xla_data.proto PrimitiveType
 PRIMITIVE_TYPES = {
@@ -353,7 +353,7 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
     if entry not in comps:
         entry = list(comps)[-1]
         comps[entry].is_entry = True
-    _, why = call_graph_problem(comps)
+    why = call_graph_problem(comps)[1] or parameter_problem(comps)[1]
     if why:
         raise ValueError(why)
     m = re.search(r"\((\d+)\)", Path(source).name)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from parsers.errors import HloParseError
 from parsers.hlo import (MAX_TUPLE_DEPTH, Computation, HloModule, Instruction, Layout, Metadata, Shape, StackFrame,
-                         attr_problem, call_graph_problem, shape_problem)
+                         attr_problem, call_graph_problem, parameter_problem, shape_problem)
 
 _COMMENT_OR_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/|//[^\n]*', re.S)
 _WS = re.compile(r"[ \t\r\n]*")
@@ -281,6 +281,8 @@ class _Parser:
             entry = list(comps)[-1]
             comps[entry].is_entry = True
         culprit, why = call_graph_problem(comps)
+        if not why:
+            culprit, why = parameter_problem(comps)
         if why:
             self.pos = where[culprit]
             raise self.error(why)

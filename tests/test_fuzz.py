@@ -23,37 +23,10 @@ import fuzzing
 
 N = int(os.environ.get("TRACEROOF_FUZZ_N", "1000"))
 
-# Crash sites still open on this branch (fixed on other branches of issue 11): the class's test is expected to
-# fail until they merge. Each reason lists the sites the fuzzer found (file:line ExceptionType, or the figure).
-# Found by the baseline campaign (benchmarks/fuzz_campaign.py on b636c30; /work/fuzz_findings.md has reproducers).
-KNOWN_OPEN: dict[str, str] = {
-    "xplane": "parsers/xspace.py:403 MemoryError (gzip of zeros), :192 OverflowError; traceroof/profile.py:493 "
-              "ValueError, :611 IndexError; traceroof/cost.py:532 OverflowError; negative FLOPs (-1 per reduce) "
-              "from a damaged HloProto shape (cost.py); op executions lasting months kept",
-    "trace_json": "parsers/trace_json.py:47/48/49/50 TypeError/ValueError/OverflowError (pid, tid, ts, dur of the "
-                  "wrong type or huge), :55/:60/:105/:107/:109 TypeError/AttributeError/ValueError (name, args of "
-                  "the wrong type), :79 RecursionError (deep nesting); traceroof/profile.py:497/:521 "
-                  "IntCastingNaNError; negative durations kept (ops.measured_s < 0)",
-    "hlo_text": "traceroof/cost.py:87, parsers/hlo.py:66, parsers/hlo_text.py:116 RecursionError (a fusion calling "
-                "its own computation, deep parentheses); parsers/hlo_text.py:435 and parsers/hlo.py:162 ValueError "
-                "(layout {1<0}); traceroof/scopes.py:268/272 MemoryError, :281 ValueError (huge numbers); "
-                "negative FLOPs from absurd shapes (cost.py)",
-    "hlo_proto": "traceroof/cost.py:87/88/330/464/532 OverflowError (huge dims); traceroof/scopes.py:272 MemoryError; "
-                 "negative FLOPs (-1 per reduce) from a damaged shape (cost.py)",
-    "xprof_export": "parsers/xprof_export.py:60-63 AttributeError/TypeError/ValueError (cols, rows of the wrong "
-                    "type), :128 EOFError/BadGzipFile/zlib.error (damaged gzip CSV), :148 TypeError, :172 "
-                    "TypeError/ValueError/OverflowError (device_core_count); parsers/trace_json.py:79 RecursionError; "
-                    "traceroof/xprof.py:111/138/140 OverflowError/TypeError, :136 KeyError; negative or infinite "
-                    "times, FLOP rates and bandwidths from export cells kept",
-    "chip_toml": "traceroof/chips.py:186 UnicodeDecodeError (non-UTF-8), :79/:86 TypeError/ValueError (a figure "
-                 "of the wrong type); traceroof/collectives.py:276 ZeroDivisionError (gpus_per_node = 0), :274 "
-                 "TypeError/ValueError/OverflowError; traceroof/xprof.py:50/53 TypeError/ValueError/OverflowError "
-                 "(TensorCore count); peaks and bandwidths of 0, NaN, inf or < 0 accepted (chips.py)",
-    "json_report": "traceroof/diff.py:54 RecursionError (deep nesting), :61-64 TypeError/ValueError/AttributeError "
-                   "(summary figures of the wrong type), :107 TypeError/ValueError, :140/:178 KeyError, :179 "
-                   "TypeError (op_stats / layers of the wrong shape); a baseline step time <= 0 or NaN, or step "
-                   "times that are not numbers, accepted by the gate",
-}
+# Crash sites still open: a class listed here is expected to fail (not strict), its reason naming the sites
+# (file:line ExceptionType, or the figure). Empty: every site the baseline campaign found is fixed and has a
+# regression test (tests/test_input_contract*.py, tests/test_fuzz_regressions.py).
+KNOWN_OPEN: dict[str, str] = {}
 
 
 def _marks(cls: str) -> list:

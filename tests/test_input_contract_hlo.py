@@ -462,3 +462,12 @@ def test_a_corrupt_embedded_hloproto_is_skipped_with_a_note_and_a_dump_takes_its
     partial = traceroof.analyze(run, chip="h100")  # no other HLO: a partial report that says what is missing
     assert any("does not decode" in n for n in partial.summary.notes)
     assert any("times only" in n for n in partial.summary.notes), partial.summary.notes
+
+
+def test_parameter_numbers_must_be_0_to_n_minus_1():  # fuzz: parameter(2147483648) made a 2^31-bit mask
+    text = "HloModule m\n\nENTRY e {\n  a = f32[4]{0} parameter(1)\n  b = f32[4]{0} parameter(2147483648)\n" \
+           "  ROOT c = f32[4]{0} add(a, b)\n}\n"
+    with pytest.raises(HloParseError, match=r"parameter numbers \[1, 2147483648\] are not 0..1"):
+        parse_hlo_text(text, "p.txt")
+    ok = text.replace("parameter(1)", "parameter(0)").replace("parameter(2147483648)", "parameter(1)")
+    assert len(parse_hlo_text(ok, "p.txt")) == 1
