@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from parsers.errors import FormatError, SizeLimitError, TraceroofError
+from parsers.errors import FormatError, InputError, SizeLimitError, TraceroofError
 from parsers.trace_json import read_trace_json
 from parsers.xprof_export import ExportContext, op_profile_rows, read_export_context, read_hlo_stats
 from parsers.xspace import parse_full, read_xspace
@@ -293,6 +293,13 @@ def test_export_figures_that_overflow_are_format_errors(tmp_path, cell, value, m
     f = _hlo_stats(tmp_path, lambda d: d["rows"][1]["c"][cell].update(v=value))
     with pytest.raises(FormatError, match=match):
         export_op_table(f)
+
+
+def test_an_export_without_op_rows_is_an_input_error(tmp_path):  # fuzz: a KeyError on the empty table
+    from traceroof.xprof import export_op_table
+
+    with pytest.raises(InputError, match="x.hlo_stats.json: the HLO Op Stats export holds no op rows"):
+        export_op_table(_hlo_stats(tmp_path, lambda d: d.update(rows=[])))
 
 
 def test_hlo_stats_csv_with_a_non_numeric_cell(tmp_path):

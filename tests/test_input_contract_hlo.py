@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from parsers.errors import FormatError, HloParseError, InputError, TraceroofError
 from parsers.hlo_proto import HloProtoMessage, module_from_proto
-from parsers.hlo_text import parse_hlo_file, parse_hlo_text, parse_replica_groups
+from parsers.hlo_text import parse_hlo_text, parse_replica_groups
 from tests.conftest import FIXTURES
 from traceroof.chips import ChipError, all_chips, get_chip, load_chip_file
 from traceroof.cli import main
@@ -348,7 +348,7 @@ def test_valid_topologies_still_parse():
 
 # -- diff baselines --------------------------------------------------------------------------------------------------
 
-def _report(tmp_path, name="base.json", **summary) -> "Path":
+def _report(tmp_path, name="base.json", **summary):
     doc = {"summary": {"step_time_mean_s": 0.010, "step_times_s": [0.010, 0.011, 0.009], "chip_id": "host",
                        **summary},
            "layers": [{"layer": "mlp", "phase": "forward", "time_per_step_s": 0.005}],

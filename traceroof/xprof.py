@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from parsers.errors import FormatError, HloParseError
+from parsers.errors import FormatError, HloParseError, InputError
 from parsers.hlo_text import parse_hlo_text
 from parsers.xprof_export import ExportContext, read_export_context, read_hlo_stats
 from traceroof.chips import Chip, Figure, per_device_chip
@@ -140,6 +140,8 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
         })
     if unparsed:
         notes.append(f"{unparsed} exported ops have HLO text this parser could not read: no shapes for them")
+    if not rows:
+        raise InputError(f"{p}: the HLO Op Stats export holds no op rows; export it from a profile with XLA ops")
     collectives = [r.pop("collective") for r in rows]
     ops = pd.DataFrame(rows)
     ops["collective_id"] = np.array([i if c is not None else -1 for i, c in enumerate(collectives)], np.int64)
