@@ -43,3 +43,20 @@ def _isolated_config(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pyte
     monkeypatch.delenv("TRACEROOF_CHIPS_DIR", raising=False)
     monkeypatch.chdir(ROOT)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def compiled_scopes(compiled_text: str):
+    """(module, scopes) of a compiled JAX program's HLO text (``jax.jit(f).lower(...).compile().as_text()``)."""
+    from parsers.hlo_text import parse_hlo_text
+    from traceroof.scopes import assign_scopes
+
+    m = parse_hlo_text(compiled_text)[0]
+    return m, assign_scopes(m)
+
+
+def executed_ops(m):
+    """(computation, instruction) of the ops that run as their own events (not inside fusions)."""
+    fused = {c for comp in m.computations.values() for i in comp.instructions if i.opcode == "fusion"
+             for c in i.called}
+    return [(comp, i) for comp in m.computations.values() if comp.name not in fused for i in comp.instructions
+            if i.opcode not in ("parameter", "constant")]

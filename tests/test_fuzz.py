@@ -142,3 +142,18 @@ def test_bad_inputs_through_the_cli_exit_2_with_one_line(tmp_path: Path) -> None
         lines = err.splitlines()
         assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith("traceroof: error: "), \
             (cls, inp.seed, inp.mutation, p.returncode, err[-500:])
+
+
+def test_the_readme_fuzzing_commands_run_as_written(tmp_path: Path) -> None:
+    """README: ``python benchmarks/fuzz_campaign.py -n 10000 -o fuzz.json`` (here -n 3) and
+    ``python -m tests.fuzzing CLASS SEED -o DIR``."""
+    import json
+
+    r = subprocess.run([sys.executable, "benchmarks/fuzz_campaign.py", "-n", "3", "-o", str(tmp_path / "fuzz.json")],
+                       cwd=fuzzing.ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads((tmp_path / "fuzz.json").read_text())
+    assert sum(sum(c.values()) for c in doc["per_class"].values()) == 3 * len(fuzzing.CLASSES)
+    r = subprocess.run([sys.executable, "-m", "tests.fuzzing", "chip_toml", "5", "-o", str(tmp_path / "one")],
+                       cwd=fuzzing.ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "->" in r.stdout and any((tmp_path / "one").iterdir()), r.stderr[-2000:]

@@ -15,27 +15,16 @@ from collections import Counter
 import pytest
 
 from parsers.hlo import HloModule
-from parsers.hlo_text import parse_hlo_text
+from tests.conftest import compiled_scopes as _module, executed_ops as _executed
 from traceroof.cost import CostModel
 from traceroof.layers import OTHER_PHASE, LayerNamer
-from traceroof.scopes import RNG_SCOPE, ModuleScopes, assign_scopes
+from traceroof.scopes import RNG_SCOPE
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
 optax = pytest.importorskip("optax")
 
 
-def _module(compiled_text: str) -> tuple[HloModule, ModuleScopes]:
-    m = parse_hlo_text(compiled_text)[0]
-    return m, assign_scopes(m)
-
-
-def _executed(m: HloModule):
-    """(computation, instruction) of the ops that run as their own events (not inside fusions)."""
-    fused = {c for comp in m.computations.values() for i in comp.instructions if i.opcode == "fusion"
-             for c in i.called}
-    return [(comp, i) for comp in m.computations.values() if comp.name not in fused for i in comp.instructions
-            if i.opcode not in ("parameter", "constant")]
 
 
 def _holds(m: HloModule, inst, opcode: str) -> bool:
