@@ -3,11 +3,10 @@ figures are in range (or say why not) or in a one-line TraceroofError; bad input
 one ``traceroof: error:`` line. ``TRACEROOF_FUZZ_N`` changes the number per class; the long campaign is
 ``benchmarks/fuzz_campaign.py``.
 
-Cost (measured on the 2-core development machine): this file takes about 300 CPU-seconds, 206 s of wall time
-with the machine mostly idle (6 minutes beside another fuzz run); at least 150 s on 2 free cores. A full
-analysis of even the tiny seeds costs 50-70 ms of fixed pandas work (layer rollup, profile loading, op
-statistics), and about half the mutated inputs reach it, so 1,000 inputs per class do not fit in well under two
-minutes on 2 cores."""
+Cost (measured on the 2-core development machine, all sites fixed): the 7,000 inputs take about 4 CPU-minutes,
+2 minutes of wall time on 2 free cores; the workers use every core the suite may use (up to 8). A full analysis
+of even the tiny seeds costs 50-90 ms of fixed pandas work (layer rollup, profile loading, op statistics: the
+per-stage cost issue 12's small tables remove), and about half the mutated inputs reach it."""
 
 from __future__ import annotations
 
@@ -36,7 +35,8 @@ def _marks(cls: str) -> list:
 @pytest.fixture(scope="module")
 def results() -> dict[str, list[fuzzing.Result]]:
     out: dict[str, list[fuzzing.Result]] = {c: [] for c in fuzzing.CLASSES}
-    for r in fuzzing.run_many(fuzzing.interleaved(fuzzing.CLASSES, N), workers=2, timeout_s=15.0):
+    workers = max(2, min(len(os.sched_getaffinity(0)), 8))  # every core the suite may use (2 here, more in CI)
+    for r in fuzzing.run_many(fuzzing.interleaved(fuzzing.CLASSES, N), workers=workers, timeout_s=15.0):
         out[r.cls].append(r)
     return out
 
