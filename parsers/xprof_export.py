@@ -217,6 +217,9 @@ def read_hlo_stats(path: str | Path) -> pd.DataFrame:
     missing = [c for c in REQUIRED if c not in df.columns]
     if missing:
         raise FormatError(f"{p}: not an XProf HLO Op Stats export (missing columns {', '.join(missing)})")
+    twice = df.columns[df.columns.duplicated()]
+    if len(twice):
+        raise FormatError(f"{p}: column {str(twice[0])[:40]!r} appears more than once; the export is corrupt")
     for c in df.columns:
         if df[c].dtype == object:
             odd = df[c].map(lambda v: isinstance(v, (list, dict))).to_numpy(bool)

@@ -268,7 +268,9 @@ def _hlo_stats(tmp_path, mutate, name="x.hlo_stats.json"):
     (lambda d: d["rows"][1]["c"][4].update(v=-2), r"row 1 column occurrences: '-2.0' is not a finite"),
     (lambda d: d["rows"][0]["c"][2].update(v={"a": 1}), r"row 0 column hlo_op_name: a JSON dict"),
     (lambda d: d.update(cols=d["cols"][:4]), r"missing columns total_self_time, occurrences"),
-], ids=["rows-object", "cols-text", "row-list", "cell-text", "cell-negative", "cell-object", "missing-columns"])
+    (lambda d: d["cols"].__setitem__(3, dict(d["cols"][2])), r"column 'hlo_op_name' appears more than once"),
+], ids=["rows-object", "cols-text", "row-list", "cell-text", "cell-negative", "cell-object", "missing-columns",
+        "column-twice"])
 def test_hlo_stats_export_of_unexpected_shape(tmp_path, mutate, match):
     f = _hlo_stats(tmp_path, mutate)
     with pytest.raises(FormatError, match=r"x.hlo_stats.json: .*" + match):
