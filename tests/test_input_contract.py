@@ -238,6 +238,17 @@ def test_truncated_gzip_trace_json(tmp_path):
         read_trace_json(f)
 
 
+def test_an_op_event_lasting_days_is_dropped_with_a_note(tmp_path):  # fuzz: a 7.8-day op below the parser limit
+    ops = [e for e in json.loads(gzip.decompress(fixture_trace_json("scan_mlp").read_bytes()))["traceEvents"]
+           if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {})]
+    f, _ = _trace(tmp_path, lambda xs, _: next(e for e in xs if e is not None and e.get("name") == ops[5]["name"]
+                                               and e.get("ts") == ops[5]["ts"]).update(dur=6.74e11))
+    _copy_hlo(tmp_path)
+    profile = load_profile(discover([f]))
+    assert any("1 op events lasting more than a day dropped" in n for n in profile.notes), profile.notes
+    assert profile.events["duration_ps"].max() < 86_400 * 10**12
+
+
 def test_trace_json_profile_notes_what_was_dropped(tmp_path):
     f, _ = _trace(tmp_path, lambda xs, _: [e.update(dur=-1) for e in xs[:3]])
     _copy_hlo(tmp_path)

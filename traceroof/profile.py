@@ -32,6 +32,7 @@ XPLANE_SUFFIXES = (".xplane.pb", ".xspace.pb", ".xplane.pb.gz")
 TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz", ".json.gz", ".json")
 RUN_TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz")
 OP_STATS = ("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num")
+MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
 MAX_HOST_SKEW_PS = DURATION_LIMIT_PS  # hosts whose profile_start_time differ by more are not aligned (13 days)
 
 
@@ -224,6 +225,14 @@ def load_profile(inputs: Inputs) -> Profile:
                              "step's outputs before jax.profiler.stop_trace()")
         raise InputError(f"{inputs.description}: the profile holds no XLA op events (no hlo_op stats); "
                          "profile a jitted JAX/XLA program")
+    long_ops = (events["duration_ps"] > MAX_OP_EVENT_PS).to_numpy(bool)
+    if long_ops.any():
+        events = events[~long_ops].reset_index(drop=True)
+        notes.append(f"{int(long_ops.sum()):,} op events lasting more than a day dropped: no op of a profiled "
+                     "program runs that long (corrupt times)")
+        if events.empty:
+            raise InputError(f"{inputs.description}: every op event lasts more than a day; the profile's times "
+                             "are corrupt")
     bad_ids = {k[4:]: v for k, v in counts.items() if k.startswith("bad:")}
     if bad_ids:
         notes.append(f"op events with an id stat that is not a valid integer (corrupt stats) lost it: "
