@@ -208,3 +208,12 @@ def test_device_step_spans_are_never_negative_and_follow_every_earlier_step():
                               np.array([100, 50, 300]), steps)
     got = list(zip(spans["device_start_ps"].astype(int), spans["device_end_ps"].astype(int)))
     assert got == [(0, 100), (50, 50), (100, 300)]  # step 2 starts after step 0's end, not only step 1's
+
+
+def test_step_markers_whose_name_is_missing_still_make_steps():  # fuzz: argmax of an empty sequence
+    from traceroof.profile import _steps_from_events
+
+    ev = pd.DataFrame({"name": pd.Categorical([None, None, None], categories=[]), "step_num": [0, 1, 2],
+                       "start_ps": [0, 10, 20], "duration_ps": [5, 5, 5]})
+    steps, name = _steps_from_events(ev, "h")
+    assert name == "" and steps["step"].tolist() == [0, 1, 2] and steps["end_ps"].tolist() == [5, 15, 25]

@@ -683,8 +683,9 @@ def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
     marked = ev[ev["step_num"].notna()]
     if marked.empty:
         return empty, ""
-    name = marked["name"].astype(str).value_counts().idxmax()
-    marked = marked[marked["name"].astype(str) == name]
+    names = marked["name"].astype(object).where(marked["name"].notna(), "").astype(str)  # a corrupt event: no name
+    name = names.value_counts().idxmax()
+    marked = marked[(names == name).to_numpy(bool)]
     steps = pd.DataFrame({
         "host": host,
         "step": pd.array(pd.to_numeric(marked["step_num"]).astype("int64"), "Int64"),
