@@ -232,3 +232,13 @@ def test_fori_loop_counted_per_iteration():
     assert full.flops == pytest.approx(10 * 2 * 32**3 + 10 * 0, rel=0.01)  # tanh counts as transcendental
     assert full.transcendentals == pytest.approx(10 * 32 * 32, rel=0.01)
     assert xla["flops"] < full.flops / 5  # XLA counts the body once
+
+
+def test_repeated_contracting_dims_count_once_and_never_overflow():  # fuzz: {1,1,1,...} from a corrupt proto
+    text = ("HloModule m\n\nENTRY e {\n  a = f32[4,8]{1,0} parameter(0)\n  b = f32[8,3]{1,0} parameter(1)\n"
+            "  ROOT d = f32[4,3]{1,0} dot(a, b), lhs_contracting_dims={1}, rhs_contracting_dims={0}\n}\n")
+    (m,) = parse_hlo_text(text)
+    model = CostModel(m)
+    dot = m.entry.root
+    assert model._dot_flops(dot, (1,)) == 2 * 4 * 3 * 8
+    assert model._dot_flops(dot, (1,) * 400) == 2 * 4 * 3 * 8  # 8**400 would not fit a float

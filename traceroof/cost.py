@@ -362,8 +362,9 @@ class CostModel:
         out = out or inst.shape
         if lhs is None:
             return 0.0
-        width = math.prod(lhs.dims[d] for d in lhs_contracting if d < len(lhs.dims))
-        return 2.0 * out.elements * width
+        # each contracting dimension once (XLA's verifier refuses repeats; a corrupt proto may carry them)
+        width = math.prod(float(lhs.dims[d]) for d in set(lhs_contracting) if 0 <= d < len(lhs.dims))
+        return 2.0 * float(out.elements) * width
 
     def _conv_flops(self, inst: Instruction, target: str = "") -> float:
         """Convolution FLOPs (HandleConvolution). For cuDNN custom-calls the operands depend on the direction:
