@@ -741,16 +741,18 @@ def _noted(notes: Iterable[str], *words: str) -> bool:
     return any(w.lower() in text for w in words)
 
 
+def _check_peaks(peaks: dict | None, bandwidth: Any, peak_label: str, bandwidth_label: str) -> list[str]:
+    """Peaks (FLOP/s per dtype) and an HBM bandwidth (bytes/s) must be positive and finite."""
+    out = [f"{peak_label}: {k} = {v!r}" for k, v in (peaks or {}).items()
+           if _bad(v, allow_nan=False) or float(v) == 0]
+    if bandwidth is not None and (_bad(bandwidth, allow_nan=False) or float(bandwidth) == 0):
+        out.append(f"{bandwidth_label}: {bandwidth!r}")
+    return out
+
+
 def check_chip(c: Any) -> list[str]:
     """Chip figures used as peaks must be positive and finite."""
-    out = []
-    for k, v in (c.peak_flops_per_s or {}).items():
-        if _bad(v, allow_nan=False) or float(v) == 0:
-            out.append(f"chip peak: {k} = {v!r}")
-    bw = c.hbm_bandwidth_bytes_per_s
-    if bw is not None and (_bad(bw, allow_nan=False) or float(bw) == 0):
-        out.append(f"chip HBM bandwidth: {bw!r}")
-    return out
+    return _check_peaks(c.peak_flops_per_s, c.hbm_bandwidth_bytes_per_s, "chip peak", "chip HBM bandwidth")
 
 
 def check_analysis(a: Any) -> list[str]:
@@ -799,14 +801,8 @@ def check_analysis(a: Any) -> list[str]:
 
 
 def check_chip_summary(s: Any) -> list[str]:
-    out = []
-    for k, v in (s.peak_flops_per_s or {}).items():
-        if _bad(v, allow_nan=False) or float(v) == 0:
-            out.append(f"peak used: {k} = {v!r}")
-    bw = s.hbm_bandwidth_bytes_per_s
-    if bw is not None and (_bad(bw, allow_nan=False) or float(bw) == 0):
-        out.append(f"HBM bandwidth used: {bw!r}")
-    return out
+    """The peaks and bandwidth a report used must be positive and finite."""
+    return _check_peaks(s.peak_flops_per_s, s.hbm_bandwidth_bytes_per_s, "peak used", "HBM bandwidth used")
 
 
 def check_result(cls: str, value: Any) -> list[str]:

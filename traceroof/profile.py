@@ -695,7 +695,7 @@ def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
     return steps, name
 
 
-def _as_id(x: object, lo: int) -> int | None:
+def as_id(x: object, lo: int) -> int | None:
     """An integer in [lo, 2^63) from a stat or args value (int, integral float, or text of one), else None."""
     if isinstance(x, (bool, np.bool_)):
         return None
@@ -726,7 +726,7 @@ def _ids(values: pd.Series, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, i
         ok = present & (v >= lo)
         return pd.arrays.IntegerArray(np.where(ok, v, 0), ~ok), int((present & ~ok).sum())
     codes, uniq = pd.factorize(values.astype(object), use_na_sentinel=True)
-    conv = [_as_id(u, lo) for u in uniq]
+    conv = [as_id(u, lo) for u in uniq]
     good = np.array([c is not None for c in conv] + [False])
     vals = np.array([c if c is not None else 0 for c in conv] + [0], np.int64)
     idx = np.where(codes >= 0, codes, len(uniq))

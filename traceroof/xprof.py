@@ -20,13 +20,15 @@ import pandas as pd
 from parsers.errors import FormatError, HloParseError, InputError
 from parsers.hlo_text import parse_hlo_text
 from parsers.xprof_export import ExportContext, read_export_context, read_hlo_stats
+from parsers.xspace import DURATION_LIMIT_PS
 from traceroof.chips import Chip, Figure, per_device_chip
 from traceroof.collectives import classify
 from traceroof.cost import CostModel, _sizes
 from traceroof.findings import is_retiling
 from traceroof.layers import layer_of, parse_scope
+from traceroof.profile import as_id
 
-MAX_OP_TIME_S = 2**60 * 1e-12  # 13.3 days, the profile parsers' duration limit (parsers/xspace.DURATION_LIMIT_PS)
+MAX_OP_TIME_S = DURATION_LIMIT_PS * 1e-12  # 13.3 days: the profile parsers' limit on one event's duration
 
 # XProf "HLO op category" -> traceroof category
 CATEGORY = {
@@ -151,7 +153,7 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
     for col in ("opcode", "category", "dtype", "scope", "phase", "layer", "module", "hlo_op", "device", "host"):
         ops[col] = ops[col].astype("category")
     ops["step"] = pd.array(ops["step"], "Int64")
-    ops["program_id"] = pd.array([int(x) if str(x).strip().isascii() and str(x).strip().isdigit() and int(x) < 2**63 else pd.NA
-                                  for x in ops["program_id"]], "Int64")  # XProf's ids: fingerprints below 2^63
+    ids = [as_id(x, 0) for x in ops["program_id"]]  # XProf's ids: fingerprints below 2^63
+    ops["program_id"] = pd.array([pd.NA if x is None else x for x in ids], "Int64")
     ops["duration_ps"] = ops["duration_ps"].astype(np.int64)
     return ops, ctx, notes
