@@ -51,7 +51,8 @@ def _child(mode: str, path: str, hlo: str) -> dict:
         n = sum(line.event_count for plane in xs.planes for line in plane.lines)
     elif mode == "decode+join":
         from traceroof.analysis import build_op_table
-        from traceroof.profile import Inputs, load_profile
+        from traceroof.discovery import Inputs
+        from traceroof.profile import load_profile
 
         profile = load_profile(Inputs((Path(path),), "xplane", tuple(sorted(Path(hlo).glob("*.txt"))), path))
         ops, join = build_op_table(profile)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from parsers.xspace import parse_full
-from traceroof.profile import discover, load_profile
+from traceroof.discovery import discover
+from traceroof.profile import load_profile
 from tests.conftest import fixture_xplane
 
 SRC = fixture_xplane("scan_mlp")

@@ -288,7 +288,8 @@ def test_the_environment_chooses_the_decoder(monkeypatch):
 
 
 def test_profile_says_which_decoder_ran(monkeypatch):
-    from traceroof.profile import discover, load_profile
+    from traceroof.discovery import discover
+    from traceroof.profile import load_profile
 
     monkeypatch.setenv("TRACEROOF_DECODER", "python")
     assert load_profile(discover([SRC.parents[4]])).decoder == "python"

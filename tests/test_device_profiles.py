@@ -253,7 +253,8 @@ def test_tpu_export_collectives_get_an_ici_expectation():
 @pytest.mark.parametrize("rel", AMD[:4])
 def test_gpu_kernels_get_their_launch_by_correlation_id(rel):
     """Each kernel's launch is the host API event with its correlation_id, read here from the raw protobuf."""
-    from traceroof.profile import discover, load_profile
+    from traceroof.discovery import discover
+    from traceroof.profile import load_profile
 
     path = third_party(rel)
     events = load_profile(discover([path])).events

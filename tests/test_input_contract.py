@@ -14,7 +14,8 @@ from parsers.trace_json import read_trace_json
 from parsers.xprof_export import ExportContext, op_profile_rows, read_export_context, read_hlo_stats
 from parsers.xspace import parse_full, read_xspace
 from traceroof.chips import get_chip
-from traceroof.profile import discover, load_profile, match_modules
+from traceroof.discovery import discover
+from traceroof.profile import load_profile, match_modules
 from traceroof.xprof import per_core_chip
 from tests.conftest import fixture_trace_json, fixture_xplane
 

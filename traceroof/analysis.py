@@ -20,7 +20,8 @@ from traceroof.findings import is_retiling, layout_findings
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of, rollup
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.hlo_source import HloMismatchError
-from traceroof.profile import Inputs, JoinReport, Profile, discover, load_profile, match_modules
+from traceroof.discovery import Inputs, discover
+from traceroof.profile import JoinReport, Profile, load_profile, match_modules
 from traceroof.roofline import apply_roofline, main_matmul_peak, precision_notes
 from traceroof.scopes import ModuleScopes, ScopeInfo, assign_scopes
 from traceroof.xprof import export_op_table, per_core_chip

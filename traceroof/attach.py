@@ -355,7 +355,8 @@ def op_events_problem(run: Path) -> str:
     """Why the capture in ``run`` cannot be analyzed for want of op events (the profile reader's one-line
     reason), or ``""`` when it holds op events. Reads the capture as :func:`traceroof.analysis.analyze` does."""
     from parsers.errors import InputError
-    from traceroof.profile import discover, load_profile
+    from traceroof.discovery import discover
+    from traceroof.profile import load_profile
 
     try:
         load_profile(discover([run]))

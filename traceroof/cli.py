@@ -63,7 +63,7 @@ def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
 def _inputs(paths: Sequence[str], hlo: Sequence[str] = (), chip: str | None = None) -> list[Path]:
     """The files a command reads, which ``-o`` must never name: the paths given (files), the profile, HLO and
     HloProto files found from them, every file of a run directory given as a directory, and a chip file."""
-    from traceroof.profile import discover
+    from traceroof.discovery import discover
 
     given = [Path(p) for p in (*paths, *hlo, *([chip] if chip else [])) if p]
     files = [p for p in given if p.is_file()]
