@@ -4,9 +4,10 @@ Usage::
 
     python benchmarks/replicate.py [--events 5000000] [--fixture transformer] [-o benchmarks/data/big.xplane.pb]
 
-The op-event lines of ``/host:CPU`` (runtime threads) are copied K times, each copy on its own line id with its
-``timestamp_ns`` shifted past the previous copy, byte for byte otherwise; the ``python`` line's step
-annotations are copied too with ``step_num`` renumbered, so the result is a valid profile of K x the original
+Every line of ``/host:CPU`` (runtime threads with the op events, async ``end:`` events and launches; the
+``python`` line's step annotations) is copied K times, each copy on its own line id with its ``timestamp_ns``
+shifted past the previous copy, ``step_num`` renumbered and the execution and flow ids (``run_id``, ``_p``,
+``_c``) offset so each copy is executions of its own, so the result is a valid profile of K x the original
 steps that ``traceroof analyze`` reads like any other. The HLO dumps of the fixture still apply (same
 program ids). Output goes to ``benchmarks/data/`` (git-ignored): regenerate it, never commit it.
 """
@@ -74,24 +75,37 @@ def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
                                   for ev in xl.events for st in ev.stats
                                   if st.metadata_id == stat_id.get("step_num")), default=-1)
         plane = bytearray(b"".join(data[ft:fe] for ff, _, ft, _, fe, _ in fields if ff != 3))
+        # ids that name one execution or one flow (run_id; the _p/_c producer/consumer ids tying launches to
+        # ops) are offset per copy, so every copy is its own executions, as successive steps of a real run are
+        ids = {stat_id[n] for n in ("run_id", "_p", "_c") if n in stat_id}
+        values: dict[int, list[int]] = {i: [] for i in ids}
+        for xl, _, _, _ in op_lines + other:
+            for ev in xl.events:
+                for st in ev.stats:
+                    if st.metadata_id in ids:
+                        values[st.metadata_id].append(int(st.int64_value or st.uint64_value))
+        # run ids are a launch counter (consecutive per program): copy k continues it
+        id_span = {i: 1 + max(v) - min(v) if v else 0 for i, v in values.items()}
         for k in range(copies):
-            for xl, lf, _, _ in op_lines:
-                head = XL(id=xl.id + k * 1_000_003 if k else xl.id, display_id=xl.display_id, name=xl.name,
-                          display_name=xl.display_name, timestamp_ns=xl.timestamp_ns + k * shift_ns,
-                          duration_ps=xl.duration_ps)
-                body = b"".join(data[lt:le] for lff, _, lt, _, le, _ in lf if lff == 4)
-                plane += _field(3, head.SerializeToString() + body)
-                written += len(xl.events)
-            for xl, _, _, _ in other:
+            for xl, _, _, _ in op_lines + other:
                 copy = XL()
                 copy.CopyFrom(xl)
                 copy.id = xl.id + k * 1_000_003 if k else xl.id
                 copy.timestamp_ns = xl.timestamp_ns + k * shift_ns
-                for ev in copy.events:
-                    for st in ev.stats:
-                        if st.metadata_id == stat_id.get("step_num"):
-                            st.int64_value = int(st.int64_value or st.uint64_value) + k * steps_per_copy
+                if k:
+                    for ev in copy.events:
+                        for st in ev.stats:
+                            if st.metadata_id == stat_id.get("step_num"):
+                                st.int64_value = int(st.int64_value or st.uint64_value) + k * steps_per_copy
+                            elif st.metadata_id in ids:
+                                value = int(st.int64_value or st.uint64_value) + k * id_span[st.metadata_id]
+                                if st.HasField("uint64_value"):
+                                    st.uint64_value = value
+                                else:
+                                    st.int64_value = value
                 plane += _field(3, copy.SerializeToString())
+                if xl.name != "python":
+                    written += len(xl.events)
         out += _field(1, bytes(plane))
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_bytes(bytes(out))
