@@ -50,12 +50,12 @@ def _child(mode: str, path: str, hlo: str) -> dict:
                 kept += len(plane.events(stats=OP_STATS, require=("hlo_op", "step_num")))
         n = sum(line.event_count for plane in xs.planes for line in plane.lines)
     elif mode == "decode+join":
-        from traceroof.analysis import build_op_table
+        from traceroof.optable import build_op_table
         from traceroof.discovery import Inputs
         from traceroof.profile import load_profile
 
         profile = load_profile(Inputs((Path(path),), "xplane", tuple(sorted(Path(hlo).glob("*.txt"))), path))
-        ops, join = build_op_table(profile)
+        ops, join, _ = build_op_table(profile)
         kept = n = join.events_total
         assert join.events_joined == join.events_total, join
     elif mode == "profiledata":

@@ -4,6 +4,7 @@ communication and stragglers."""
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -13,6 +14,7 @@ from traceroof.chips import get_chip
 from traceroof.collectives import (Collective, bus_bandwidth, classify, default_topology, expected_time,
                                    parse_topology)
 from traceroof.cost import CostModel
+from traceroof.optable import Timeline
 from traceroof.overlap import arrival_skew, exposed_communication
 from tests.conftest import FIXTURES, HOST_CHIP, third_party
 
@@ -207,11 +209,13 @@ def test_mi300x_eight_gpu_profile_topology():
 # -- overlap and stragglers on timelines built here --------------------------------------------------------------
 
 def _ops(rows):
+    """An op table of one event per row, and the events' timeline."""
     df = pd.DataFrame(rows, columns=["device", "program_id", "hlo_op", "start_ps", "duration_ps", "category", "step"])
     df["counted"] = True
     df["program_id"] = pd.array(df["program_id"], "Int64")
     df["step"] = pd.array(df["step"], "Int64")
-    return df
+    timeline = Timeline(np.arange(len(df)), df["start_ps"].to_numpy(np.int64), df["duration_ps"].to_numpy(np.int64))
+    return df, timeline
 
 
 def test_exposed_communication_sync_and_async():
@@ -222,7 +226,7 @@ def test_exposed_communication_sync_and_async():
         ("d0", 1, "fusion.2", 1010, 300, "matmul", 0),
         ("d0", 1, "all-reduce-done", 1400, 100, "collective", 0),  # window [1000, 1500): covered 300
     ])
-    out = exposed_communication(ops, {(1, "all-reduce-done"): "all-reduce-start"})
+    out = exposed_communication(*ops, {(1, "all-reduce-done"): "all-reduce-start"})
     r = out.set_index("hlo_op")
     assert r.loc["all-gather.1", "comm_window_s"] == pytest.approx(600e-12)
     assert r.loc["all-gather.1", "comm_exposed_s"] == pytest.approx(400e-12)
@@ -239,7 +243,7 @@ def test_arrival_skew_names_the_late_device():
             base = step * 10_000 + occ * 1000
             for d, delay in (("d0", 0), ("d1", 50), ("d2", 400)):
                 rows.append((d, 1, "all-reduce", base + delay, 100, "collective", step))
-    skew = arrival_skew(_ops(rows))
+    skew = arrival_skew(*_ops(rows))
     assert len(skew) == 6 and (skew["last_device"] == "d2").all()
     assert skew["skew_s"].iloc[0] == pytest.approx(400e-12)
     assert skew["wait_s"].iloc[0] == pytest.approx((400 + 350) * 1e-12)
@@ -265,7 +269,7 @@ def test_findings_name_the_straggler_and_the_exposed_collective():
     for step in range(2):
         for d, delay in (("host_a/gpu:0", 0), ("host_b/gpu:3", 300_000_000)):
             rows.append((d, 1, "all-reduce", step * 10**10 + delay, 1000, "collective", step))
-    skew = arrival_skew(_ops(rows))
+    skew = arrival_skew(*_ops(rows))
     table = pd.DataFrame([{"hlo_op": "all-reduce.7", "kind": "all-reduce", "bytes_out": 4e6, "group_size": 8,
                            "exposed_per_step_s": 2e-3, "exposed_share": 0.9}])
     out = communication_findings(table, skew, SimpleNamespace(step_time_mean_s=10e-3), steps=2)

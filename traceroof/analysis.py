@@ -10,20 +10,20 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import InputError
-from parsers.hlo import HloModule, Instruction
+from parsers.hlo import HloModule
 from parsers.hlo_text import async_pairs, is_known_opcode
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
-from traceroof.collectives import (bus_bandwidth, classify, default_topology, expected_time, module_devices,
+from traceroof.collectives import (bus_bandwidth, default_topology, expected_time, module_devices,
                                    parse_topology)
-from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
-from traceroof.findings import is_retiling, layout_findings
-from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of, rollup
+from traceroof.findings import layout_findings
+from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
+from traceroof.optable import build_op_table
+from traceroof.opstats import execution_stats, op_stats, outlier_findings, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.hlo_source import HloMismatchError
 from traceroof.discovery import Inputs, discover
-from traceroof.profile import JoinReport, Profile, load_profile, match_modules
+from traceroof.profile import JoinReport, Profile, load_profile
 from traceroof.roofline import apply_roofline, main_matmul_peak, precision_notes
-from traceroof.scopes import ModuleScopes, ScopeInfo, assign_scopes
 from traceroof.xprof import export_op_table, per_core_chip
 
 # Finding thresholds: traceroof's own heuristics (no external source); each finding states the figure it used.
@@ -34,8 +34,6 @@ STRAGGLER_LAST_SHARE_MIN = 0.5  # a device last at more than this share of colle
 STRAGGLER_WAIT_SHARE_MIN = 0.01  # ... while the others wait more than this share of the step
 STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
-OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
-OUTLIER_MIN_EXECUTIONS = 3  # ops with fewer executions than this have no median to judge outliers by
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
                    "executed work incl. rematerialisation, while bodies x trip count)")
@@ -113,159 +111,6 @@ class Analysis:
         return op_stats(counted, self.per_step_divisor)
 
 
-_ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
-                 "source", "flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
-                 "cost_note", "called", "retiling", "collective", "dot_precision"]
-
-
-def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: ScopeInfo | None = None
-           ) -> dict[str, object]:
-    cost = model.cost(inst)
-    category, dtype = categorize(model, inst)
-    coll = classify(model, inst)
-    if coll is not None:
-        category = "collective"
-    scope, phase = (info.scope, info.phase) if info is not None else parse_scope(inst.metadata.op_name,
-                                                                                    optimizer_pattern)
-    operand_shapes = []
-    for i in range(len(inst.operands)):
-        s = model.operand_shape(inst, i)
-        operand_shapes.append(str(s) if s is not None else "?")
-    return {
-        "opcode": inst.opcode, "category": category, "fusion_kind": inst.fusion_kind, "dtype": dtype,
-        "shape": str(inst.shape), "operand_shapes": ", ".join(operand_shapes), "scope": scope, "phase": phase,
-        "source": info.source if info is not None and info.source else model.module.source_line(inst),
-        "flops": cost.flops, "transcendentals": cost.transcendentals,
-        "logical_bytes": cost.bytes_accessed, "padded_bytes": cost.padded_bytes, "hbm_bytes": cost.hbm_bytes,
-        "opaque": cost.opaque, "cost_note": cost.note,
-        "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),
-        "retiling": is_retiling(inst, model.operand_shape(inst, 0)),
-        "collective": coll, "dot_precision": dot_precision(model, inst),
-    }
-
-
-def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN,
-                   expand: bool = False) -> tuple[pd.DataFrame, JoinReport]:
-    """Join profile events to HLO instructions and their costs: one row per op execution.
-
-    Columns: the profile's (``host``, ``device``, ``program_id``, ``module``, ``hlo_op``, ``start_ps``,
-    ``duration_ps``, ``step``), ``measured_s``, ``joined`` (an instruction was found), the instruction's
-    ``opcode``, ``category``, ``fusion_kind``, ``dtype``, ``shape``, ``operand_shapes``, ``scope``, ``layer``,
-    ``phase``, ``source`` (scope, phase and source by :mod:`traceroof.scopes`; ``layer`` and ``instance`` of a
-    repeated block by :class:`~traceroof.layers.LayerNamer`, each instance its own layer with ``expand``), ``flops``, ``transcendentals``, ``logical_bytes``, ``padded_bytes``, ``hbm_bytes``
-    (the row's share of its op's per-execution cost), ``opaque``, ``cost_note``, ``retiling`` (a layout-changing
-    copy), ``kernels_per_execution`` and ``executions`` (GPU N:M estimate; 1 elsewhere), and ``counted`` (False
-    for control ops such as ``while`` whose bodies' ops are events of their own, so time is not counted twice).
-    TPU rows add ``traceroof_flops`` / ``traceroof_hbm_bytes`` (our count) beside libtpu's numbers, which win.
-    """
-    ev = profile.events
-    modules = profile.modules
-    mod_idx, partial = match_modules(ev, modules)
-    op_codes = ev["hlo_op"].cat.codes.to_numpy().astype(np.int64)
-    keys, uniques = pd.factorize(mod_idx * (1 << 32) + op_codes)
-    op_names = list(ev["hlo_op"].cat.categories)
-    models: dict[int, CostModel] = {}
-    module_scopes: dict[int, ModuleScopes] = {}
-    rows: list[dict[str, object] | None] = []
-    for key in uniques:
-        mi, oc = int(key) >> 32, int(key) & 0xFFFFFFFF
-        if mi < 0 or mi >= len(modules):
-            rows.append(None)
-            continue
-        model = models.get(mi) or models.setdefault(mi, CostModel(modules[mi]))
-        comp = model.comp_of.get(op_names[oc])  # name -> computation index the cost model already built
-        inst = comp.by_name[op_names[oc]] if comp is not None else None
-        if inst is not None and mi not in module_scopes:
-            module_scopes[mi] = assign_scopes(modules[mi], optimizer_pattern)
-        rows.append(_attrs(model, inst, optimizer_pattern, module_scopes[mi].get(inst.name)) if inst is not None
-                    else None)
-    joined_u = np.array([r is not None for r in rows] or [False])
-    blank = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "",
-             "operand_shapes": "", "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0,
-             "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0,
-             "opaque": False, "cost_note": "", "called": (), "retiling": False, "collective": None,
-             "dot_precision": ""}
-    table = pd.DataFrame([r if r is not None else blank for r in rows], columns=_ATTR_COLUMNS)
-    # control ops (while/call/conditional): not counted when their bodies' ops show up as events
-    comps_with_events: set[tuple[int, str]] = set()
-    for u, key in enumerate(uniques):
-        mi, oc = int(key) >> 32, int(key) & 0xFFFFFFFF
-        if rows[u] is not None:
-            comp = models[mi].comp_of.get(op_names[oc])
-            if comp is not None:
-                comps_with_events.add((mi, comp.name))
-    counted_u = np.array([not any((int(uniques[u]) >> 32, c) in comps_with_events for c in table.at[u, "called"])
-                          for u in range(len(uniques))] or [True])
-    # GPU: an op execution may launch several kernels (N:M); helper kernels (fills, copies) may run twice in
-    # one execution and autotuning kernels only once in the run. Estimator: executions of an op = the most
-    # common launch count among its kernel names (ties: the larger). Each kernel row carries executions / rows
-    # of the op's cost, so sums over rows count executions x cost. CPU and TPU events: one per execution.
-    kernel_codes = ev["kernel"].cat.codes.to_numpy() if "kernel" in ev else np.zeros(len(ev), np.int64)
-    counts = pd.DataFrame({"k": keys, "kernel": kernel_codes}).value_counts().rename("n").reset_index()
-    freq = counts.groupby(["k", "n"]).size().rename("names").reset_index()
-    mode = freq.sort_values(["k", "names", "n"], ascending=[True, False, False]).drop_duplicates("k")
-    executions = mode.set_index("k")["n"].reindex(range(len(uniques)), fill_value=1).to_numpy(np.float64)
-    rows_u = np.bincount(keys, minlength=len(uniques)).astype(np.float64)
-    k_u = np.maximum(rows_u / np.maximum(executions, 1.0), 1.0)
-    out = ev.copy()
-    out["measured_s"] = ev["duration_ps"].to_numpy(np.float64) * 1e-12
-    out["joined"] = joined_u[keys] if len(ev) else np.zeros(0, bool)
-    out["kernels_per_execution"] = k_u[keys] if len(ev) else np.zeros(0)
-    out["executions"] = 1.0 / out["kernels_per_execution"] if len(ev) else np.zeros(0)
-    collectives = list(table["collective"])
-    coll_id = np.array([i if c is not None else -1 for i, c in enumerate(collectives)] or [-1], dtype=np.int64)
-    out["collective_id"] = coll_id[keys] if len(ev) else np.zeros(0, np.int64)
-    out.attrs["collectives"] = collectives
-    labels = pd.Categorical([f"{c.kind}/{c.group_size}x{c.num_groups}" if c is not None else ""
-                             for c in collectives] or [""])
-    out["collective_group"] = pd.Categorical.from_codes(labels.codes[keys], categories=labels.categories) \
-        if len(ev) else pd.Categorical([])
-    for col in _ATTR_COLUMNS:
-        if col in ("called", "collective"):
-            continue
-        vals = table[col].to_numpy()
-        if col in ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes"):
-            out[col] = (vals.astype(np.float64) / k_u)[keys] if len(ev) else np.zeros(0)
-        elif col in ("opaque", "retiling"):
-            out[col] = vals.astype(bool)[keys] if len(ev) else np.zeros(0, bool)
-        else:
-            cat = pd.Categorical(vals)
-            out[col] = pd.Categorical.from_codes(cat.codes[keys], categories=cat.categories) if len(ev) \
-                else pd.Categorical([])
-    out["counted"] = counted_u[keys] if len(ev) else np.zeros(0, bool)
-    if "profile_flops" in ev:  # TPU: libtpu's own per-op FLOPs and bytes win where present; ours kept beside
-        out["traceroof_flops"] = out["flops"]
-        out["traceroof_hbm_bytes"] = out["hbm_bytes"]
-        pf, pb = ev["profile_flops"].to_numpy(np.float64), ev["profile_bytes_accessed"].to_numpy(np.float64)
-        out["flops"] = np.where(np.isnan(pf), out["flops"], pf)
-        out["hbm_bytes"] = np.where(np.isnan(pb), out["hbm_bytes"], pb)
-    if "framework_scope" in ev:  # framework ops without HLO: scope and phase from the framework op path
-        scopes = ev["framework_scope"].astype(str)
-        out["scope"] = pd.Categorical(scopes)
-        phases = {sc: phase_of(sc.split("/"), False, optimizer_pattern) for sc in scopes.unique()}
-        out["phase"] = pd.Categorical(scopes.map(phases))
-        out["category"] = pd.Categorical(["framework op"] * len(ev))
-    elif "attributed" in ev and not ev["attributed"].all():
-        un = ~ev["attributed"].to_numpy(bool)
-        for col, label in (("category", "unattributed kernel"), ("scope", "(unattributed kernels)")):
-            out[col] = out[col].cat.add_categories([label]) if label not in out[col].cat.categories else out[col]
-            out.loc[un, col] = label
-    namer = LayerNamer.build(out["scope"].astype(str).value_counts().to_dict() if len(ev) else {},
-                             {k: v for ms in module_scopes.values() for k, v in ms.repeats.items()})
-    for col, name in (("layer", lambda sc: namer.layer(sc, depth, expand)),
-                      ("instance", lambda sc: "" if expand else namer.instance(sc, depth))):
-        cat = pd.Categorical([name(str(sc)) for sc in out["scope"].cat.categories])
-        out[col] = pd.Categorical.from_codes(cat.codes[out["scope"].cat.codes.to_numpy()],
-                                             categories=cat.categories) if len(ev) else pd.Categorical([])
-    joined_mask = out["joined"].to_numpy(bool)
-    report = JoinReport(partial.events_total, int(joined_mask.sum()), partial.time_total_ps,
-                        int(ev["duration_ps"].to_numpy()[joined_mask].sum()), partial.unmatched_modules,
-                        int(sum(1 for u, r in enumerate(rows) if r is None and int(uniques[u]) >> 32 >= 0
-                                and int(uniques[u]) >> 32 < len(modules))),
-                        partial.ambiguous_modules, partial.matched_sources)
-    return out, report
-
-
 def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
     """The target chip and a note saying why it was chosen.
 
@@ -318,7 +163,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
     chip_ici = target  # links stay per chip
     target, core_note = per_device_chip(target)
     chip_note = "; ".join(x for x in (chip_note or (chip_ici.note if core_note else ""), core_note) if x)
-    ops, join = build_op_table(profile, depth, optimizer_pattern, expand)
+    ops, join, timeline = build_op_table(profile, depth, optimizer_pattern, expand)
     framework = "framework_scope" in ops
     unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
                       if not is_known_opcode(i.opcode)})
@@ -370,19 +215,19 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
     estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
-    ops["comm_s"] = comm[np.where(cid >= 0, cid, len(collectives))] / ops["kernels_per_execution"].to_numpy()
+    ops["comm_s"] = comm[np.where(cid >= 0, cid, len(collectives))] * ops["executions"].to_numpy()
     ops["comm_latency_bound"] = _latency_bound(estimates, len(collectives))[np.where(cid >= 0, cid, len(collectives))]
     if any(c is not None for c in collectives) and topo.kind == "host":
         notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "
                      "traffic only")
     ops = apply_roofline(ops, target)
     notes += precision_notes(ops, target)
-    ops = exposed_communication(ops, _async_pairs(profile.modules))
+    ops = exposed_communication(ops, timeline, _async_pairs(profile.modules))
 
     steps = profile.steps
     if steps.empty:
-        first = int(ops["start_ps"].min()) if len(ops) else 0
-        last = int((ops["start_ps"] + ops["duration_ps"]).max()) if len(ops) else 0
+        first = int(timeline.start_ps.min()) if len(timeline) else 0
+        last = int((timeline.start_ps + timeline.duration_ps).max()) if len(timeline) else 0
         ops["step"] = pd.array(np.zeros(len(ops), np.int64), "Int64")
         steps = pd.DataFrame({"host": [""], "step": pd.array([0], "Int64"), "start_ps": [first], "end_ps": [last]})
         notes.append("no steps marked (jax.profiler.StepTraceAnnotation): the whole profile is one step")
@@ -427,10 +272,10 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
         chip_calibrated_at=target.calibrated_at, decoder=profile.decoder,
     )
-    layers = rollup(ops, per, step_mean)
-    skew = arrival_skew(ops)
+    stats = execution_stats(counted, timeline)
+    layers = rollup(ops, per, step_mean, stats)
+    skew = arrival_skew(ops, timeline)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
-    stats = execution_stats(counted)
     return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
                     tuple(_findings(summary, counted, per, target.kind) + outlier_findings(stats)
                           + layout_findings(counted, per)
@@ -471,132 +316,6 @@ def _valid_steps(durations_s: np.ndarray, what: str, notes: list[str]) -> np.nda
                      f"({', '.join(f'{x:.3g} s' for x in bad[:3])}): the profile's times are inconsistent "
                      "(an end before its start, or wrapped timestamps); those steps are left out of the step time")
     return durations_s[ok]
-
-
-OP_ID = ["module", "program_id", "hlo_op"]
-
-
-def _weighted_quantiles(samples: pd.DataFrame, qs: Sequence[float]) -> pd.DataFrame:
-    """Per op (``OP_ID``), the weighted quantiles ``qs`` of ``t_s`` (weights ``w``): the smallest sample whose
-    cumulative weight reaches ``q`` of the op's total (numpy's ``inverted_cdf`` method; for unit weights an
-    actual execution time, the lower middle one for an even count)."""
-    d = samples.sort_values(OP_ID + ["t_s"], kind="stable")
-    g = d.groupby(OP_ID, observed=True, sort=False)
-    cum = g["w"].cumsum()
-    total = g["w"].transform("sum")
-    out = {}
-    for q in qs:
-        reached = d[cum >= q * total - 1e-9 * total]
-        out[q] = reached.groupby(OP_ID, observed=True, sort=False)["t_s"].first()
-    return pd.DataFrame(out)
-
-
-def execution_stats(counted: pd.DataFrame) -> pd.DataFrame:
-    """Robust per-execution statistics of every op (index ``OP_ID``): ``median_s`` and ``p90_s`` (measured time
-    of one execution), ``spread`` = p90 ÷ median (1 = every execution alike; how far the slow tail reaches),
-    ``max_s``, ``samples`` and ``outlier_executions``: executions slower than ``OUTLIER_RATIO`` x the op's median
-    (counted only for ops with at least ``OUTLIER_MIN_EXECUTIONS`` executions, so the median is a fair typical
-    value), e.g. one 16 ms run among 90 µs runs: noise, contention or first-run effects.
-
-    One sample per execution where a row is one execution (CPU, TPU; one per XProf export row, its mean). Ops
-    whose executions launch several kernels (GPU, ``kernels_per_execution`` > 1) are sampled per device and step:
-    the step's time of the op ÷ its executions, weighted by those executions (kernels of one execution cannot
-    be told apart in the trace).
-    """
-    cols = ["median_s", "p90_s", "spread", "max_s", "samples", "outlier_executions"]
-    if counted.empty:
-        return pd.DataFrame(columns=cols, index=pd.MultiIndex.from_tuples([], names=OP_ID))
-    d = counted[OP_ID + ["device", "step", "measured_s", "executions", "kernels_per_execution"]]
-    d = d.assign(program_id=d["program_id"].fillna(-1))
-    single = d["kernels_per_execution"].to_numpy(np.float64) <= 1.0
-    one = d[single]
-    parts = [pd.DataFrame({c: one[c] for c in OP_ID}).assign(
-        t_s=(one["measured_s"] / one["executions"]).to_numpy(np.float64), w=one["executions"].to_numpy(np.float64))]
-    if not single.all():
-        many = d[~single].assign(step=d.loc[~single, "step"].astype("float64").fillna(-1))
-        per_step = many.groupby(OP_ID + ["device", "step"], observed=True, sort=False)[
-            ["measured_s", "executions"]].sum().reset_index()
-        parts.append(pd.DataFrame({c: per_step[c] for c in OP_ID}).assign(
-            t_s=(per_step["measured_s"] / per_step["executions"]).to_numpy(np.float64),
-            w=per_step["executions"].to_numpy(np.float64)))
-    samples = pd.concat(parts, ignore_index=True)
-    for c in ("module", "hlo_op"):
-        samples[c] = samples[c].astype(str)
-    q = _weighted_quantiles(samples, (0.5, 0.9))
-    out = pd.DataFrame({"median_s": q[0.5], "p90_s": q[0.9]})
-    g = samples.groupby(OP_ID, observed=True, sort=False)
-    out["spread"] = out["p90_s"] / out["median_s"].where(out["median_s"] > 0)
-    out["max_s"] = g["t_s"].max()
-    out["samples"] = g["w"].sum()
-    median = out["median_s"].reindex(pd.MultiIndex.from_frame(samples[OP_ID])).to_numpy()
-    far = samples["t_s"].to_numpy() > OUTLIER_RATIO * median
-    outliers = samples.assign(_far=np.where(far, samples["w"], 0.0)).groupby(OP_ID, observed=True, sort=False)[
-        "_far"].sum()
-    out["outlier_executions"] = np.where(out["samples"] >= OUTLIER_MIN_EXECUTIONS,
-                                         np.rint(outliers.reindex(out.index).to_numpy()), 0).astype(np.int64)
-    return out[cols]
-
-
-def top_ops(counted: pd.DataFrame, per: float, n: int, stats: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The ``n`` ops (module, HLO op) losing most time per step, ranked by their *median* lost time per step:
-    ``median_lost_per_step_s`` = (median measured per execution − expected per execution) x executions per step,
-    so a few slow executions (noise, contention, a first run) do not make an op the worst; ``lost_per_step_s``
-    keeps the total (mean) figure that the layer table sums. Per execution: ``median_s``, ``p90_s``, ``spread``
-    (p90 ÷ median) and ``outlier_executions`` (see :func:`execution_stats`, passed as ``stats`` when already
-    computed). With opcode, category, layer, phase, bound and shapes. Ops without an expectation (nothing joined
-    to HLO) are ranked by median time per step."""
-    cols = ["module", "program_id", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step",
-            "time_per_step_s", "expected_per_step_s", "lost_per_step_s", "median_s", "p90_s", "spread",
-            "outlier_executions", "median_lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
-    d = counted[counted["joined"]]
-    if d.empty:  # nothing joined to HLO: rank by measured time instead
-        d = counted
-    if d.empty:
-        return pd.DataFrame(columns=cols)
-    d = d.assign(program_id=d["program_id"].fillna(-1))
-    g = d.groupby(OP_ID, observed=True, sort=False)
-    first = g.first()
-    agg = pd.DataFrame({
-        "executions_per_step": g["executions"].sum() / per,
-        "time_per_step_s": g["measured_s"].sum() / per,
-        "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
-        "lost_per_step_s": g["lost_s"].sum(min_count=1) / per,
-    })
-    agg["efficiency"] = agg["expected_per_step_s"] / agg["time_per_step_s"]
-    for c in ("opcode", "category", "layer", "phase", "bound", "shape", "operand_shapes"):
-        agg[c] = first[c].astype(str)
-    agg = agg.reset_index()
-    agg["module"] = agg["module"].astype(str)
-    agg["hlo_op"] = agg["hlo_op"].astype(str)
-    if stats is None:
-        stats = execution_stats(d)
-    st = stats.reindex(pd.MultiIndex.from_frame(agg[OP_ID]))
-    for c in ("median_s", "p90_s", "spread", "outlier_executions"):
-        agg[c] = st[c].to_numpy()
-    agg["outlier_executions"] = agg["outlier_executions"].fillna(0).astype(np.int64)
-    expected_per_exec = agg["expected_per_step_s"] / agg["executions_per_step"]
-    agg["median_lost_per_step_s"] = (agg["median_s"] - expected_per_exec) * agg["executions_per_step"]
-    agg["_median_time"] = agg["median_s"] * agg["executions_per_step"]
-    agg["program_id"] = agg["program_id"].astype("Int64").where(agg["program_id"] >= 0)
-    agg = agg.sort_values(["median_lost_per_step_s", "_median_time", "hlo_op"], ascending=[False, False, True],
-                          kind="stable", na_position="last")
-    return agg[cols].head(n).reset_index(drop=True)
-
-
-def outlier_findings(stats: pd.DataFrame) -> list[str]:
-    """One line naming the ops with outlier executions (see :func:`execution_stats`), worst excess first: their
-    time is not typical of the op (noise, contention or first-run effects), and the top-ops ranking uses medians."""
-    flagged = stats[stats["outlier_executions"] > 0]
-    if flagged.empty:
-        return []
-    flagged = flagged.assign(_excess=flagged["max_s"] - flagged["median_s"]).sort_values(
-        ["_excess"], ascending=False, kind="stable")
-    names = ", ".join(f"{op} ({int(r.outlier_executions)} of {r.samples:g} runs, up to {r.max_s * 1e3:.3f} ms vs "
-                      f"median {r.median_s * 1e3:.3f} ms)"
-                      for (_, _, op), r in zip(flagged.index[:4], flagged.itertuples(index=False)))
-    more = f" and {len(flagged) - 4} more" if len(flagged) > 4 else ""
-    return [f"{len(flagged)} op(s) have executions more than {OUTLIER_RATIO:g}x their median time: {names}{more}: "
-            "noise, contention or first-run effects, not the op's typical cost (top ops are ranked by median)"]
 
 
 def _findings(s: Summary, counted: pd.DataFrame, per: int, chip_kind: str = "") -> list[str]:
@@ -878,30 +597,3 @@ def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, 
     return out
 
 
-OP_KEY = ["layer", "phase", "scope", "opcode", "category", "dtype", "shape", "operand_shapes", "collective_group"]
-
-
-def op_stats(counted: pd.DataFrame, per: float) -> pd.DataFrame:
-    """Counted op rows aggregated per op identity (``OP_KEY``: scope, phase, opcode, category, dtype, shapes, and
-    for collectives kind and group (``all-gather/4x2``); not the HLO name, which changes between compilations),
-    per step and device: ``executions_per_step``,
-    ``time_per_step_s``, ``expected_per_step_s``, ``flops_per_step``, ``hbm_bytes_per_step``,
-    ``exposed_comm_per_step_s``, and ``hlo_ops`` (the names, for reading)."""
-    cols = OP_KEY + ["executions_per_step", "time_per_step_s", "expected_per_step_s", "flops_per_step",
-                     "hbm_bytes_per_step", "exposed_comm_per_step_s", "hlo_ops"]
-    if counted.empty:
-        return pd.DataFrame(columns=cols)
-    d = counted.assign(**{c: counted[c].astype(str) if c in counted else "" for c in OP_KEY})
-    exposed = d["comm_exposed_s"] if "comm_exposed_s" in d else pd.Series(0.0, index=d.index)
-    d = d.assign(_exposed=exposed.fillna(0.0))
-    g = d.groupby(OP_KEY, sort=True)
-    out = pd.DataFrame({
-        "executions_per_step": g["executions"].sum() / per,
-        "time_per_step_s": g["measured_s"].sum() / per,
-        "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
-        "flops_per_step": g["flops"].sum() / per,
-        "hbm_bytes_per_step": g["hbm_bytes"].sum() / per,
-        "exposed_comm_per_step_s": g["_exposed"].sum() / per,
-        "hlo_ops": g["hlo_op"].agg(lambda x: ",".join(sorted(set(map(str, x)))[:4])),
-    }).reset_index()
-    return out[cols]

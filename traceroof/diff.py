@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import FormatError, InputError
-from traceroof.analysis import OP_KEY, Analysis, analyze
+from traceroof.analysis import Analysis, analyze
+from traceroof.opstats import OP_KEY
 
 NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
 METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",

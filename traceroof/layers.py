@@ -222,7 +222,8 @@ class LayerNamer:
 PHASE_ORDER = {"forward": 0, "remat": 1, "backward": 2, "optimizer": 3, OTHER_PHASE: 4}
 
 
-def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd.DataFrame:
+def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float, stats: pd.DataFrame | None = None
+           ) -> pd.DataFrame:
     """Per (layer, phase) rollup of the op table's counted rows in marked steps; totals are divided by
     ``per_step_divisor`` (steps used x devices) to give per-step, per-device figures.
 
@@ -230,7 +231,8 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd
     mean step time), ``flops_per_step``, ``hbm_bytes_per_step``, ``expected_per_step_s``, ``efficiency``
     (expected ÷ measured over ops with an expectation), ``bound`` (the bound holding most expected time),
     ``lost_per_step_s``, ``exposed_comm_per_step_s`` (collective time no other op covered), ``worst_op`` (see
-    :func:`worst_op`), and for a collapsed repeated block (``h/*``; op-table column ``instance``) ``instances``
+    :func:`worst_op`; ``stats``: :func:`traceroof.opstats.execution_stats` of the rows, for the medians of
+    single executions), and for a collapsed repeated block (``h/*``; op-table column ``instance``) ``instances``
     with the ``instance_min_s`` / ``instance_median_s`` / ``instance_max_s`` time per step across them (NaN and
     1 instance elsewhere). Sorted by time, largest first.
     """
@@ -260,7 +262,7 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd
             "bound": str(by_bound.idxmax()) if len(by_bound) else ("opaque" if g["opaque"].any() else "unknown"),
             "lost_per_step_s": g["lost_s"].sum() * k,
             "exposed_comm_per_step_s": g["comm_exposed_s"].sum() * k if "comm_exposed_s" in g else 0.0,
-            "worst_op": worst_op(g, k),
+            "worst_op": worst_op(g, k, stats),
             "instances": len(spread) or 1,
             "instance_min_s": float(spread.min()) if len(spread) else np.nan,
             "instance_median_s": float(spread.median()) if len(spread) else np.nan,
@@ -272,10 +274,13 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float) -> pd
     return out.drop(columns="_p").reset_index(drop=True)
 
 
-def worst_op(g: pd.DataFrame, k: float) -> str:
+def worst_op(g: pd.DataFrame, k: float, stats: pd.DataFrame | None = None) -> str:
     """The op of ``g`` losing most time per step judged on its MEDIAN execution: (median measured per execution
     − expected per execution) x executions per step (``k`` = 1 / per-step divisor), so one slow outlier run
-    does not make an op the worst. '' when no op has an expectation."""
+    does not make an op the worst. The median of single executions comes from ``stats`` (index module,
+    program id (-1 for none), HLO op; column ``midpoint_median_s``) where given, else the median of the rows'
+    means.
+    '' when no op has an expectation."""
     d = g[g["expected_s"].notna()]
     if d.empty:
         return ""
@@ -283,6 +288,11 @@ def worst_op(g: pd.DataFrame, k: float) -> str:
     execs = np.where(execs > 0, execs, 1.0)
     d = d.assign(_m=d["measured_s"].to_numpy(np.float64) / execs, _e=d["expected_s"].to_numpy(np.float64) / execs,
                  _n=execs)
+    if stats is not None and len(stats):
+        key = pd.MultiIndex.from_arrays([d["module"].astype(str), d["program_id"].to_numpy(dtype="int64", na_value=-1),
+                                         d["hlo_op"].astype(str)])
+        median = stats["midpoint_median_s"].reindex(key).to_numpy()
+        d = d.assign(_m=np.where(np.isnan(median), d["_m"].to_numpy(), median))
     per = d.groupby("hlo_op", observed=True).agg(m=("_m", "median"), e=("_e", "median"), n=("_n", "sum"))
     lost = (per["m"] - per["e"]) * per["n"] * k
     return str(lost.sort_index(kind="stable").idxmax())

@@ -734,8 +734,10 @@ class JoinReport:
     matched_sources: tuple[str, ...] = ()  # files (HloModule.source) of the modules events joined to
 
 
-def match_modules(events: pd.DataFrame, modules: Sequence[HloModule]) -> tuple[np.ndarray, JoinReport]:
-    """Index into ``modules`` for every event (-1 when no module matches) and a partial :class:`JoinReport`.
+def match_modules(events: pd.DataFrame, modules: Sequence[HloModule], weights: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, JoinReport]:
+    """Index into ``modules`` for every event or op row (-1 when no module matches) and a partial
+    :class:`JoinReport` (``weights``: events per row, for op rows; 1 each by default).
 
     An event's module is the one with its program id and name; without a program id, the only module of that
     name (several modules sharing a name and no id to tell them apart: ambiguous, not joined).
@@ -768,6 +770,7 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule]) -> tuple[n
         if idx < 0 and name and name not in ambiguous:
             unmatched.add(f"{name}({p})" if p >= 0 else name)
         chosen[u] = idx
-    report = JoinReport(len(events), 0, int(events["duration_ps"].sum()), 0, tuple(sorted(unmatched)), 0,
+    n_events = int(weights.sum()) if weights is not None else len(events)
+    report = JoinReport(n_events, 0, int(events["duration_ps"].sum()), 0, tuple(sorted(unmatched)), 0,
                         tuple(sorted(ambiguous)), tuple(sorted({modules[i].source for i in chosen if i >= 0})))
     return chosen[codes] if len(events) else np.zeros(0, np.int64), report
