@@ -17,7 +17,7 @@ from traceroof.collectives import (bus_bandwidth, default_topology, expected_tim
                                    parse_topology)
 from traceroof.findings import layout_findings
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
-from traceroof.optable import build_op_table
+from traceroof.optable import build_op_table, per_op
 from traceroof.opstats import execution_stats, op_stats, outlier_findings, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.hlo_source import HloMismatchError
@@ -108,7 +108,7 @@ class Analysis:
         """Per-step figures of every distinct op, keyed by what it is, not what it is called (see
         :func:`op_stats`): the table ``traceroof diff`` matches on."""
         counted = self.ops[self.ops["counted"] & self.ops["step"].notna()]
-        return op_stats(counted, self.per_step_divisor)
+        return op_stats(per_op(counted), self.per_step_divisor)
 
 
 def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
@@ -242,8 +242,11 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
     step_mean = float(durations.mean()) if len(durations) else float("nan")
     step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
     ops["step"] = ops["step"].where(ops["step"].isin(used))
-    counted = ops[ops["counted"] & ops["step"].notna()]
+    counted = ops[ops["counted"] & ops["step"].notna()]  # op rows of the used steps
     n_dev = max(counted["device"].nunique(), 1)
+    stats = execution_stats(counted, timeline)
+    skew = arrival_skew(ops, timeline)
+    counted = per_op(counted)  # from here on per-op sums over devices and steps: a small table
     per = max(len(used), 1) * n_dev  # totals over the used steps and devices -> per step, per device
     flops = float(counted["flops"].sum()) / per
     hbm = float(counted["hbm_bytes"].sum()) / per
@@ -272,9 +275,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
         chip_calibrated_at=target.calibrated_at, decoder=profile.decoder,
     )
-    stats = execution_stats(counted, timeline)
-    layers = rollup(ops, per, step_mean, stats)
-    skew = arrival_skew(ops, timeline)
+    layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
     return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
                     tuple(_findings(summary, counted, per, target.kind) + outlier_findings(stats)

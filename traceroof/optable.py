@@ -31,6 +31,13 @@ TPU_COST_COLUMNS = ("profile_flops", "profile_model_flops", "profile_bytes_acces
 ADDITIVE = ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")
 
 
+class SharedList(list):
+    """A list kept in ``DataFrame.attrs`` that pandas does not deep-copy at every operation (it is read-only)."""
+
+    def __deepcopy__(self, memo: dict) -> SharedList:
+        return self
+
+
 @dataclass(frozen=True, eq=False)
 class Timeline:
     """Level 1: one entry per op event, in the profile's event order. ``row``: index of the event's op row
@@ -188,7 +195,7 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     collectives = list(table["collective"])
     coll_id = np.array([i if c is not None else -1 for i, c in enumerate(collectives)] or [-1], dtype=np.int64)
     out["collective_id"] = coll_id[keys] if len(rows) else np.zeros(0, np.int64)
-    out.attrs["collectives"] = collectives
+    out.attrs["collectives"] = SharedList(collectives)
     out["collective_group"] = _broadcast([f"{c.kind}/{c.group_size}x{c.num_groups}" if c is not None else ""
                                           for c in collectives] or [""], keys)
     for col in _ATTR_COLUMNS:
@@ -202,6 +209,7 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
         else:
             out[col] = _broadcast(vals, keys)
     out["counted"] = counted_u[keys] if len(rows) else np.zeros(0, bool)
+    out["op_key"] = keys.astype(np.int64)  # one per (module, HLO op): what :func:`per_op` groups by
     if "profile_flops" in rows:  # TPU: libtpu's own per-op FLOPs and bytes win where present; ours kept beside
         out["traceroof_flops"] = out["flops"]
         out["traceroof_hbm_bytes"] = out["hbm_bytes"]
@@ -233,3 +241,41 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
                                 < len(modules))),
                         partial.ambiguous_modules, partial.matched_sources)
     return out, report, timeline
+
+
+# per-op constants besides the additive sums and the attribute columns: recomputed or first-taken by per_op
+_RATIOS = ("efficiency",)
+
+
+def per_op(rows: pd.DataFrame) -> pd.DataFrame:
+    """Op rows summed over hosts, devices, kernels and steps: one row per op (``op_key``) and scope. Numeric
+    columns that are sums over events (time, executions, FLOPs, bytes, expected and lost time, communication)
+    are summed (NaN stays NaN: an op without an expectation has none in any row), ``start_ps`` is the first
+    start, ``efficiency`` is recomputed (expected ÷ measured); every other column is the op's own (its first
+    row's). Totals over the result equal totals over ``rows``; use it for per-op and per-layer figures, not for
+    anything per device or per step."""
+    if rows.empty or "op_key" not in rows:
+        return rows
+    key = pd.factorize(rows["op_key"].to_numpy(np.int64) * (len(rows) + 1)
+                       + pd.factorize(rows["scope"])[0].astype(np.int64))[0]
+    n = int(key.max()) + 1
+    order = np.argsort(key, kind="stable")
+    bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
+    out = rows.iloc[order[bounds]].copy()
+    for c in rows.columns:
+        v = rows[c]
+        if c in ("op_key", "step", "program_id") or c in _RATIOS or not pd.api.types.is_numeric_dtype(v) \
+                or pd.api.types.is_bool_dtype(v) or c in ("kernels_per_execution", "peak_flops_per_s",
+                                                          "arithmetic_intensity_flops_per_byte", "collective_id"):
+            continue
+        if c == "start_ps":
+            out[c] = np.minimum.reduceat(v.to_numpy(np.int64)[order], bounds)
+        elif pd.api.types.is_integer_dtype(v):
+            out[c] = np.add.reduceat(v.to_numpy(np.int64)[order], bounds)
+        else:
+            out[c] = np.bincount(key, weights=v.to_numpy(np.float64), minlength=n)[key[order[bounds]]]
+    if "efficiency" in out:
+        m = out["measured_s"].to_numpy(np.float64)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            out["efficiency"] = np.where(m > 0, out["expected_s"].to_numpy(np.float64) / m, np.nan)
+    return out.reset_index(drop=True)

@@ -42,14 +42,17 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     precision = out["dot_precision"].astype(str) if "dot_precision" in out else pd.Series("", index=out.index)
     frame = pd.DataFrame({"category": out["category"].astype(str), "dtype": out["dtype"].astype(str),
                           "precision": precision.to_numpy()})
-    peak_of: dict[tuple[str, str, str], tuple[float, str]] = {}
-    for cat, dtype, prec in frame.drop_duplicates().itertuples(index=False):
+    codes, combos = pd.factorize(pd.MultiIndex.from_frame(frame))  # peaks looked up once per distinct triple
+    peaks, peak_keys = [], []
+    for cat, dtype, prec in combos:
         value, key = chip.peak_for(dtype, vector=cat != "matmul", precision=prec if cat == "matmul" else "")
-        peak_of[(cat, dtype, prec)] = (value if _usable(value) else np.nan, key)
-    keys = list(frame.itertuples(index=False, name=None))
-    peak = np.array([peak_of[k][0] for k in keys], dtype=np.float64) if len(out) else np.zeros(0)
+        peaks.append(value if _usable(value) else np.nan)
+        peak_keys.append(key)
+    peak = np.array(peaks, dtype=np.float64)[codes] if len(out) else np.zeros(0)
     out["peak_flops_per_s"] = peak
-    out["peak_key"] = pd.Categorical([peak_of[k][1] for k in keys])
+    key_cat = pd.Categorical(peak_keys)
+    out["peak_key"] = pd.Categorical.from_codes(key_cat.codes[codes], categories=key_cat.categories) if len(out) \
+        else pd.Categorical([])
     bw = chip.hbm_bandwidth_bytes_per_s if _usable(chip.hbm_bandwidth_bytes_per_s) else np.nan
     work = out["flops"].to_numpy(np.float64) + out["transcendentals"].to_numpy(np.float64)
     compute = np.where(work > 0, work / peak, 0.0)
