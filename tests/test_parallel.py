@@ -1,0 +1,222 @@
+"""traceroof.parallel.map_hosts (in process, local pool, Dask) and traceroof.progress.
+
+The mapped functions are stdlib callables (``operator.call`` over partials) and real traceroof functions that
+raise on bad input, so that worker processes can import them.
+"""
+
+from __future__ import annotations
+
+import io
+import operator
+import os
+import pickle
+import socket
+import sys
+import threading
+import time
+import types
+from functools import partial
+
+import pytest
+from rich.console import Console
+
+import traceroof.parallel as parallel
+import traceroof.progress as progress_module
+from parsers.errors import InputError, TraceroofError
+from parsers.hlo_text import parse_hlo_text
+from traceroof.chips import get_chip
+from traceroof.discovery import discover
+from traceroof.parallel import map_hosts
+from traceroof.progress import progress
+
+BAD_CALLS = [partial(parse_hlo_text, "garbage"), partial(get_chip, "no-such-chip"),
+             partial(discover, ["/nonexistent/x"])]
+
+
+def _in_process_error(call: partial) -> TraceroofError:
+    with pytest.raises(TraceroofError) as caught:
+        call()
+    return caught.value
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
+
+
+def test_pool_keeps_the_order_and_runs_in_other_processes() -> None:
+    results = map_hosts(operator.call, [partial(operator.neg, i) for i in range(5)] + [os.getpid], jobs=2)
+    assert results[:5] == [0, -1, -2, -3, -4] and results[5] != os.getpid()
+
+
+def test_one_job_or_one_item_runs_in_this_process() -> None:
+    assert map_hosts(operator.call, [os.getpid] * 3, jobs=1) == [os.getpid()] * 3
+    assert map_hosts(operator.call, [os.getpid]) == [os.getpid()]
+    assert map_hosts(operator.neg, []) == []
+
+
+def test_the_pool_has_no_more_processes_than_items(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = []
+
+    class Recording(parallel.ProcessPoolExecutor):
+        def __init__(self, max_workers: int, **kwargs: object) -> None:
+            sizes.append(max_workers)
+            super().__init__(max_workers, **kwargs)
+
+    monkeypatch.setattr(parallel, "ProcessPoolExecutor", Recording)
+    assert map_hosts(operator.neg, [1, 2], jobs=8) == [-1, -2]
+    assert sizes == [2]
+
+
+def test_jobs_below_one_is_an_input_error() -> None:
+    with pytest.raises(InputError, match=r"^--jobs 0: must be 1 or more") as caught:
+        map_hosts(operator.neg, [1, 2], jobs=0)
+    assert "\n" not in str(caught.value)
+
+
+def test_every_traceroof_error_class_pickles_with_its_message() -> None:
+    classes = _subclasses(TraceroofError)
+    assert len(classes) >= 5
+    for cls in classes:
+        copy = pickle.loads(pickle.dumps(cls("f.pb: bad at byte 3: do X")))
+        assert type(copy) is cls and str(copy) == "f.pb: bad at byte 3: do X"
+
+
+@pytest.mark.parametrize("call", BAD_CALLS[:2], ids=["HloParseError", "ChipError"])  # pickling: test above
+def test_a_worker_error_keeps_its_class_and_message(call: partial) -> None:
+    expected = _in_process_error(call)
+    with pytest.raises(TraceroofError) as caught:
+        map_hosts(operator.call, [partial(int, "3"), call], jobs=2)
+    assert type(caught.value) is type(expected) and str(caught.value) == str(expected)
+
+
+def test_a_worker_that_dies_is_an_input_error_naming_the_item() -> None:
+    dying = partial(os._exit, 1)
+    with pytest.raises(InputError, match="fewer --jobs") as caught:
+        map_hosts(operator.call, [os.getpid, dying], jobs=2)
+    assert str(dying) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_fork_unless_threads_may_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in parallel._FORK_UNSAFE_MODULES:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    if threading.active_count() == 1:
+        assert parallel.start_method() == ("fork" if sys.platform == "linux" else "spawn")
+    monkeypatch.setitem(sys.modules, "jax", types.ModuleType("jax"))
+    assert parallel.start_method() == "spawn"
+
+
+def test_spawn_when_a_thread_runs() -> None:
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert parallel.start_method() == "spawn"
+        assert map_hosts(operator.neg, [1, 2], jobs=2) == [-1, -2]
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_progress_writes_nothing_when_stderr_is_not_a_terminal(monkeypatch: pytest.MonkeyPatch,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 0.0)
+    assert map_hosts(operator.neg, range(3), jobs=2) == [0, -1, -2]
+    assert map_hosts(operator.neg, range(3), jobs=1) == [0, -1, -2]
+    assert capfd.readouterr() == ("", "")
+
+
+def _fake_terminal(monkeypatch: pytest.MonkeyPatch) -> io.StringIO:
+    screen = io.StringIO()
+    monkeypatch.setattr(progress_module, "_console", lambda: Console(file=screen, force_terminal=True, width=80))
+    return screen
+
+
+def test_progress_draws_on_a_terminal_only_after_the_delay(monkeypatch: pytest.MonkeyPatch) -> None:
+    screen = _fake_terminal(monkeypatch)
+    with progress(3, "hosts") as bar:
+        bar.advance()
+    assert screen.getvalue() == ""  # faster than PROGRESS_DELAY_S: nothing drawn
+    monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 0.0)
+    with progress(2, "stages") as outer, progress(3, "hosts") as inner:  # nested blocks share one display
+        inner.advance()
+        outer.advance()
+    drawn = screen.getvalue()
+    assert "hosts" in drawn and "1/3" in drawn and "stages" in drawn and "1/2" in drawn
+
+
+def test_pool_workers_never_draw(monkeypatch: pytest.MonkeyPatch) -> None:
+    screen = _fake_terminal(monkeypatch)
+    monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 0.0)
+    monkeypatch.setattr(parallel, "_state", None)
+    monkeypatch.setitem(progress_module._shared, "off", False)
+    parallel._init_worker(None)  # what each pool worker runs first
+    with progress(3, "stages") as bar:
+        bar.advance()
+    assert screen.getvalue() == ""
+
+
+# --- Dask -------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dask_address() -> str:
+    distributed = pytest.importorskip("distributed")
+    import dask
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):  # a killed worker fails its task at once
+        cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                           dashboard_address=None)
+    with cluster:
+        yield cluster.scheduler_address
+
+
+def test_dask_map_equals_the_local_map(dask_address: str) -> None:
+    items = list(range(6))
+    assert map_hosts(operator.neg, items, dask_address=dask_address) == map_hosts(operator.neg, items, jobs=1)
+
+
+@pytest.mark.parametrize("call", BAD_CALLS, ids=["HloParseError", "ChipError", "InputError"])
+def test_dask_errors_keep_their_class_and_message(dask_address: str, call: partial) -> None:
+    expected = _in_process_error(call)
+    with pytest.raises(TraceroofError) as caught:
+        map_hosts(operator.call, [partial(int, "3"), call], dask_address=dask_address)
+    assert type(caught.value) is type(expected) and str(caught.value) == str(expected)
+
+
+def test_dask_workers_that_cannot_import_the_function(dask_address: str, tmp_path, monkeypatch) -> None:
+    (tmp_path / "only_on_this_host.py").write_text("def double(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import only_on_this_host
+    with pytest.raises(InputError, match="the Dask workers cannot import only_on_this_host .*install the same traceroof"):
+        map_hosts(only_on_this_host.double, [1, 2], dask_address=dask_address)
+
+
+def test_an_unreachable_scheduler_is_an_input_error_in_bounded_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("distributed")
+    monkeypatch.setattr(parallel, "DASK_CONNECT_TIMEOUT_S", 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    start_s = time.monotonic()
+    with pytest.raises(InputError, match=f"--dask {address}: cannot connect to a Dask scheduler there .*`dask scheduler`"):
+        map_hosts(operator.neg, [1, 2], dask_address=address)
+    assert time.monotonic() - start_s < 5
+
+
+def test_a_malformed_dask_address_is_an_input_error_at_once() -> None:
+    pytest.importorskip("distributed")
+    start_s = time.monotonic()
+    for address in ("no-port", "foo://127.0.0.1:1"):
+        with pytest.raises(InputError, match=f"--dask {address}: cannot connect to a Dask scheduler there"):
+            map_hosts(operator.neg, [1, 2], dask_address=address)
+    assert time.monotonic() - start_s < 1
+
+
+def test_missing_dask_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "distributed", None)
+    with pytest.raises(InputError, match=r"--dask needs the dask extra: pip install 'traceroof\[dask\]'"):
+        map_hosts(operator.neg, [1, 2], dask_address="tcp://127.0.0.1:8786")
+
+
+def test_a_killed_dask_worker_is_an_input_error(dask_address: str) -> None:
+    dying = partial(os._exit, 1)
+    with pytest.raises(InputError, match="a Dask worker died while analyzing .*_exit.*more memory"):
+        map_hosts(operator.call, [dying, os.getpid], dask_address=dask_address)
