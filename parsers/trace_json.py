@@ -16,8 +16,10 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from parsers import storage
 from parsers.errors import FormatError, InputError
 from parsers.inflate import inflate
+from parsers.storage import Location
 
 # Event caps of the XSpace -> trace JSON conversion (GetTraceViewerMaxEvents): a file holding exactly this many
 # complete events was probably truncated.
@@ -70,16 +72,20 @@ class TraceJson:
         return df
 
 
-def load_json(path: Path, redo: str = "export the file again") -> Any:
-    """JSON from a plain or gzip-compressed file (decompression bounded by :mod:`parsers.inflate`).
+def load_json(path: Location, redo: str = "export the file again") -> Any:
+    """JSON from a plain or gzip-compressed file, local or a URL (:mod:`parsers.storage`; decompression bounded
+    by :mod:`parsers.inflate`).
 
     :raises InputError: the file cannot be opened. :raises FormatError: corrupt or truncated gzip, invalid JSON,
         or JSON nested deeper than Python's recursion limit.
     """
-    try:
-        raw: bytes | bytearray = path.read_bytes()
-    except OSError as e:
-        raise InputError(f"cannot open {path}: {e.strerror}") from None
+    if isinstance(path, Path):
+        try:
+            raw: bytes | bytearray = path.read_bytes()
+        except OSError as e:
+            raise InputError(f"cannot open {path}: {e.strerror}") from None
+    else:
+        raw = storage.read_bytes(path)
     if raw[:2] == b"\x1f\x8b":
         raw = inflate(raw, str(path), redo)
     try:
@@ -125,10 +131,12 @@ def read_trace_json(path: str | Path) -> TraceJson:
     """Read a (gzip-compressed or plain) trace JSON file. Complete events with an id, time, name or args of the
     wrong JSON type or an impossible value are dropped and counted in :attr:`TraceJson.notes`.
 
+    ``path`` is local or a URL (``gs://...``, :mod:`parsers.storage`).
+
     :raises InputError: the file cannot be opened.
     :raises FormatError: corrupt gzip, invalid JSON, or JSON without ``traceEvents``.
     """
-    p = Path(path)
+    p = storage.location(path)
     data = load_json(p)
     events = data.get("traceEvents") if isinstance(data, dict) else data if isinstance(data, list) else None
     if not isinstance(events, list):
@@ -163,6 +171,6 @@ def read_trace_json(path: str | Path) -> TraceJson:
     if dropped:
         why = ", ".join(f"{n:,} with {w}" if w != "not a JSON object" else f"{n:,} {w}"
                         for w, n in sorted(dropped.items(), key=lambda x: -x[1]))
-        notes.append(f"{p.name}: {sum(dropped.values()):,} trace events dropped ({why}); the file is partly corrupt "
-                     "- figures exclude them")
+        notes.append(f"{storage.name(p)}: {sum(dropped.values()):,} trace events dropped ({why}); the file is "
+                     "partly corrupt - figures exclude them")
     return TraceJson(str(p), procs, threads, complete, notes)

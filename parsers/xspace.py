@@ -32,9 +32,10 @@ import numpy as np
 import pandas as pd
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from parsers import _wirescan_py
+from parsers import _wirescan_py, storage
 from parsers.errors import FormatError, InputError, SizeLimitError
 from parsers.inflate import inflate
+from parsers.storage import Location
 
 _F = descriptor_pb2.FieldDescriptorProto
 _KIND_INT, _KIND_UINT, _KIND_DOUBLE, _KIND_REF, _KIND_STR, _KIND_BYTES, _KIND_ZSTR = 1, 2, 3, 4, 5, 6, 7
@@ -443,7 +444,16 @@ class XSpace:
         return int(value) if ok else None
 
 
-def _load_bytes(path: Path) -> Any:
+def _load_bytes(path: Location) -> Any:
+    """The file's bytes: memory-mapped (local), read into memory (a URL, bounded by
+    :data:`parsers.storage.READ_LIMIT_BYTES`), or inflated (gzip, bounded by :mod:`parsers.inflate`)."""
+    if isinstance(path, str):
+        data = storage.read_bytes(path)
+        if data[:2] == b"\x1f\x8b":
+            return inflate(data, path, "capture the profile again")
+        if not data:
+            raise FormatError(f"{path}: the file is empty; capture the profile again")
+        return data
     try:
         f = open(path, "rb")
     except OSError as e:
@@ -459,17 +469,19 @@ def _load_bytes(path: Path) -> Any:
 
 
 def read_xspace(path: str | Path, decoder: str | None = None) -> XSpace:
-    """Decode an ``.xplane.pb`` (or gzip-compressed ``.xplane.pb.gz``) file.
+    """Decode an ``.xplane.pb`` (or gzip-compressed ``.xplane.pb.gz``) file: a local path, or a URL
+    (``gs://...``, read whole into memory through :mod:`parsers.storage`).
 
     Plane headers, metadata and stats are parsed by protobuf; line events are left in the (memory-mapped)
     file and decoded on demand by :meth:`Plane.events`, with the wire scanner :func:`scanner` picks for
     ``decoder`` (``"c"``, ``"python"``, or ``None``: ``TRACEROOF_DECODER``, else the C one when built).
 
-    :raises InputError: the file cannot be opened; an unknown or unavailable decoder.
+    :raises InputError: the file cannot be opened (a URL: not found, no access, missing extra); an unknown or
+        unavailable decoder.
     :raises FormatError: the bytes are not a valid XSpace (corrupt, truncated, or text-mangled).
     """
     decoder, scan = scanner(decoder)
-    p = Path(path)
+    p = storage.location(path)
     buf = _load_bytes(p)
     size = len(buf)
 
@@ -531,7 +543,7 @@ def parse_full(path: str | Path) -> Any:
 
     Used by tests to check :meth:`Plane.events` event for event; slow and memory-hungry on large files.
     """
-    data = _load_bytes(Path(path))
+    data = _load_bytes(storage.location(path))
     msg = SCHEMA["XSpace"]()
     msg.ParseFromString(bytes(data))
     return msg

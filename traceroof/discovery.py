@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from parsers import storage
 from parsers.errors import InputError
+from parsers.storage import Location
 from parsers.xprof_export import is_hlo_stats
 from traceroof.hlo_source import hlo_files
 
@@ -18,54 +20,68 @@ RUN_TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json
 
 @dataclass(frozen=True)
 class Inputs:
-    """Files an analysis reads: profile files of one kind (``xplane`` or ``trace_json``) and HLO text files."""
+    """Files an analysis reads: profile files of one kind (``xplane`` or ``trace_json``) and HLO text files.
+    Each is a :class:`Path` (local) or a URL string (object storage, see :mod:`parsers.storage`)."""
 
-    profiles: tuple[Path, ...]
+    profiles: tuple[Location, ...]
     kind: str
-    hlo_files: tuple[Path, ...]
+    hlo_files: tuple[Location, ...]
     description: str
-    hlo_proto_files: tuple[Path, ...] = ()
-    user_hlo_files: tuple[Path, ...] = ()
+    hlo_proto_files: tuple[Location, ...] = ()
+    user_hlo_files: tuple[Location, ...] = ()
 
 
-def _is_xplane(p: Path) -> bool:
-    return p.name.endswith(XPLANE_SUFFIXES)
+def _is_xplane(p: Location) -> bool:
+    return storage.name(p).endswith(XPLANE_SUFFIXES)
 
 
-def _is_trace_json(p: Path) -> bool:
-    return p.name.endswith(TRACE_JSON_SUFFIXES)
+def _is_trace_json(p: Location) -> bool:
+    return storage.name(p).endswith(TRACE_JSON_SUFFIXES)
 
 
-def _run_dirs(root: Path) -> list[Path]:
-    runs = [d for d in (root / "plugins" / "profile").glob("*") if d.is_dir()]
-    return sorted(runs, key=lambda d: d.name)
+def _run_dirs(root: Location) -> list[Location]:
+    return storage.listing(storage.join(root, "plugins", "profile"))[1]
 
 
-def _profiles_in_run(run: Path) -> tuple[list[Path], str]:
-    xplanes = sorted(p for p in run.iterdir() if p.is_file() and _is_xplane(p))
+def _profiles_in_run(files: list[Location]) -> tuple[list[Location], str]:
+    xplanes = [p for p in files if _is_xplane(p)]
     if xplanes:
         return xplanes, "xplane"
-    jsons = sorted(p for p in run.iterdir() if p.is_file() and p.name.endswith(RUN_TRACE_JSON_SUFFIXES))
-    return jsons, "trace_json"
+    return [p for p in files if storage.name(p).endswith(RUN_TRACE_JSON_SUFFIXES)], "trace_json"
+
+
+def _sidecars(profiles: list[Location], folders: list[Location]) -> list[Location]:
+    """``*.hlo_proto.pb`` files beside the profiles and under the folders given."""
+    found = {f for d in dict.fromkeys(storage.parent(p) for p in profiles)
+             for f in storage.listing(d)[0] if storage.name(f).endswith(".hlo_proto.pb")}
+    found |= {f for d in folders for f, _ in storage.walk(d, "*.hlo_proto.pb")}
+    return sorted(found, key=str)
 
 
 def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inputs:
-    """Resolve user paths to the profile and HLO files to read.
+    """Resolve user paths (local, or URLs such as ``gs://bucket/logdir``: :mod:`parsers.storage`) to the profile
+    and HLO files to read.
 
-    :raises InputError: a path does not exist, or holds no profile traceroof can read.
+    :raises InputError: a path does not exist, holds no profile traceroof can read, or cannot be reached (a
+        URL: missing extra, permission, network).
     """
-    profiles: list[Path] = []
+    profiles: list[Location] = []
     kinds: set[str] = set()
-    found_hlo: list[Path] = []
-    described = []
+    found_hlo: list[Location] = []
+    described: list[Location] = []
+    folders: list[Location] = []
     if not paths:
         raise InputError("no input given: pass a .xplane.pb, a run directory or a TensorBoard logdir")
     for raw in paths:
-        p = Path(raw)
-        if not p.exists():
+        p = storage.location(raw)
+        if not storage.exists(p):
             raise InputError(f"{p} does not exist; pass a .xplane.pb, a run directory or a TensorBoard logdir")
-        if p.is_file():
-            if is_hlo_stats(p) and p.name.endswith((".json", ".json.gz", ".csv", ".csv.gz")):
+        if storage.is_file(p):
+            name = storage.name(p)
+            if is_hlo_stats(name) and name.endswith((".json", ".json.gz", ".csv", ".csv.gz")):
+                if storage.is_url(p):
+                    raise InputError(f"{p}: XProf exports are read from local disk only; copy it to a local folder "
+                                     "(with the overview and roofline exports beside it) and pass that path")
                 profiles.append(p)
                 kinds.add("xprof_hlo_stats")
             elif _is_xplane(p):
@@ -76,20 +92,23 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
                 kinds.add("trace_json")
             else:
                 raise InputError(f"{p}: unknown input format; expected .xplane.pb, .trace.json.gz or a directory")
-            described.append(str(p))
+            described.append(p)
             continue
-        found, kind = _profiles_in_run(p)
+        files, subdirs = storage.listing(p)
+        found, kind = _profiles_in_run(files)
         run = p
         if not found:
-            stats = sorted((f for f in p.iterdir() if f.is_file() and is_hlo_stats(f)),
-                           key=lambda f: ("op_profile" in f.name, f.name))  # HLO Op Stats first
+            stats = sorted((f for f in files if is_hlo_stats(storage.name(f))),
+                           key=lambda f: ("op_profile" in storage.name(f), storage.name(f)))  # HLO Op Stats first
+            if stats and storage.is_url(p):
+                raise InputError(f"{p}: XProf exports are read from local disk only; copy the folder to a local "
+                                 "disk and pass that path")
             if stats:
                 found, kind = stats[:1], "xprof_hlo_stats"
         if not found:
-            roots = [p, *sorted(d for d in p.iterdir() if d.is_dir())]
-            runs = [r for root in roots for r in _run_dirs(root)]
-            for r in sorted(runs, key=lambda d: d.name, reverse=True):
-                found, kind = _profiles_in_run(r)
+            runs = [r for root in (p, *subdirs) for r in _run_dirs(root)]
+            for r in sorted(runs, key=storage.name, reverse=True):
+                found, kind = _profiles_in_run(storage.listing(r)[0])
                 if found:
                     run = r
                     break
@@ -98,20 +117,20 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
                              "pass a profile file, a run directory or a logdir")
         profiles += found
         kinds.add(kind)
-        described.append(str(run))
+        described.append(run)
+        folders.append(run)
         found_hlo += hlo_files(p, explicit=False)
+    user_files: list[Location] = []
     for h in hlo:
-        hp = Path(h)
-        if not hp.exists():
+        hp = storage.location(h)
+        if not storage.exists(hp):
             raise InputError(f"--hlo {hp} does not exist; pass HLO text files or an --xla_dump_to folder")
         files = hlo_files(hp)
         if not files:
             raise InputError(f"--hlo {hp}: no HLO text found (XLA's *after_optimizations.txt dumps, or files starting with HloModule); pass an --xla_dump_to folder written with --xla_dump_hlo_as_text")
         found_hlo += files
+        user_files += files
     if len(kinds) > 1:
         raise InputError("mixing .xplane.pb and trace JSON inputs is not supported; pass one kind")
-    user_files = tuple(f for h in hlo for f in hlo_files(Path(h)))
-    sidecars = sorted({f for prof in profiles for f in prof.parent.glob("*.hlo_proto.pb")}
-                      | {f for d in described if Path(d).is_dir() for f in Path(d).rglob("*.hlo_proto.pb")})
     return Inputs(tuple(dict.fromkeys(profiles)), kinds.pop(), tuple(dict.fromkeys(found_hlo)),
-                  ", ".join(described), tuple(sidecars), user_files)
+                  ", ".join(map(str, described)), tuple(_sidecars(profiles, folders)), tuple(user_files))

@@ -19,11 +19,13 @@ from typing import Callable, Sequence
 
 import pandas as pd
 
-from parsers.dump_folder import hlo_text_files
+from parsers import storage
+from parsers.dump_folder import _SNIFF_BYTES, HLO_TEXT_SUFFIXES, dump_file_kind, hlo_text_files
 from parsers.errors import HloParseError, TraceroofError
 from parsers.hlo import HloModule
 from parsers.hlo_proto import module_from_proto, read_hlo_proto_file
-from parsers.hlo_text import parse_hlo_file
+from parsers.hlo_text import parse_hlo_file, parse_hlo_text
+from parsers.storage import Location
 
 _DUMP_NAME = re.compile(r"module_(\d+)\.(.+?)\.")
 
@@ -32,13 +34,47 @@ class HloMismatchError(TraceroofError):
     """The HLO given does not describe the profiled program."""
 
 
-def hlo_files(path: Path, explicit: bool = True) -> list[Path]:
-    """HLO text files under ``path``: XLA's after-optimization dumps; for an explicit ``--hlo`` folder without
-    them, other ``.txt`` / ``.hlo`` files with an ``HloModule`` header. A file is taken as given."""
-    if path.is_file():
+def hlo_files(path: Location, explicit: bool = True) -> list[Location]:
+    """HLO text files under ``path`` (local or a URL): XLA's after-optimization dumps; for an explicit ``--hlo``
+    folder without them, other ``.txt`` / ``.hlo`` files with an ``HloModule`` header. A file is taken as given.
+
+    :raises InputError: a URL that cannot be listed or read (:mod:`parsers.storage`)."""
+    if storage.is_file(path):
         return [path]
-    after, other = hlo_text_files(path)
+    after, other = hlo_text_files(path) if isinstance(path, Path) else _remote_hlo_text_files(path)
     return after if after or not explicit else other
+
+
+def _remote_hlo_text_files(folder: str) -> tuple[list[Location], list[Location]]:
+    """:func:`parsers.dump_folder.hlo_text_files` for a URL folder."""
+    after: list[Location] = []
+    other: list[Location] = []
+    for f, parts in storage.walk(folder):
+        kind = dump_file_kind(Path(parts[-1]))
+        if "plugins" in parts:
+            continue
+        if kind == "hlo_after":
+            after.append(f)
+        elif (kind == "other" and parts[-1].endswith(HLO_TEXT_SUFFIXES)
+              and re.search(rb"(?m)^[ \t]*HloModule\s", storage.read_head(f, _SNIFF_BYTES))):
+            other.append(f)
+    return after, other
+
+
+def _parse_file(f: Location) -> list[HloModule]:
+    """:func:`parsers.hlo_text.parse_hlo_file` of a local file or a URL (program id from a dump name)."""
+    if isinstance(f, Path):
+        return parse_hlo_file(f)
+    modules = parse_hlo_text(storage.read_bytes(f).decode("utf-8", "replace"), source=f)
+    m = re.match(r"module_(\d+)\.", storage.name(f))
+    if m and len(modules) == 1:
+        modules[0].program_id = int(m.group(1))
+    return modules
+
+
+def _read_sidecar(f: Location) -> HloModule:
+    """:func:`parsers.hlo_proto.read_hlo_proto_file` of a local file or a URL."""
+    return read_hlo_proto_file(f) if isinstance(f, Path) else module_from_proto(storage.read_bytes(f), f)
 
 
 def fingerprint(module: HloModule) -> tuple[str, int]:
@@ -71,14 +107,15 @@ def _profiled(events: pd.DataFrame) -> tuple[set[int], set[str]]:
     return ids, names
 
 
-def relevant_dumps(files: Sequence[Path], events: pd.DataFrame) -> list[Path]:
+def relevant_dumps(files: Sequence[Location], events: pd.DataFrame) -> list[Location]:
     """The HLO files that can describe the profiled programs: a dump ``module_NNNN.<name>.*`` is kept when the
     profile ran program NNNN or a module of that name; files not named like dumps are always kept."""
     ids, names = _profiled(events)
-    return [f for f in files if not (m := _DUMP_NAME.match(f.name)) or int(m.group(1)) in ids or m.group(2) in names]
+    return [f for f in files if not (m := _DUMP_NAME.match(storage.name(f))) or int(m.group(1)) in ids
+            or m.group(2) in names]
 
 
-def parse_dumps(files: Sequence[Path], events: pd.DataFrame, notes: list[str], covered: set[int] = frozenset()
+def parse_dumps(files: Sequence[Location], events: pd.DataFrame, notes: list[str], covered: set[int] = frozenset()
                 ) -> list[HloModule]:
     """Parse HLO text files; a file that fails to parse becomes a note, unless it is the only HLO of a profiled
     program (a dump named for a program the profile ran and whose HLO the profile does not carry: ``covered``)
@@ -91,12 +128,12 @@ def parse_dumps(files: Sequence[Path], events: pd.DataFrame, notes: list[str], c
     modules: list[HloModule] = []
     for f in files:
         try:
-            modules += parse_hlo_file(f)
+            modules += _parse_file(f)
         except HloParseError as e:
-            m = _DUMP_NAME.match(f.name)
+            m = _DUMP_NAME.match(storage.name(f))
             if (len(files) == 1 and not covered) or (m and int(m.group(1)) in ids):
                 raise
-            notes.append(f"skipped {f.name}: it looks like HLO but does not parse ({e})")
+            notes.append(f"skipped {storage.name(f)}: it looks like HLO but does not parse ({e})")
     return modules
 
 
@@ -118,7 +155,7 @@ def embedded_hlo(xs) -> list[tuple[int | None, str, bytes, str]]:
 
 
 def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, bytes, str]],
-                sidecars: Sequence[Path], notes: list[str] | None = None) -> list[tuple[HloModule, str]]:
+                sidecars: Sequence[Location], notes: list[str] | None = None) -> list[tuple[HloModule, str]]:
     """Modules decoded from the profile's own HloProtos (embedded, then sidecar files) for the programs the
     events ran, with how each was found (``embedded`` / ``sidecar``). Matched by program id (by name only
     for events without ids). An embedded HloProto that does not decode is skipped with a note in ``notes`` (a
@@ -131,9 +168,9 @@ def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, byte
         (pid, name, "embedded", lambda d=data, src=src, pid=pid: module_from_proto(d, src, pid))
         for pid, name, data, src in embedded]
     for f in sidecars:
-        m = re.fullmatch(r"(.*)\((\d+)\)\.hlo_proto\.pb", f.name)
-        candidates.append((int(m.group(2)) if m else None, m.group(1) if m else f.name, "sidecar",
-                           lambda f=f: read_hlo_proto_file(f)))
+        m = re.fullmatch(r"(.*)\((\d+)\)\.hlo_proto\.pb", storage.name(f))
+        candidates.append((int(m.group(2)) if m else None, m.group(1) if m else storage.name(f), "sidecar",
+                           lambda f=f: _read_sidecar(f)))
     out: list[tuple[HloModule, str]] = []
     seen_ids: set[int] = set()
     seen_names: set[str] = set()
