@@ -97,8 +97,6 @@ def test_cli_analyzes_a_url_like_the_local_path(memfs):
     assert b["summary"] == a["summary"] and b["layers"] == a["layers"]
 
 
-@pytest.mark.xfail(strict=True, reason="traceroof/cli.py _inputs does Path ops (.parent) on URL profiles: -o "
-                                       "with a URL input is an internal error until it skips URLs")
 def test_cli_writes_a_report_of_a_url_to_a_local_file(memfs, tmp_path):
     url = upload(memfs, FIXTURES / "scan_mlp", "fx")
     out = tmp_path / "r.json"

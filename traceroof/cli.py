@@ -65,15 +65,17 @@ def _inputs(paths: Sequence[str], hlo: Sequence[str] = (), chip: str | None = No
     HloProto files found from them, every file of a run directory given as a directory, and a chip file."""
     from traceroof.discovery import discover
 
-    given = [Path(p) for p in (*paths, *hlo, *([chip] if chip else [])) if p]
+    from parsers.storage import is_url
+
+    given = [Path(p) for p in (*paths, *hlo, *([chip] if chip else [])) if p and not is_url(p)]
     files = [p for p in given if p.is_file()]
     try:
         found = discover(paths, hlo)
     except TraceroofError:
         return files  # a saved JSON report (a diff baseline), or bad input that the analysis reports
-    files += [*found.profiles, *found.hlo_files, *found.hlo_proto_files]
+    files += [f for f in (*found.profiles, *found.hlo_files, *found.hlo_proto_files) if isinstance(f, Path)]
     dirs = [p.resolve() for p in given if p.is_dir()]
-    for run in {f.parent for f in found.profiles}:
+    for run in {f.parent for f in found.profiles if isinstance(f, Path)}:
         if any(run.resolve() == d or d in run.resolve().parents for d in dirs):
             files += [f for f in run.iterdir() if f.is_file()]
     return files

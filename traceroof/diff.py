@@ -126,8 +126,8 @@ def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None
     p = Path(path)
     if p.is_file() and p.suffix == ".json" and not p.name.endswith((".trace.json",)) and "hlo_stats" not in p.name:
         return side_from_json(p)
-    return side_from_analysis(analyze(p, hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps),
-                              label or str(p))
+    return side_from_analysis(analyze(path, hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps),
+                              label or str(path))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import pandas as pd
 
 from parsers.errors import InputError
 from parsers.hlo import HloModule
+from parsers import storage
 from parsers.trace_json import read_trace_json
 from parsers.xspace import AGGREGATE_START_PS, DURATION_LIMIT_PS, read_xspace
 from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES, Inputs
@@ -105,7 +106,7 @@ def load_profile(inputs: Inputs) -> Profile:
             tj = read_trace_json(p)
             notes += tj.notes
             if tj.maybe_truncated:
-                notes.append(f"{p.name} holds exactly {len(tj.complete_events):,} events, a trace-viewer cap: "
+                notes.append(f"{storage.name(p)} holds exactly {len(tj.complete_events):,} events, a trace-viewer cap: "
                              "events were probably dropped; analyze the .xplane.pb instead")
             ev, st, ann = _trace_json_events(tj, p, counts)
             frames.append(ev)
