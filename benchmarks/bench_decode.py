@@ -41,7 +41,7 @@ def _child(mode: str, path: str, hlo: str) -> dict:
     t0 = time.perf_counter()
     if mode == "decode":
         from parsers.xspace import read_xspace
-        from traceroof.profile import OP_STATS
+        from traceroof.events import OP_STATS
 
         xs = read_xspace(path)
         kept = 0

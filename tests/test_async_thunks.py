@@ -1,4 +1,4 @@
-"""XLA:CPU async thunk ends (``traceroof.profile._bound_async_ends``): an ``end: <op>`` event is when the thunk's
+"""XLA:CPU async thunk ends (``traceroof.asyncends._bound_async_ends``): an ``end: <op>`` event is when the thunk's
 completion was processed, which can lag the op by milliseconds. A lagging end is built here from the scan_mlp
 fixture by moving one ``end:`` event into the next step, as a loaded machine recorded it (trial run
 b_nnx_cnn_bn/a: a 25 µs convolution ended at an ``end:`` event 2.2 ms later, and one step came out negative)."""

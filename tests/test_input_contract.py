@@ -15,7 +15,8 @@ from parsers.xprof_export import ExportContext, op_profile_rows, read_export_con
 from parsers.xspace import parse_full, read_xspace
 from traceroof.chips import get_chip
 from traceroof.discovery import discover
-from traceroof.profile import load_profile, match_modules
+from traceroof.join import match_modules
+from traceroof.profile import load_profile
 from traceroof.xprof import per_core_chip
 from tests.conftest import fixture_trace_json, fixture_xplane
 

@@ -216,7 +216,7 @@ def test_device_step_spans_are_never_negative_and_follow_every_earlier_step():
 
 
 def test_step_markers_whose_name_is_missing_still_make_steps():  # fuzz: argmax of an empty sequence
-    from traceroof.profile import _steps_from_events
+    from traceroof.events import _steps_from_events
 
     ev = pd.DataFrame({"name": pd.Categorical([None, None, None], categories=[]), "step_num": [0, 1, 2],
                        "start_ps": [0, 10, 20], "duration_ps": [5, 5, 5]})

@@ -22,7 +22,9 @@ from traceroof.opstats import execution_stats, op_stats, outlier_findings, top_o
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.hlo_source import HloMismatchError
 from traceroof.discovery import Inputs, discover
-from traceroof.profile import JoinReport, Profile, load_profile
+from traceroof.join import JoinReport
+from traceroof.profile import Profile, load_profile
+from traceroof.progress import progress
 from traceroof.roofline import apply_roofline, main_matmul_peak, precision_notes
 from traceroof.xprof import export_op_table, per_core_chip
 
@@ -131,7 +133,8 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
 def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence[str | Path] = (), chip: str | Chip | None = None,
             depth: int = 2, warmup_steps: int = 1, top: int = 10,
             optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None,
-            model_flops_per_step: float | None = None, expand: bool = False) -> Analysis:
+            model_flops_per_step: float | None = None, expand: bool = False, jobs: int | None = 1,
+            dask_address: str | None = None) -> Analysis:
     """Analyze a profile: op table, roofline on ``chip``, per-layer rollup, top ops by lost time.
 
     :param paths: ``.xplane.pb`` / trace JSON files, run directories or logdirs (one capture; all hosts).
@@ -148,6 +151,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         device count.
     :param model_flops_per_step: the model's FLOPs of one step over all devices (e.g. 6·N·T) for the MFU;
         default: executed FLOPs without the rematerialised forward.
+    :param jobs: hosts (profile files) read in parallel processes (``None``: the cores this process may use).
+    :param dask_address: read the hosts on this Dask cluster instead (``tcp://host:8786``; extra ``dask``).
     :raises TraceroofError: bad input (see :mod:`parsers.errors`), unknown chip, HLO that does not match.
     """
     if isinstance(paths, (str, Path)):
@@ -157,7 +162,19 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
     inputs = discover(paths, hlo)
     if inputs.kind == "xprof_hlo_stats":
         return _analyze_export(inputs, chip, depth, top, topology, model_flops_per_step)
-    profile = load_profile(inputs)
+    with progress(2, "analysis") as bar:
+        profile = load_profile(inputs, jobs=jobs, dask_address=dask_address)
+        bar.advance()
+        a = _analyze_profile(profile, chip, depth, warmup_steps, top, optimizer_pattern, topology,
+                             model_flops_per_step, expand)
+        bar.advance()
+    return a
+
+
+def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warmup_steps: int, top: int,
+                     optimizer_pattern: str, topology: str | None, model_flops_per_step: float | None,
+                     expand: bool) -> Analysis:
+    """The analysis of a loaded profile (see :func:`analyze` for the parameters)."""
     notes = list(profile.notes)
     target, chip_note = resolve_chip(profile, chip)
     chip_ici = target  # links stay per chip

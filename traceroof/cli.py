@@ -107,6 +107,15 @@ def _write(text: str, output: str | None, inputs: Sequence[Path] = ()) -> None:
         click.echo(text, nl=False)
 
 
+def _parallel_options(f: Callable) -> Callable:
+    """``--jobs`` and ``--dask``: where the hosts of a run directory are read (:func:`traceroof.parallel.map_hosts`)."""
+    f = click.option("--dask", metavar="ADDRESS",
+                     help="Read the hosts on this Dask cluster (tcp://host:8786; needs traceroof[dask] there and "
+                          "paths the workers can read: shared disk or gs:// / s3://).")(f)
+    return click.option("--jobs", "-j", type=click.IntRange(1), default=None,
+                        help="Hosts read in parallel processes  [default: the cores this process may use]")(f)
+
+
 @click.group()
 @click.version_option(package_name="traceroof")
 def main() -> None:
@@ -133,17 +142,18 @@ def main() -> None:
               help="Model FLOPs of one step over all devices (e.g. 6·params·tokens) for the MFU; default: the "
                    "executed FLOPs without the rematerialised forward.")
 @click.option("-o", "--output", help="Write the report to this file instead of stdout.")
+@_parallel_options
 @_guarded
 def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: int, expand: bool,
             warmup_steps: int, top: int, fmt: str, table: str, topology: str | None,
-            model_flops_per_step: float | None, output: str | None) -> None:
+            model_flops_per_step: float | None, output: str | None, jobs: int | None, dask: str | None) -> None:
     """Per-layer roofline report of a profile (.xplane.pb, run directory, logdir or trace JSON)."""
     from traceroof.analysis import analyze as run
     from traceroof.report import render
 
     inputs = _protected(output, (paths, hlo, chip))
     a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology,
-            model_flops_per_step=model_flops_per_step, expand=expand)
+            model_flops_per_step=model_flops_per_step, expand=expand, jobs=jobs, dask_address=dask)
     _write(render(a, fmt, table), output, inputs)
 
 
@@ -161,16 +171,18 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 @click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json", "html")), default="terminal",
               show_default=True)
 @click.option("-o", "--output", help="Write the comparison to this file instead of stdout.")
+@_parallel_options
 @_guarded
 def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], chip: str | None, depth: int,
-         warmup_steps: int, fail_above: float | None, layer: str | None, fmt: str, output: str | None) -> None:
+         warmup_steps: int, fail_above: float | None, layer: str | None, fmt: str, output: str | None,
+         jobs: int | None, dask: str | None) -> None:
     """Compare two profiles (or a saved JSON report and a profile); exit 1 on a regression beyond --fail-above."""
     from traceroof.diff import diff as compare, gate, load_side
     from traceroof.report.diff import render_diff_html, render_diff_json, render_diff_text
 
     inputs = _protected(output, ([base], hlo_base, chip), ([new], hlo_new, None))
-    b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base)
-    n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new)
+    b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base, jobs=jobs, dask_address=dask)
+    n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new, jobs=jobs, dask_address=dask)
     result = compare(b, n)
     failed, why = gate(result, fail_above, layer)
     shown = why if fail_above is not None else ""

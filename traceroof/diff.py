@@ -121,13 +121,15 @@ def side_from_json(path: Path) -> Side:
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
-              warmup_steps: int = 1, label: str = "") -> Side:
-    """Analyze a profile (anything ``analyze`` accepts) or read a saved JSON report."""
+              warmup_steps: int = 1, label: str = "", jobs: int | None = 1, dask_address: str | None = None
+              ) -> Side:
+    """Analyze a profile (anything ``analyze`` accepts; hosts read as :func:`traceroof.parallel.map_hosts` with
+    ``jobs`` / ``dask_address``) or read a saved JSON report."""
     p = Path(path)
     if p.is_file() and p.suffix == ".json" and not p.name.endswith((".trace.json",)) and "hlo_stats" not in p.name:
         return side_from_json(p)
-    return side_from_analysis(analyze(path, hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps),
-                              label or str(path))
+    return side_from_analysis(analyze(path, hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, jobs=jobs,
+                                      dask_address=dask_address), label or str(path))
 
 
 @dataclass(frozen=True)

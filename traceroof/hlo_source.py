@@ -61,10 +61,19 @@ def _remote_hlo_text_files(folder: str) -> tuple[list[Location], list[Location]]
     return after, other
 
 
+_PARSED: dict[tuple[str, int, int], list[HloModule]] = {}  # per process: hosts of one run share their dumps
+
+
 def _parse_file(f: Location) -> list[HloModule]:
-    """:func:`parsers.hlo_text.parse_hlo_file` of a local file or a URL (program id from a dump name)."""
+    """:func:`parsers.hlo_text.parse_hlo_file` of a local file or a URL (program id from a dump name). A local
+    file is parsed once per process while its size and modification time stay the same (a worker reading
+    several hosts of one run parses their shared dumps once)."""
     if isinstance(f, Path):
-        return parse_hlo_file(f)
+        st = f.stat()
+        key = (str(f), st.st_size, st.st_mtime_ns)  # as spelled: modules keep it as their source
+        if key not in _PARSED:
+            _PARSED[key] = parse_hlo_file(f)
+        return list(_PARSED[key])
     modules = parse_hlo_text(storage.read_bytes(f).decode("utf-8", "replace"), source=f)
     m = re.match(r"module_(\d+)\.", storage.name(f))
     if m and len(modules) == 1:

@@ -22,7 +22,8 @@ from traceroof.collectives import classify
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.findings import is_retiling
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
-from traceroof.profile import JoinReport, Profile, match_modules
+from traceroof.join import JoinReport, match_modules
+from traceroof.profile import Profile
 from traceroof.scopes import ModuleScopes, ScopeInfo, assign_scopes
 
 # what makes an op row: events sharing these are executions of one op in one step on one device

@@ -26,7 +26,7 @@ from traceroof.collectives import classify
 from traceroof.cost import CostModel, _sizes
 from traceroof.findings import is_retiling
 from traceroof.layers import layer_of, parse_scope
-from traceroof.profile import as_id
+from traceroof.events import as_id
 
 MAX_OP_TIME_S = DURATION_LIMIT_PS * 1e-12  # 13.3 days: the profile parsers' limit on one event's duration
 

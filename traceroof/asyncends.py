@@ -1,0 +1,196 @@
+"""Asynchronous thunks' real ends: an async op's time runs to its ``end:`` event, cut at the first later work that
+needed its result (see :func:`bound_async_ends`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from parsers.hlo import HloModule
+from traceroof.join import match_modules
+
+
+ASYNC_NOTE_SHARE = 0.05  # async thunk ends adding more than this share of op time are stated in a note
+
+
+ASYNC_CUT_NOTE_SHARE = 0.01  # async thunk ends cut by more than this share of op time get a note of their own
+
+
+NO_BOUND_PS = np.iinfo(np.int64).max
+
+
+def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], notes: list[str]) -> pd.DataFrame:
+    """Stretch async-thunk launches to the ends :func:`_async_thunk_ends` found, bounded by later work that
+    needed the result; drop ``async_end_ps``. Notes state the stretch (over ``ASYNC_NOTE_SHARE`` of op time,
+    with the number of ends cut) and, on their own, ends cut by over ``ASYNC_CUT_NOTE_SHARE`` of op time.
+
+    The ``end:`` event is not the thunk's completion but when the completion callback ran, which can be much
+    later: XLA registers the trace callback on the thunk's event before the executor registers its continuation,
+    and ``tsl::AsyncValue`` runs waiters newest first (``xla/tsl/concurrency/async_value.cc`` ``EnqueueWaiter``
+    / ``RunWaiters``), so the completing thread first runs the continuation (the thunks that became ready, in
+    sequence or by the execution graph, possibly to the end of the execution and PjRt's completion work) and
+    only then emits ``end:``; a descheduled thread delays it further (a profile showed ``end:`` events 1.7 and
+    2.2 ms after a 25 µs weight-gradient convolution, while the next step's convolution reading those weights
+    had already started; in the transformer fixture 166 of 273 such ends lie after an op reading the result had
+    started, by 0.955 ms in all, 0.4% of op time). Two bounds cut the end:
+
+    (a) the first start, in the same execution (host, device, ``run_id``), of an op that uses the result: an
+        instruction reading it in the HLO, looked through instructions with no op events (bitcasts, tuples).
+        The executor launches a thunk only after every thunk it reads from completed (``ExecutionGraph`` edges
+        include all data dependencies), in sequential and concurrent mode alike.
+    (b) the first op start of the next execution of the same program on that device, when the two executions'
+        op events do not otherwise overlap. An assumption, not a fact of XLA: successive executions of a program
+        are successive steps, and a training step reads the state the previous one wrote. It matters only for
+        an op no later op of its execution reads (its result an output of the program).
+
+    A bound by the execution's last other op end is not used: an async thunk may be the execution's last work
+    (its result an output), and then its real end is after every other op's. Without HLO only (b) applies.
+    """
+    if "async_end_ps" not in events:
+        return events
+    implied_col = pd.array(events["async_end_ps"], "Int64")
+    events = events.drop(columns="async_end_ps")
+    start = events["start_ps"].to_numpy(np.int64)
+    end = start + events["duration_ps"].to_numpy(np.int64)
+    grow = ~implied_col.isna()
+    implied = implied_col.to_numpy(np.int64, na_value=0)
+    grow &= implied > end
+    if not grow.any():
+        return events
+    by_user = _first_user_starts(events, modules, grow)
+    by_next = _next_execution_starts(events, grow)
+    new_end = np.where(grow, np.maximum(end, np.minimum(implied, np.minimum(by_user, by_next))), end)
+    cut_user = grow & (by_user < implied) & (by_user <= by_next)
+    cut_next = grow & (by_next < implied) & ~cut_user
+    op_ps = int((end - start).sum())
+    extra_ps = int((new_end - end).sum())
+    cut = cut_user | cut_next
+    removed_ps = int((implied - new_end)[cut].sum())
+    if removed_ps > ASYNC_CUT_NOTE_SHARE * op_ps:
+        notes.append(f"{int(cut.sum()):,} async thunk ends came after later work had started (their `end:` event "
+                     f"is when the completion was processed, not the op's end): their time is cut at the first "
+                     f"start of an op using the result ({int(cut_user.sum()):,}) or of the program's next "
+                     f"execution ({int(cut_next.sum()):,}), {removed_ps / 1e9:,.3f} ms of op time removed")
+    if extra_ps > ASYNC_NOTE_SHARE * op_ps:
+        notes.append(f"{int((new_end > end).sum()):,} op events are launches of asynchronous thunks: their time "
+                     f"runs to the thunk's `end:` event (+{extra_ps / op_ps:.0%} op time"
+                     + (f"; {int(cut.sum()):,} ends cut at later work that needed the result" if cut.any() else "")
+                     + ")")
+    return events.assign(duration_ps=new_end - start)
+
+
+def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow: np.ndarray) -> np.ndarray:
+    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first start after its own of an op event of
+    the same host, device and execution whose instruction uses the event's result (bound (a) of
+    :func:`_bound_async_ends`)."""
+    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    if not modules or "run_id" not in events:
+        return out
+    mod, _ = match_modules(events, modules)
+    run = events["run_id"].to_numpy(dtype="int64", na_value=0)
+    sel = np.flatnonzero(grow & (mod >= 0) & events["run_id"].notna().to_numpy(bool))
+    if not sel.size:
+        return out
+    hlo_op = pd.Categorical(events["hlo_op"])
+    op_code, op_names = hlo_op.codes.astype(np.int64), hlo_op.categories
+    code_of = {n: i for i, n in enumerate(op_names)}
+    host = pd.Categorical(events["host"]).codes.astype(np.int64)
+    device = pd.Categorical(events["device"]).codes.astype(np.int64)
+    start = events["start_ps"].to_numpy(np.int64)
+    users: dict[tuple[int, int], list[int]] = {}
+    for m in np.unique(mod[sel]):
+        evented = {str(op_names[c]) for c in np.unique(op_code[mod == m]) if c >= 0}
+        graph = _users(modules[m])
+        for c in np.unique(op_code[sel[mod[sel] == m]]):
+            users[(int(m), int(c))] = sorted(code_of[u] for u in _evented_users(str(op_names[c]), graph, evented))
+    # queries: (event, a user op of its result); candidates: events of those user ops in the same executions
+    pair_mc = pd.MultiIndex.from_arrays([mod[sel], op_code[sel]])
+    n_users = np.array([len(users[(int(m), int(c))]) for m, c in pair_mc])
+    q_event = np.repeat(sel, n_users)
+    q_user = np.array([u for m, c in pair_mc for u in users[(int(m), int(c))]], np.int64)
+    if not len(q_event):
+        return out
+    wanted = np.unique(q_user)
+    has_run = events["run_id"].notna().to_numpy(bool)
+    cand = np.flatnonzero(np.isin(mod, np.unique(mod[sel])) & np.isin(run, np.unique(run[sel]))
+                          & np.isin(op_code, wanted) & has_run)
+    if not len(cand):
+        return out
+    # one group id per (host, device, module, run, op) over candidates and queries together
+    both = pd.DataFrame({"h": np.concatenate([host[cand], host[q_event]]),
+                         "d": np.concatenate([device[cand], device[q_event]]),
+                         "m": np.concatenate([mod[cand], mod[q_event]]),
+                         "r": np.concatenate([run[cand], run[q_event]]),
+                         "o": np.concatenate([op_code[cand], q_user])})
+    group = pd.MultiIndex.from_frame(both).factorize()[0].astype(np.int64)
+    g_cand, g_query = group[:len(cand)], group[len(cand):]
+    # starts as dense ranks, so (group, start) packs into one sortable int64
+    values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
+    width = len(values) + 1
+    key_cand = g_cand * width + rank[:len(cand)]
+    key_query = g_query * width + rank[len(cand):]
+    order = np.argsort(key_cand, kind="stable")
+    sorted_keys = key_cand[order]
+    j = np.searchsorted(sorted_keys, key_query, side="right")  # first candidate starting after the query
+    found = j < len(sorted_keys)
+    found[found] = sorted_keys[j[found]] // width == g_query[found]
+    bound = np.full(len(q_event), NO_BOUND_PS, np.int64)
+    bound[found] = start[cand[order[j[found]]]]
+    np.minimum.at(out, q_event, bound)
+    return out
+
+
+def _users(module: HloModule) -> dict[str, list[str]]:
+    """Instruction name -> names of the instructions that read it (operands name instructions of the same
+    computation; names are unique in a module)."""
+    graph: dict[str, list[str]] = {}
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            for o in inst.operands:
+                graph.setdefault(o, []).append(inst.name)
+    return graph
+
+
+def _evented_users(name: str, graph: dict[str, list[str]], evented: set[str]) -> set[str]:
+    """The instructions with op events that read ``name``, directly or through instructions without events."""
+    found: set[str] = set()
+    seen = {name}
+    todo = list(graph.get(name, ()))
+    while todo:
+        u = todo.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u in evented:
+            found.add(u)
+        else:
+            todo.extend(graph.get(u, ()))
+    return found
+
+
+def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray:
+    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first op start of the next execution of its
+    program on its host and device, when the two executions' op events do not overlap (bound (b) of
+    :func:`_bound_async_ends`)."""
+    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    if "run_id" not in events:
+        return out
+    has_run = events["run_id"].notna().to_numpy(bool)
+    if not (grow & has_run).any():
+        return out
+    start = events["start_ps"].to_numpy(np.int64)
+    d = pd.DataFrame({"h": events["host"].to_numpy(object), "d": events["device"].to_numpy(object),
+                      "m": events["module"].to_numpy(object),
+                      "p": events["program_id"].to_numpy(dtype="int64", na_value=-1),
+                      "r": events["run_id"].to_numpy(dtype="int64", na_value=0),
+                      "s": start, "e": start + events["duration_ps"].to_numpy(np.int64)})[has_run]
+    key = ["h", "d", "m", "p"]
+    ex = d.groupby([*key, "r"], sort=False).agg(s=("s", "min"), e=("e", "max")).reset_index()
+    ex = ex.sort_values([*key, "s"], kind="stable")
+    nxt = ex.groupby(key, sort=False)["s"].shift(-1, fill_value=NO_BOUND_PS).to_numpy(np.int64)
+    ex["bound"] = np.where(ex["e"].to_numpy(np.int64) <= nxt, nxt, NO_BOUND_PS)
+    g = d[grow[has_run]].reset_index().merge(ex[[*key, "r", "bound"]], on=[*key, "r"], how="left")
+    out[g["index"].to_numpy()] = g["bound"].to_numpy(np.int64)
+    return out

@@ -1,0 +1,395 @@
+"""One host's profile file -> its op events and steps (event level, one row per op execution): the op lines of
+XLA:CPU host threads, GPU streams (kernels tied to launches by correlation id), TPU ``XLA Ops`` lines, framework
+ops, or trace JSON; async thunk ``end:`` events and launch times read alongside (``docs/reference/xplane-format.md``).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from parsers.errors import InputError
+from parsers.xspace import AGGREGATE_START_PS
+from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
+from traceroof.steps import kernel_launch_times, launch_events, launch_times
+
+
+OP_STATS = ("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num")
+
+
+TPU_COST_STATS = ("flops", "model_flops", "bytes_accessed")
+
+
+# host events read besides ops and steps: async thunk ends, PjRt launches and the PjitFunction events around them
+HOST_EVENT_NAMES = r"end: |PjitFunction\(|(?:\w+::)*\w*PjRt\w*Executable::Execute"
+
+
+FRAMEWORK_OP_LINES = ("Framework Ops", "TensorFlow Ops")
+
+
+ID_STATS = {"program_id": 0, "step_num": 0, "device_ordinal": 0, "run_id": -2**63,
+            "correlation_id": -2**63}  # integer stats and the least valid value of each
+
+
+FLOW_STATS = ("_p", "_c")  # uint64 flow ids (may exceed 2^63): compared as float64
+
+
+def _host_of(path: str) -> str:
+    name = Path(path).name
+    for suf in XPLANE_SUFFIXES + TRACE_JSON_SUFFIXES:
+        if name.endswith(suf):
+            return name[: -len(suf)]
+    return name
+
+
+def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]:
+    host = _host_of(xs.path)  # the file name: unique per host in a run directory
+    device_planes = [p for p in xs.planes if p.name.startswith("/device:")]
+    gpu = [p for p in device_planes if re.match(r"/device:GPU:\d+$", p.name)]
+    tpu = [p for p in device_planes if re.match(r"/device:TPU:\d+$", p.name)]
+    cpu = xs.plane("/host:CPU")
+    frames = []
+    fw_steps = None
+    stats: dict[str, object] = {}
+    info: dict[str, int] = {}
+    if tpu and any(line.name == "XLA Ops" and line.event_count for p in tpu for line in p.lines):
+        kind = "tpu"
+        frames, fw_steps = _tpu_ops(tpu, host, xs, info)
+        stats.update(next(p.stats for p in tpu if any(line.name == "XLA Ops" for line in p.lines)))
+        desc = f"{len(frames)} TPU core plane(s) with XLA Ops"
+    elif gpu and any(line.event_count for p in gpu for line in p.lines):
+        kind = "gpu"
+        active = []
+        host_ev = _checked_ids(cpu.events(stats=("correlation_id", "step_num"), require=("correlation_id", "step_num")),
+                               info) if cpu else pd.DataFrame()
+        api = host_ev[host_ev["correlation_id"].notna()] if len(host_ev) else host_ev
+        step_events = host_ev[host_ev["step_num"].notna()] if len(host_ev) else host_ev
+        api_calls = ((api["correlation_id"].to_numpy(dtype="float64", na_value=np.nan), api["start_ps"].to_numpy())
+                     if len(api) else (np.zeros(0), np.zeros(0, np.int64)))
+        for p in gpu:
+            streams = [line for line in p.lines if line.name.startswith("Stream")]
+            if not streams:
+                continue
+            active.append(p)
+            ev = _checked_ids(p.events(stats=(*OP_STATS, "correlation_id"), lines=streams), info)
+            ev = ev[ev["start_ps"] != AGGREGATE_START_PS]
+            ev = ev.assign(launch_ps=kernel_launch_times(
+                ev["correlation_id"].to_numpy(dtype="float64", na_value=np.nan), *api_calls))
+            attributed = ev["hlo_op"].notna().to_numpy()
+            kernel = ev["display_name"].astype(str)
+            ev = ev.assign(device=f"{host}/{p.name}", kernel=kernel.to_numpy(),
+                           hlo_op=np.where(attributed, ev["hlo_op"].astype(object), "(kernel) " + kernel),
+                           hlo_module=np.where(attributed, ev["hlo_module"].astype(object), ""),
+                           attributed=attributed)
+            frames.append(ev)
+        if active:
+            stats.update(active[0].stats)
+        vendors = sorted({str(p.stats.get("device_vendor", "")) for p in active} - {""})
+        desc = (f"{len(active)} active GPU plane(s) of {len(gpu)}"
+                + (f" ({', '.join(vendors)})" if vendors else "") + "; kernels on Stream lines")
+        if not any(f["attributed"].any() for f in frames):
+            fw = _framework_ops(gpu, host)
+            if fw is not None:
+                frames, fw_steps = [fw[0]], fw[1]
+                desc += "; no XLA ops: TensorFlow/framework ops only"
+    else:
+        kind = "cpu"
+        if cpu is None:
+            raise InputError(f"{xs.path}: no /host:CPU or device plane: not a JAX/XLA profile")
+        both = _checked_ids(cpu.events(stats=(*OP_STATS, "run_id", "_p", "_c"), require=("hlo_op", "step_num"),
+                                       names=HOST_EVENT_NAMES), info)
+        step_events = both[both["step_num"].notna()]
+        ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
+        ends = _name_mask(both["name"], r"end: ")
+        ev = _async_thunk_ends(ev, both[ends])
+        launches = launch_events(both[_name_mask(both["name"], HOST_EVENT_NAMES) & ~ends
+                                      & both["hlo_op"].isna().to_numpy()])
+        info["launches"] = len(launches)
+        host_ops = ev.assign(module=ev["hlo_module"])
+        launch, info["executions_matched"] = launch_times(host_ops, launches)
+        ev = ev.assign(launch_ps=launch)
+        del both, host_ops
+        ordinal = ev["device_ordinal"].to_numpy(dtype="int64", na_value=0)
+        uniq, inv = np.unique(ordinal, return_inverse=True)
+        ev = ev.assign(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]))
+        frames.append(ev)
+        meta = xs.plane("/host:metadata")
+        version = meta.stats.get("jax_version", "") if meta else ""
+        desc = f"XLA:CPU host threads{f' (jax {version})' if version else ''}"
+    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    if len(events) and "kernel" not in events:
+        events = events.assign(kernel="", attributed=True)
+    out = pd.DataFrame({
+        "host": pd.Categorical([host] * len(events)),
+        "device": pd.Categorical(events["device"]) if len(events) else pd.Categorical([]),
+        "program_id": events["program_id"].astype("Int64") if len(events) else pd.array([], "Int64"),
+        "module": events["hlo_module"].astype("category") if len(events) else pd.Categorical([]),
+        "hlo_op": events["hlo_op"].astype("category") if len(events) else pd.Categorical([]),
+        "start_ps": events["start_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
+        "duration_ps": events["duration_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
+        "kernel": pd.Categorical(events["kernel"]) if len(events) else pd.Categorical([]),
+        "attributed": events["attributed"].to_numpy(bool) if len(events) else np.zeros(0, bool),
+        "run_id": pd.array(events["run_id"], "Int64") if "run_id" in events else pd.array([pd.NA] * len(events),
+                                                                                           "Int64"),
+        "launch_ps": pd.array(events["launch_ps"].to_numpy(np.float64), "Float64").astype("Int64")
+        if "launch_ps" in events else pd.array([pd.NA] * len(events), "Int64"),
+    })
+    if len(events) and "async_end_ps" in events:
+        out["async_end_ps"] = pd.array(events["async_end_ps"], "Int64")
+    if len(events) and "framework_scope" in events:
+        out["framework_scope"] = pd.Categorical(events["framework_scope"])
+    for st in TPU_COST_STATS:
+        if len(events) and f"profile_{st}" in events:
+            out[f"profile_{st}"] = events[f"profile_{st}"].to_numpy(np.float64)
+    if fw_steps is not None and len(fw_steps):
+        return out, fw_steps.reset_index(drop=True), kind, desc, "Steps", stats, info
+    if kind == "tpu":
+        step_events = _checked_ids(cpu.events(stats=("step_num",), require=("step_num",)), info) if cpu \
+            else pd.DataFrame()
+    steps, ann = _steps_from_events(step_events, host)
+    return out, steps, kind, desc, ann, stats, info
+
+
+def _device_steps(plane, host: str) -> list[pd.DataFrame]:
+    """Steps of a device plane's ``Steps`` line (events named by step number), one row per step."""
+    out = []
+    for line in plane.lines:
+        if line.name == "Steps":
+            st = plane.events(lines=[line])
+            num = pd.to_numeric(st["name"].astype(str), errors="coerce")
+            out.append(pd.DataFrame({"host": host, "device": f"{host}/{plane.name}", "step": pd.array(num, "Int64"),
+                                     "start_ps": st["start_ps"].to_numpy(np.int64),
+                                     "end_ps": (st["start_ps"] + st["duration_ps"]).to_numpy(np.int64)}))
+    return out
+
+
+def _name_mask(names: pd.Series, pattern: str) -> np.ndarray:
+    """Events whose (categorical) name matches ``pattern`` at its start, tested once per distinct name."""
+    cat = pd.Categorical(names)
+    hit = np.array([re.match(pattern, str(c)) is not None for c in cat.categories] + [False])
+    return hit[np.where(cat.codes >= 0, cat.codes, len(cat.categories))]
+
+
+def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> pd.DataFrame:
+    """XLA:CPU async thunks: an op event may be only the launch of a thunk that completes later; its ``end: <op>``
+    event is linked by the flow stats (the op's producer ``_p`` = the end event's consumer ``_c``; xla
+    ``backends/cpu/runtime/thunk_executor.cc`` ``TracedExecute``). Returns the ops with ``async_end_ps``: the end
+    that event implies, less the time the completing thread spent in other op events meanwhile (a completion
+    delayed because that thread ran other ops is scheduling, not this op's work); NA where the event does not
+    end after the op event. Durations are unchanged: :func:`_bound_async_ends` bounds these ends by the HLO."""
+    implied = pd.array([pd.NA] * len(ops), "Int64")
+    if ops.empty or ends.empty or "_p" not in ops or "_c" not in ends:
+        return ops.assign(async_end_ps=implied)
+    e = pd.DataFrame({"c": ends["_c"].to_numpy(dtype="float64", na_value=np.nan),
+                      "end": (ends["start_ps"] + ends["duration_ps"]).to_numpy(np.int64),
+                      "line": ends["line_id"].to_numpy(np.int64)}).dropna().drop_duplicates("c", keep="last")
+    pos = pd.Series(np.arange(len(e)), index=e["c"].to_numpy())
+    k = ops["_p"].to_numpy(dtype="float64", na_value=np.nan)
+    idx = pd.Series(k).map(pos).to_numpy(np.float64, na_value=np.nan)
+    start = ops["start_ps"].to_numpy(np.int64)
+    dur = ops["duration_ps"].to_numpy(np.int64)
+    old_end = start + dur
+    has = ~np.isnan(idx)
+    done = np.zeros(len(ops), np.int64)
+    done[has] = e["end"].to_numpy()[idx[has].astype(np.int64)]
+    grow = has & (done > old_end)
+    if not grow.any():
+        return ops.assign(async_end_ps=implied)
+    extra = (done - old_end).astype(np.float64)
+    end_line = np.full(len(ops), -1, np.int64)
+    end_line[has] = e["line"].to_numpy()[idx[has].astype(np.int64)]
+    lines = ops["line_id"].to_numpy(np.int64)
+    for line in np.unique(end_line[grow]):  # subtract the completing thread's time in other ops
+        on = lines == line
+        order = np.argsort(start[on], kind="stable")
+        s_l, e_l = start[on][order], old_end[on][order]
+        cum = np.concatenate([[0], np.cumsum(e_l - s_l)])
+
+        def busy(t: np.ndarray) -> np.ndarray:
+            j = np.searchsorted(s_l, t, side="right") - 1
+            part = np.where(j >= 0, np.clip(np.minimum(t, e_l[np.maximum(j, 0)]) - s_l[np.maximum(j, 0)], 0, None), 0)
+            return cum[np.maximum(j, 0)] * (j >= 0) + part
+
+        sel = grow & (end_line == line)
+        extra[sel] -= busy(done[sel]) - busy(old_end[sel])
+    extra = np.maximum(extra, 0).astype(np.int64)
+    grow &= extra > 0
+    return ops.assign(async_end_ps=pd.arrays.IntegerArray(old_end + extra, ~grow))
+
+
+def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:
+    """Op events of TPU core planes: the ``XLA Ops`` line (one event per HLO op execution; the event metadata's
+    display name is the instruction, its stats ``program_id`` and libtpu's ``flops`` / ``bytes_accessed``), the
+    module from the enclosing ``XLA Modules`` event (``<module>(<program_id>)``), steps from the ``Steps`` line.
+    Layout after openxla/xprof ``xprof/convert/xplane_to_op_stats.cc`` (docs/reference/xplane-format.md §5-6)."""
+    frames, steps = [], []
+    for p in planes:
+        ops_lines = [line for line in p.lines if line.name == "XLA Ops"]
+        if not ops_lines:
+            continue
+        ev = _checked_ids(p.events(lines=ops_lines, stats=("program_id", *TPU_COST_STATS)), info)
+        ev = ev[ev["start_ps"] != AGGREGATE_START_PS]
+        mods = p.events(lines=[line for line in p.lines if line.name == "XLA Modules"])
+        module = np.full(len(ev), "", dtype=object)
+        pid_na = ev["program_id"].isna().to_numpy().copy()
+        pid = ev["program_id"].to_numpy(dtype="int64", na_value=0).copy()
+        if len(mods):
+            mods = mods.sort_values("start_ps", kind="stable")
+            starts, ends = mods["start_ps"].to_numpy(), (mods["start_ps"] + mods["duration_ps"]).to_numpy()
+            idx = np.searchsorted(starts, ev["start_ps"].to_numpy(), side="right") - 1
+            inside = (idx >= 0) & (ev["start_ps"].to_numpy() < ends[np.maximum(idx, 0)])
+            names = mods["name"].astype(str).to_numpy()
+            for i in np.flatnonzero(inside):
+                m = re.fullmatch(r"(.*)\((\d+)\)", names[idx[i]])
+                module[i] = m.group(1) if m else names[idx[i]]
+                if m and pid_na[i] and int(m.group(2)) < 2**63:
+                    pid[i], pid_na[i] = int(m.group(2)), False
+        frame = pd.DataFrame({
+            "device": f"{host}/{p.name}", "program_id": pd.arrays.IntegerArray(pid, pid_na),
+            "hlo_module": module, "hlo_op": ev["display_name"].astype(str).to_numpy(),
+            "start_ps": ev["start_ps"].to_numpy(), "duration_ps": ev["duration_ps"].to_numpy(), "kernel": "",
+            "attributed": True,
+        })
+        for st in TPU_COST_STATS:
+            frame[f"profile_{st}"] = pd.to_numeric(ev[st].astype(object), errors="coerce").to_numpy(np.float64)
+        frames.append(frame)
+        steps += _device_steps(p, host)
+    st = pd.concat(steps, ignore_index=True).dropna(subset=["step"]) if steps else None
+    return frames, st
+
+
+def _framework_ops(planes: Sequence, host: str) -> tuple[pd.DataFrame, pd.DataFrame] | None:
+    """Framework-op events (``TensorFlow Ops`` / ``Framework Ops`` lines, e.g. a TensorFlow profile without XLA)
+    and the device ``Steps`` line, for a report per framework op and name scope without HLO."""
+    frames, steps = [], []
+    for p in planes:
+        lines = [line for line in p.lines if line.name in FRAMEWORK_OP_LINES]
+        if not lines:
+            continue
+        ev = p.events(lines=lines)
+        names = ev["name"].astype(str)
+        path = names.str.split(":").str[0]
+        frames.append(pd.DataFrame({
+            "device": f"{host}/{p.name}", "program_id": pd.array([pd.NA] * len(ev), "Int64"),
+            "hlo_module": "", "hlo_op": path.to_numpy(), "start_ps": ev["start_ps"].to_numpy(),
+            "duration_ps": ev["duration_ps"].to_numpy(), "kernel": "", "attributed": False,
+            "framework_scope": path.str.replace(r"(^|/)replica_\d+(?=/|$)", "", regex=True).str.lstrip("/")
+            .str.rsplit("/", n=1).str[0].to_numpy(),
+        }))
+        steps += _device_steps(p, host)
+    if not frames:
+        return None
+    st = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame(
+        {"host": pd.Series([], dtype=object), "step": pd.array([], "Int64"), "start_ps": np.zeros(0, np.int64),
+         "end_ps": np.zeros(0, np.int64)})
+    return pd.concat(frames, ignore_index=True), st.dropna(subset=["step"]).reset_index(drop=True)
+
+
+def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
+    empty = pd.DataFrame({"host": pd.Series([], dtype=object), "step": pd.array([], "Int64"),
+                          "start_ps": np.zeros(0, np.int64), "end_ps": np.zeros(0, np.int64)})
+    if ev.empty or "step_num" not in ev:
+        return empty, ""
+    marked = ev[ev["step_num"].notna()]
+    if marked.empty:
+        return empty, ""
+    names = marked["name"].astype(object).where(marked["name"].notna(), "").astype(str)  # a corrupt event: no name
+    name = names.value_counts().idxmax()
+    marked = marked[(names == name).to_numpy(bool)]
+    steps = pd.DataFrame({
+        "host": host,
+        "step": pd.array(pd.to_numeric(marked["step_num"]).astype("int64"), "Int64"),
+        "start_ps": marked["start_ps"].to_numpy(np.int64),
+        "end_ps": (marked["start_ps"] + marked["duration_ps"]).to_numpy(np.int64),
+    }).sort_values("start_ps", kind="stable").reset_index(drop=True)
+    return steps, name
+
+
+def as_id(x: object, lo: int) -> int | None:
+    """An integer in [lo, 2^63) from a stat or args value (int, integral float, or text of one), else None."""
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, str):
+        try:
+            x = int(x)
+        except ValueError:
+            try:
+                x = float(x)
+            except ValueError:
+                return None
+    if isinstance(x, (float, np.floating)):
+        if not np.isfinite(x) or x != np.floor(x):
+            return None
+        x = int(x)
+    if not isinstance(x, (int, np.integer)):
+        return None
+    return int(x) if lo <= int(x) < 2**63 else None
+
+
+def _ids(values: pd.Series, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, int]:
+    """Integer ids (program, run, correlation ids, step numbers, ordinals) as ``Int64``: anything that is not an
+    integer in [lo, 2^63) (text, fractions, NaN, 2^70, or a negative program id) becomes NA. Also returns how
+    many values were present but invalid. Exact for every int64 (no float round trip)."""
+    if isinstance(values.dtype, pd.Int64Dtype):
+        v = values.to_numpy(np.int64, na_value=0)
+        present = values.notna().to_numpy()
+        ok = present & (v >= lo)
+        return pd.arrays.IntegerArray(np.where(ok, v, 0), ~ok), int((present & ~ok).sum())
+    codes, uniq = pd.factorize(values.astype(object), use_na_sentinel=True)
+    conv = [as_id(u, lo) for u in uniq]
+    good = np.array([c is not None for c in conv] + [False])
+    vals = np.array([c if c is not None else 0 for c in conv] + [0], np.int64)
+    idx = np.where(codes >= 0, codes, len(uniq))
+    return pd.arrays.IntegerArray(vals[idx], ~good[idx]), int(((codes >= 0) & ~good[idx]).sum())
+
+
+def _checked_ids(df: pd.DataFrame, counts: dict[str, int]) -> pd.DataFrame:
+    """``df`` with its integer stats (:data:`ID_STATS`) as valid ``Int64`` ids and its flow ids as float64;
+    invalid values (a corrupt stat of the wrong type or range) become NA and are counted in
+    ``counts["bad:<stat>"]``."""
+    cols = {}
+    for name, lo in ID_STATS.items():
+        if name in df:
+            cols[name], bad = _ids(df[name], lo)
+            if bad:
+                counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
+    for name in FLOW_STATS:
+        if name in df and not pd.api.types.is_numeric_dtype(df[name].dtype):
+            raw = df[name].astype(object)
+            cols[name] = pd.to_numeric(raw, errors="coerce").astype(np.float64)
+            bad = int((raw.notna() & cols[name].isna()).sum())
+            if bad:
+                counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
+    return df.assign(**cols) if cols else df
+
+
+def _trace_json_events(tj, path: Path, counts: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    host = _host_of(str(path))
+    ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num", "run_id"))
+    ev = _checked_ids(ev, counts)
+    ops = ev[ev["hlo_op"].notna() & ev["plane"].astype(str).str.startswith(("/host:CPU", "/device:"))]
+    run_id = ops["run_id"].array
+    named = ev[ev["name"].astype(str).str.match(HOST_EVENT_NAMES).to_numpy(bool) & ev["hlo_op"].isna().to_numpy()]
+    launches = launch_events(named.assign(line_id=named["tid"]))
+    launch, _ = launch_times(pd.DataFrame({"module": ops["hlo_module"].astype(str).to_numpy(), "run_id": run_id,
+                                           "start_ps": ops["start_ps"].to_numpy(np.int64)}), launches)
+    ordinal = ops["device_ordinal"].fillna(0).astype("int64")
+    out = pd.DataFrame({
+        "host": pd.Categorical([host] * len(ops)),
+        "device": pd.Categorical(host + "/cpu:" + ordinal.astype(str)),
+        "program_id": ops["program_id"].array,
+        "module": ops["hlo_module"].astype(str).astype("category"),
+        "hlo_op": ops["hlo_op"].astype(str).astype("category"),
+        "start_ps": ops["start_ps"].to_numpy(np.int64),
+        "duration_ps": ops["duration_ps"].to_numpy(np.int64),
+        "kernel": pd.Categorical([""] * len(ops)),
+        "attributed": np.ones(len(ops), bool),
+        "run_id": run_id,
+        "launch_ps": pd.array(launch, "Float64").astype("Int64"),
+    })
+    steps, ann = _steps_from_events(ev[ev["step_num"].notna()], host)
+    return out, steps, ann

@@ -1,0 +1,153 @@
+"""The per-host map of an analysis: one profile file (one host) read, its op events bounded and put in steps,
+with the HLO of the programs it ran (:func:`read_host`). Hosts are independent, so a run directory's files
+are read in parallel processes or on a Dask cluster (:func:`traceroof.parallel.map_hosts`); what travels back
+is a :class:`HostEvents`: the events as a slim table (integer and categorical columns), the steps, the HLO
+modules and the notes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from parsers import storage
+from parsers.hlo import HloModule
+from parsers.storage import Location
+from parsers.trace_json import read_trace_json
+from parsers.xspace import read_xspace
+from traceroof.asyncends import _bound_async_ends
+from traceroof.events import _host_of, _trace_json_events, _xspace_events
+from traceroof.hlo_source import check_dumps, embedded_hlo, parse_dumps, profile_hlo, reconcile, relevant_dumps
+from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps
+
+MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
+# event columns that leave the host: what the op table and the timeline read
+EVENT_COLUMNS = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "run_id", "launch_ps",
+                 "step", "start_ps", "duration_ps", "framework_scope", "profile_flops", "profile_model_flops",
+                 "profile_bytes_accessed")
+
+
+@dataclass(frozen=True)
+class HostTask:
+    """What one worker reads: a profile file (local path or URL) of ``kind`` ``xplane`` or ``trace_json``, and the
+    HLO files (text dumps, HloProto files) that may describe its programs."""
+
+    path: Location
+    kind: str
+    hlo_files: tuple[Location, ...] = ()
+    hlo_proto_files: tuple[Location, ...] = ()
+
+
+@dataclass(eq=False)
+class HostEvents:
+    """One host's op events (``EVENT_COLUMNS`` present, times on the host's own clock), steps, HLO and notes.
+
+    ``start_ns``: the host's ``profile_start_time`` (ns since the epoch) that aligns hosts, ``None`` when
+    unknown. ``read_notes``: the file's own (parser notes); ``event_notes``: async ends and steps;
+    ``hlo_notes``: HLO found, skipped or superseded. ``counts``: events dropped or repaired by kind, summed over
+    hosts for the report's notes. ``modules``: ``(module, how)`` with how ``embedded`` / ``sidecar`` / ``dump``.
+    """
+
+    host: str
+    events: pd.DataFrame
+    steps: pd.DataFrame
+    device_kind: str = "cpu"
+    device_description: str = ""
+    step_annotation: str = ""
+    plane_stats: dict[str, object] = field(default_factory=dict)
+    start_ns: int | None = None
+    decoder: str = ""
+    read_notes: list[str] = field(default_factory=list)
+    event_notes: list[str] = field(default_factory=list)
+    hlo_notes: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    modules: list[tuple[HloModule, str]] = field(default_factory=list)
+    superseded: frozenset[str] = frozenset()
+
+
+def read_host(task: HostTask) -> HostEvents:
+    """Read one host's profile file and HLO; bound async ends and put every event in its step.
+
+    :raises FormatError: the file is corrupt. :raises HloParseError: an HLO file given does not parse.
+    :raises HloMismatchError: a dump is not the program the events ran.
+    """
+    counts: dict[str, int] = {}
+    read_notes: list[str] = []
+    if task.kind == "xplane":
+        xs = read_xspace(task.path)
+        ev, steps, kind, desc, ann, stats, counts = _xspace_events(xs)
+        embedded = embedded_hlo(xs)
+        read_notes += xs.notes
+        start_ns, decoder = xs.profile_start_time_ns, xs.decoder
+        del xs
+    else:
+        tj = read_trace_json(task.path)
+        read_notes += tj.notes
+        if tj.maybe_truncated:
+            read_notes.append(f"{storage.name(task.path)} holds exactly {len(tj.complete_events):,} events, a "
+                              "trace-viewer cap: events were probably dropped; analyze the .xplane.pb instead")
+        ev, steps, ann = _trace_json_events(tj, task.path, counts)
+        kind, desc, stats, embedded, start_ns, decoder = (
+            "cpu", "host CPU (trace JSON: no plane stats, no program ids)", {}, [], None, "")
+        del tj
+    out = HostEvents(_host_of(str(task.path)), ev, steps, kind, desc, ann, stats, start_ns, decoder, read_notes,
+                     counts=counts)
+    if ev.empty:
+        return out
+    long_ops = (ev["duration_ps"] > MAX_OP_EVENT_PS).to_numpy(bool)
+    if long_ops.any():
+        ev = ev[~long_ops].reset_index(drop=True)
+        counts["long_ops"] = counts.get("long_ops", 0) + int(long_ops.sum())
+        if ev.empty:
+            out.events = ev
+            return out
+    extra = profile_hlo(ev, embedded, task.hlo_proto_files, out.hlo_notes)
+    truth = [m for m, _ in extra]
+    texts = parse_dumps(relevant_dumps(task.hlo_files, ev), ev, out.hlo_notes,
+                        covered={m.program_id for m in truth if m.program_id is not None})
+    dumps, out.superseded = reconcile(texts, truth, out.hlo_notes)
+    check_dumps(dumps, ev)
+    ev = _bound_async_ends(ev, truth + dumps, out.event_notes)
+    ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes)
+    out.events = ev[[c for c in EVENT_COLUMNS if c in ev]]
+    out.modules = list(extra) + [(m, "dump") for m in dumps]
+    return out
+
+
+def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: str, notes: list[str]
+                        ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """Put every op event in the step whose launch produced it (:mod:`traceroof.steps`); without step markers,
+    each execution of the dominant program is a step. Steps gain ``device_start_ps`` / ``device_end_ps``."""
+    if not steps.empty and "device" in steps and steps["device"].notna().all():  # TPU / framework Steps lines
+        step = assign_steps(events["start_ps"].to_numpy(np.int64), events["device"], steps, by="device")
+        events = events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0))
+        return events, steps.assign(device_start_ps=steps["start_ps"], device_end_ps=steps["end_ps"]), annotation
+    launch = events["launch_ps"].to_numpy(dtype="float64", na_value=np.nan)
+    known = ~np.isnan(launch)
+    start = events["start_ps"].to_numpy(np.int64)
+    when = np.where(known, np.nan_to_num(launch), start).astype(np.int64)
+    hosts = pd.Categorical(events["host"])
+    if steps.empty:
+        steps, module = dominant_program_steps(events, when)
+        if module:
+            annotation = f"executions of {module}"
+            notes.append(f"no steps marked (jax.profiler.StepTraceAnnotation): each execution of {module}, the "
+                         "program with the most op time, is a step")
+    step = assign_steps(when, hosts, steps)
+    has_run = events["run_id"].notna().to_numpy() if "run_id" in events else np.zeros(len(events), bool)
+    if (has_run & ~known).any():
+        share = events["duration_ps"].to_numpy()[has_run & ~known].sum() / max(events["duration_ps"].sum(), 1)
+        notes.append(f"{share:.1%} of op time could not be tied to its launch (no launch event of its program "
+                     "in the profile): placed in steps by its own start time")
+    outside = (step < 0) & known
+    if outside.any() and annotation and not annotation.startswith("executions of"):
+        runs = events.loc[outside, ["program_id", "run_id"]].drop_duplicates()
+        share = events["duration_ps"].to_numpy()[outside].sum() / max(events["duration_ps"].sum(), 1)
+        notes.append(f"{len(runs)} execution(s) ({share:.1%} of op time) were launched outside the marked steps "
+                     "(work between steps, or a step still open when the trace stopped): left out of per-step "
+                     "figures")
+    steps = device_step_spans(step, hosts, when, start + events["duration_ps"].to_numpy(np.int64), steps)
+    return events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0)), steps, annotation
+
+

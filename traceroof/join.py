@@ -1,0 +1,69 @@
+"""Which HLO module each op event (or op row) ran: by program id and name, or by a unique name without ids; and
+how much of the profile joined (:class:`JoinReport`). Never by op name alone across modules
+(``docs/reference/xplane-format.md`` §7)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from parsers.hlo import HloModule
+
+
+@dataclass(frozen=True)
+class JoinReport:
+    """How much of the profile joined to HLO: events and time, and why the rest did not."""
+
+    events_total: int
+    events_joined: int
+    time_total_ps: int
+    time_joined_ps: int
+    unmatched_modules: tuple[str, ...]
+    unmatched_ops: int
+    ambiguous_modules: tuple[str, ...]
+    matched_sources: tuple[str, ...] = ()  # files (HloModule.source) of the modules events joined to
+
+
+def match_modules(events: pd.DataFrame, modules: Sequence[HloModule], weights: np.ndarray | None = None
+                  ) -> tuple[np.ndarray, JoinReport]:
+    """Index into ``modules`` for every event or op row (-1 when no module matches) and a partial
+    :class:`JoinReport` (``weights``: events per row, for op rows; 1 each by default).
+
+    An event's module is the one with its program id and name; without a program id, the only module of that
+    name (several modules sharing a name and no id to tell them apart: ambiguous, not joined).
+    """
+    by_id: dict[int, int] = {m.program_id: i for i, m in enumerate(modules) if m.program_id is not None}
+    by_name: dict[str, list[int]] = {}
+    for i, m in enumerate(modules):
+        by_name.setdefault(m.name, []).append(i)
+    names = events["module"].astype("category")
+    mcodes = names.cat.codes.to_numpy().astype(np.int64)
+    pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)  # ids are checked: NA or in [0, 2^63)
+    pcodes, pids = pd.factorize(pid)
+    width = max(len(pids), 1)
+    codes, uniques = pd.factorize(mcodes * width + pcodes)  # (module, program id) pairs; no overflow: both < n
+    cats = list(names.cat.categories)
+    chosen = np.full(len(uniques), -1, np.int64)
+    unmatched, ambiguous = set(), set()
+    for u, key in enumerate(uniques):
+        mi, pi = divmod(int(key), width)
+        name = cats[mi] if 0 <= mi < len(cats) else ""
+        p = int(pids[pi])
+        idx = -1
+        if p >= 0 and p in by_id:
+            if modules[by_id[p]].name == name:
+                idx = by_id[p]
+        elif len(by_name.get(name, [])) == 1 and (p < 0 or modules[by_name[name][0]].program_id is None):
+            idx = by_name[name][0]
+        elif len(by_name.get(name, [])) > 1:
+            ambiguous.add(name)
+        if idx < 0 and name and name not in ambiguous:
+            unmatched.add(f"{name}({p})" if p >= 0 else name)
+        chosen[u] = idx
+    n_events = int(weights.sum()) if weights is not None else len(events)
+    report = JoinReport(n_events, 0, int(events["duration_ps"].sum()), 0, tuple(sorted(unmatched)), 0,
+                        tuple(sorted(ambiguous)), tuple(sorted({modules[i].source for i in chosen if i >= 0})))
+    return chosen[codes] if len(events) else np.zeros(0, np.int64), report
