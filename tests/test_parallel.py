@@ -7,24 +7,30 @@ raise on bad input, so that worker processes can import them.
 from __future__ import annotations
 
 import io
+import json
 import operator
 import os
 import pickle
+import shutil
 import socket
 import sys
 import threading
 import time
 import types
 from functools import partial
+from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 from rich.console import Console
 
 import traceroof.parallel as parallel
 import traceroof.progress as progress_module
 from parsers.errors import InputError, TraceroofError
 from parsers.hlo_text import parse_hlo_text
+from tests.conftest import HOST_CHIP, ROOT
 from traceroof.chips import get_chip
+from traceroof.cli import main
 from traceroof.discovery import discover
 from traceroof.parallel import map_hosts
 from traceroof.progress import progress
@@ -220,3 +226,35 @@ def test_a_killed_dask_worker_is_an_input_error(dask_address: str) -> None:
     dying = partial(os._exit, 1)
     with pytest.raises(InputError, match="a Dask worker died while analyzing .*_exit.*more memory"):
         map_hosts(operator.call, [dying, os.getpid], dask_address=dask_address)
+
+
+# --- whole analyses: a run directory of several hosts, read one by one, by a pool and by Dask --------------------
+
+def _pod(tmp_path) -> Path:
+    """A run directory of three hosts (copies of the sharded_mlp fixture's host file, 8 devices each)."""
+    src = next((ROOT / "fixtures" / "sharded_mlp").rglob("*.xplane.pb"))
+    run = tmp_path / "logdir" / "plugins" / "profile" / "2026_01_01_00_00_00"
+    run.mkdir(parents=True)
+    for host in ("host_a", "host_b", "host_c"):
+        shutil.copyfile(src, run / f"{host}.xplane.pb")
+    return tmp_path / "logdir"
+
+
+def _report(logdir: Path, *extra: str) -> str:
+    r = CliRunner().invoke(main, ["analyze", str(logdir), "--hlo", str(ROOT / "fixtures" / "sharded_mlp" / "hlo"),
+                                  "--chip", str(HOST_CHIP), "--format", "json", *extra])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def test_jobs_read_hosts_in_parallel_with_the_same_result(tmp_path) -> None:
+    logdir = _pod(tmp_path)
+    one = _report(logdir, "--jobs", "1")
+    assert _report(logdir, "--jobs", "2") == one and _report(logdir) == one
+    doc = json.loads(one)
+    assert doc["summary"]["devices"] == 24 and doc["summary"]["join"]["events_joined"] > 0
+
+
+def test_dask_run_equals_the_local_run(tmp_path, dask_address: str) -> None:
+    logdir = _pod(tmp_path)
+    assert _report(logdir, "--dask", dask_address) == _report(logdir, "--jobs", "1")
