@@ -263,7 +263,7 @@ def test_library_collective_custom_calls_are_classified_without_a_made_up_cost()
 def test_findings_name_the_straggler_and_the_exposed_collective():
     from types import SimpleNamespace
 
-    from traceroof.analysis import communication_findings
+    from traceroof.communication import communication_findings
 
     rows = []
     for step in range(2):
@@ -282,7 +282,7 @@ def test_collectives_on_virtual_cpu_devices_get_no_interconnect_advice():
     comm = [f for f in a.findings if "all-reduce" in f or "all-gather" in f]
     assert comm and all("virtual CPU devices" in f and "arrival skew" in f for f in comm), comm
     assert not any("reduce-scatter + all-gather" in f or "prefetch" in f for f in a.findings)
-    from traceroof.analysis import communication_findings
+    from traceroof.communication import communication_findings
 
     real = communication_findings(a.collectives, a.collectives.iloc[:0], a.summary, 4, virtual_devices=False)
     assert any("split it into reduce-scatter + all-gather" in f for f in real), real

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 import traceroof
-from traceroof.analysis import _step_durations, utilization_notes
+from traceroof.utilization import _step_durations, utilization_notes
 from traceroof.chips import Figure, load_chip_file
 from traceroof.roofline import apply_roofline, main_matmul_peak
 

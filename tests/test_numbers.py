@@ -16,7 +16,7 @@ import pytest
 from parsers.hlo_text import parse_hlo_text
 from parsers.xspace import SCHEMA
 from traceroof import analyze
-from traceroof.analysis import flop_utilization
+from traceroof.utilization import flop_utilization
 from traceroof.chips import get_chip
 from traceroof.collectives import classify, expected_time, parse_topology
 from traceroof.cost import CostModel, dot_precision

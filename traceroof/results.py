@@ -1,0 +1,87 @@
+"""What an analysis returns: the report header (:class:`Summary`) and every table (:class:`Analysis`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from traceroof.join import JoinReport
+from traceroof.optable import per_op
+from traceroof.opstats import op_stats
+
+
+FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
+                   "executed work incl. rematerialisation, while bodies x trip count)")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Report header: input, device, chip, steps, and whole-step figures (per device, per step).
+
+    ``flops_per_step`` are executed FLOPs (rematerialised forward included); ``model_flops_per_step`` the
+    model's FLOPs (without the recomputation, or the user's ``--model-flops-per-step`` / devices; the source in
+    ``model_flops_source``). ``mfu`` = model FLOPs ÷ step time ÷ peak, ``hfu`` = executed FLOPs ÷ step time ÷
+    peak (How to Scale Your Model §4.3.2: remat adds ~one forward; hardware-and-rooflines.md §1), both against
+    the ``mfu_peak_key`` peak.
+    """
+
+    input: str
+    device: str
+    chip_id: str
+    chip_name: str
+    chip_note: str
+    peak_flops_per_s: dict[str, float]
+    hbm_bandwidth_bytes_per_s: float | None
+    step_annotation: str
+    steps_total: int
+    steps_used: tuple[int, ...]
+    warmup_steps: int
+    step_time_mean_s: float
+    step_time_std_s: float
+    flops_per_step: float
+    hbm_bytes_per_step: float
+    expected_per_step_s: float
+    op_time_per_step_s: float
+    mfu: float
+    mfu_peak_key: str
+    roofline_efficiency: float
+    devices: int
+    join: JoinReport
+    exposed_comm_per_step_s: float = 0.0
+    step_times_s: tuple[float, ...] = ()
+    hlo_sources: dict[str, int] = field(default_factory=dict)
+    flop_convention: str = FLOP_CONVENTION
+    notes: tuple[str, ...] = ()
+    host_step_time_mean_s: float = float("nan")  # the step annotations' own mean (host time), for comparison
+    model_flops_per_step: float = float("nan")
+    model_flops_source: str = ""
+    hfu: float = float("nan")
+    chip_calibrated_at: str = ""  # when a calibrated host chip was measured (UTC, from its chip file)
+    decoder: str = ""  # wire scanner that read the .xplane.pb files: "c" or "python" (Profile.decoder); "" otherwise
+
+
+@dataclass(frozen=True, eq=False)
+class Analysis:
+    """Everything a report shows. ``ops`` is the op table (one row per op execution); ``layers`` the
+    per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps;
+    ``collectives`` one row per collective op (see :func:`collectives_table`); ``topology`` the topology used;
+    ``per_step_divisor`` turns op-table totals into per-step, per-device figures."""
+
+    summary: Summary
+    ops: pd.DataFrame
+    layers: pd.DataFrame
+    top_ops: pd.DataFrame
+    steps: pd.DataFrame
+    depth: int = 2
+    findings: tuple[str, ...] = field(default_factory=tuple)
+    collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
+    topology: str = ""
+    per_step_divisor: float = 1.0  # op-table totals / this = per step, per device (steps used x devices)
+
+    @property
+    def op_stats(self) -> pd.DataFrame:
+        """Per-step figures of every distinct op, keyed by what it is, not what it is called (see
+        :func:`op_stats`): the table ``traceroof diff`` matches on."""
+        counted = self.ops[self.ops["counted"] & self.ops["step"].notna()]
+        return op_stats(per_op(counted), self.per_step_divisor)

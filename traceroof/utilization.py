@@ -1,0 +1,105 @@
+"""Whole-step figures: step times (device vs host annotation), MFU and HFU, and notes on figures that cannot be right."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+
+STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
+FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
+
+
+def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) -> tuple[np.ndarray, float]:
+    """Per-step times (s) of the used steps: the device time (first launch -> last op end, see
+    :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
+    annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
+    than ``STEP_TIME_DISAGREEMENT``, and which side waits."""
+    host = _valid_steps((sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12, "step annotations",
+                        notes)
+    host_mean = float(host.mean()) if len(host) else float("nan")
+    if not len(sel) or "device_end_ps" not in sel or sel["device_end_ps"].isna().any():
+        return host, host_mean
+    device = _valid_steps((sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12,
+                          "device steps (first launch -> last op end)", notes)
+    if not len(device):
+        return host, host_mean
+    dev_mean = float(device.mean())
+    if marked and abs(dev_mean - host_mean) > STEP_TIME_DISAGREEMENT * max(dev_mean, 1e-30):
+        why = ("asynchronous dispatch: the host runs ahead of the device" if dev_mean > host_mean else
+               "the host spends longer per step than the device: Python, dispatch or input work")
+        notes.append(f"device step time (first launch -> last op end) {dev_mean * 1e3:.3f} ms differs from the "
+                     f"step annotations' {host_mean * 1e3:.3f} ms ({why}); per-step figures use the device time")
+    return device, host_mean
+
+
+def _valid_steps(durations_s: np.ndarray, what: str, notes: list[str]) -> np.ndarray:
+    """The step durations (s) that are positive and finite; the others (an end before its start, times that
+    wrapped or overflowed) are dropped with a note saying how many."""
+    ok = np.isfinite(durations_s) & (durations_s > 0)
+    if not ok.all():
+        bad = durations_s[~ok]
+        notes.append(f"{len(bad)} of {len(durations_s)} {what} have a duration that is not a positive time "
+                     f"({', '.join(f'{x:.3g} s' for x in bad[:3])}): the profile's times are inconsistent "
+                     "(an end before its start, or wrapped timestamps); those steps are left out of the step time")
+    return durations_s[ok]
+
+
+def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: float | None, program_devices: int,
+                     model_flops_per_step: float | None = None) -> tuple[float, str, float, float]:
+    """(model FLOPs per step per device, where they came from, MFU, HFU).
+
+    Model FLOPs: the user's whole-program count per step (e.g. 6·N·T) ÷ ``program_devices``, else the executed
+    FLOPs of ``counted`` rows without the rematerialised forward (phase ``remat``, or XProf's remat flag) and
+    without random-bit generation (:func:`_random_bits`).
+    MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
+    §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
+    """
+    executed = float(counted["flops"].sum()) / per if per else float("nan")
+    if model_flops_per_step is not None:
+        model = float(model_flops_per_step) / max(program_devices, 1)
+        source = (f"given: {float(model_flops_per_step):.4g} FLOP per step over {program_devices} device(s) "
+                  "(--model-flops-per-step)")
+    else:
+        remat = counted["phase"].astype(str).to_numpy() == "remat"
+        if "remat" in counted:
+            remat |= counted["remat"].fillna(False).to_numpy(bool)
+        rng = _random_bits(counted) & ~remat
+        model = float(counted.loc[~remat & ~rng, "flops"].sum()) / per if per else float("nan")
+        recomputed = float(counted.loc[remat, "flops"].sum()) / per if per else 0.0
+        source = f"counted: executed FLOPs less {recomputed:.4g} FLOP of rematerialised forward"
+        if rng.any():
+            random = float(counted.loc[rng, "flops"].sum()) / per if per else 0.0
+            source += f" and {random:.4g} FLOP of random-bit generation (unsigned-integer ops)"
+    if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
+        return model, source, float("nan"), float("nan")
+    return model, source, model / step_s / peak, executed / step_s / peak
+
+
+def _random_bits(counted: pd.DataFrame) -> np.ndarray:
+    """Rows that generate random bits (jax.random's threefry hash: unsigned-integer adds, shifts, xors): ops whose
+    result is an unsigned integer, and RNG work outside any layer (phase ``other``). They are executed work (HFU)
+    but not model FLOPs (the 6·N·T of How to Scale Your Model §4 counts the matmuls' multiply-adds): dropout's
+    bits can be a third of a small transformer's counted FLOPs."""
+    rng = counted["phase"].astype(str).to_numpy() == "other"
+    if "dtype" in counted:
+        rng |= counted["dtype"].astype(str).str.fullmatch(r"u\d+").fillna(False).to_numpy(bool)
+    return rng
+
+
+def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,
+                      roofline_efficiency: float = float("nan")) -> list[str]:
+    """Notes on whole-step figures that cannot be right, shown as computed: MFU or HFU outside [0, 1] (more FLOPs
+    per second than the peak is impossible: the FLOP count, the step time or the chip's peak is wrong), and a
+    roofline efficiency above ``FASTER_THAN_ROOF_RATIO`` (the roofline expects far longer than the step took)."""
+    out = []
+    odd = [f"{name} {v:.3g}" for name, v in (("MFU", mfu), ("HFU", hfu)) if not np.isnan(v) and not 0 <= v <= 1]
+    if odd:
+        out.append(f"{' and '.join(odd)} outside 0-100 % of the {peak_key} peak ({peak or float('nan'):.3g} "
+                   "FLOP/s): impossible, so the FLOP count, the step time or the chip's peak is wrong; check "
+                   "--model-flops-per-step, the chip file and the profile's times")
+    if roofline_efficiency > FASTER_THAN_ROOF_RATIO:
+        out.append(f"roofline efficiency {roofline_efficiency:.3g}: the roofline expects more than "
+                   f"{FASTER_THAN_ROOF_RATIO:g}x the measured step time, so the chip's figures understate it or "
+                   "the op counts overstate the work (ops counted twice, a step time that is too short)")
+    return out
