@@ -243,67 +243,101 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float, stats
     if d.empty or per_step_divisor <= 0:
         return pd.DataFrame(columns=cols)
     k = 1.0 / per_step_divisor
-    rows = []
-    for (layer, phase), g in d.groupby(["layer", "phase"], observed=True, sort=False):
-        has_exp = g["expected_s"].notna()
-        measured = g["measured_s"].sum() * k
-        exp_sum = g.loc[has_exp, "expected_s"].sum() * k
-        meas_exp = g.loc[has_exp, "measured_s"].sum() * k
-        by_bound = g[has_exp].groupby("bound", observed=True)["expected_s"].sum()
-        spread = _instance_spread(g, k)
-        rows.append({
-            "layer": layer, "phase": phase, "ops": g["hlo_op"].nunique(),
-            "time_per_step_s": measured,
-            "share_of_step": measured / step_time_s if step_time_s > 0 else np.nan,
-            "flops_per_step": g["flops"].sum() * k,
-            "hbm_bytes_per_step": g["hbm_bytes"].sum() * k,
-            "expected_per_step_s": exp_sum,
-            "efficiency": exp_sum / meas_exp if meas_exp > 0 else np.nan,
-            "bound": str(by_bound.idxmax()) if len(by_bound) else ("opaque" if g["opaque"].any() else "unknown"),
-            "lost_per_step_s": g["lost_s"].sum() * k,
-            "exposed_comm_per_step_s": g["comm_exposed_s"].sum() * k if "comm_exposed_s" in g else 0.0,
-            "worst_op": worst_op(g, k, stats),
-            "instances": len(spread) or 1,
-            "instance_min_s": float(spread.min()) if len(spread) else np.nan,
-            "instance_median_s": float(spread.median()) if len(spread) else np.nan,
-            "instance_max_s": float(spread.max()) if len(spread) else np.nan,
-        })
-    out = pd.DataFrame(rows, columns=cols)
+    lp = ["layer", "phase"]
+    key = pd.DataFrame({"layer": d["layer"].astype(str).to_numpy(), "phase": d["phase"].astype(str).to_numpy()},
+                       index=d.index)
+    has_exp = d["expected_s"].notna().to_numpy()
+    cols_in = pd.DataFrame({
+        "measured": d["measured_s"].to_numpy(np.float64),
+        "exp": np.where(has_exp, d["expected_s"].to_numpy(np.float64), 0.0),
+        "meas_exp": np.where(has_exp, d["measured_s"].to_numpy(np.float64), 0.0),
+        "flops": d["flops"].to_numpy(np.float64), "hbm": d["hbm_bytes"].to_numpy(np.float64),
+        "lost": np.nan_to_num(d["lost_s"].to_numpy(np.float64)),
+        "exposed": np.nan_to_num(d["comm_exposed_s"].to_numpy(np.float64)) if "comm_exposed_s" in d else 0.0,
+        "opaque": d["opaque"].to_numpy(bool)}, index=d.index)
+    g = pd.concat([key, cols_in], axis=1).groupby(lp, sort=False)
+    out = g[["measured", "exp", "meas_exp", "flops", "hbm", "lost", "exposed"]].sum() * k
+    out["opaque"] = g["opaque"].any()
+    out["ops"] = d.groupby([key["layer"], key["phase"]], sort=False)["hlo_op"].nunique()
+    # bound: the one holding most expected time (ties: the first in the bound column's order)
+    e = d[has_exp]
+    if len(e):
+        bounds = pd.Categorical(e["bound"])
+        by_bound = pd.DataFrame({"layer": key.loc[e.index, "layer"], "phase": key.loc[e.index, "phase"],
+                                 "b": bounds.codes, "x": e["expected_s"].to_numpy(np.float64)}).groupby(
+            [*lp, "b"], sort=True)["x"].sum().reset_index()
+        best = by_bound.sort_values([*lp, "x", "b"], ascending=[True, True, False, True], kind="stable") \
+            .drop_duplicates(lp).set_index(lp)["b"]
+        out["bound"] = pd.Series(np.asarray(bounds.categories)[best.to_numpy()], index=best.index)
+    else:
+        out["bound"] = np.nan
+    out["bound"] = out["bound"].where(out["bound"].notna(), np.where(out["opaque"], "opaque", "unknown"))
+    out["worst_op"] = _worst_ops(d, key, k, stats).reindex(out.index).fillna("")
+    spread = _instance_spreads(d, key, k)
+    out = out.join(spread)
+    out["instances"] = out["instances"].fillna(1).astype(np.int64)
+    out = out.reset_index()
+    out = pd.DataFrame({
+        "layer": out["layer"], "phase": out["phase"], "ops": out["ops"], "time_per_step_s": out["measured"],
+        "share_of_step": out["measured"] / step_time_s if step_time_s > 0 else np.nan,
+        "flops_per_step": out["flops"], "hbm_bytes_per_step": out["hbm"], "expected_per_step_s": out["exp"],
+        "efficiency": np.where(out["meas_exp"] > 0, out["exp"] / out["meas_exp"].where(out["meas_exp"] > 0), np.nan),
+        "bound": out["bound"].astype(str), "lost_per_step_s": out["lost"], "exposed_comm_per_step_s": out["exposed"],
+        "worst_op": out["worst_op"], "instances": out["instances"], "instance_min_s": out["instance_min_s"],
+        "instance_median_s": out["instance_median_s"], "instance_max_s": out["instance_max_s"]}, columns=cols)
     out["_p"] = out["phase"].map(PHASE_ORDER).fillna(9)
     out = out.sort_values(["time_per_step_s", "layer", "_p"], ascending=[False, True, True], kind="stable")
     return out.drop(columns="_p").reset_index(drop=True)
 
 
-def worst_op(g: pd.DataFrame, k: float, stats: pd.DataFrame | None = None) -> str:
-    """The op of ``g`` losing most time per step judged on its MEDIAN execution: (median measured per execution
-    − expected per execution) x executions per step (``k`` = 1 / per-step divisor), so one slow outlier run
-    does not make an op the worst. The median of single executions comes from ``stats`` (index module,
-    program id (-1 for none), HLO op; column ``midpoint_median_s``) where given, else the median of the rows'
-    means.
-    '' when no op has an expectation."""
-    d = g[g["expected_s"].notna()]
-    if d.empty:
-        return ""
-    execs = d["executions"].to_numpy(np.float64) if "executions" in d else np.ones(len(d))
+def _worst_ops(d: pd.DataFrame, key: pd.DataFrame, k: float, stats: pd.DataFrame | None) -> pd.Series:
+    """Per (layer, phase) of the rows ``d`` (``key``: their layer and phase as text): the op losing most time per
+    step judged on its MEDIAN execution: (median measured per execution − expected per execution) x executions
+    per step (``k`` = 1 / per-step divisor), so one slow outlier run does not make an op the worst. The median of
+    single executions comes from ``stats`` (index module, program id (-1 for none), HLO op; column
+    ``midpoint_median_s``) where given, else the median of the rows' means. Ops without an expectation are not
+    candidates; ties go to the first op name in order."""
+    e = d[d["expected_s"].notna()]
+    if e.empty:
+        return pd.Series(dtype=object)
+    execs = e["executions"].to_numpy(np.float64) if "executions" in e else np.ones(len(e))
     execs = np.where(execs > 0, execs, 1.0)
-    d = d.assign(_m=d["measured_s"].to_numpy(np.float64) / execs, _e=d["expected_s"].to_numpy(np.float64) / execs,
-                 _n=execs)
+    m = e["measured_s"].to_numpy(np.float64) / execs
     if stats is not None and len(stats):
-        key = pd.MultiIndex.from_arrays([d["module"].astype(str), d["program_id"].to_numpy(dtype="int64", na_value=-1),
-                                         d["hlo_op"].astype(str)])
-        median = stats["midpoint_median_s"].reindex(key).to_numpy()
-        d = d.assign(_m=np.where(np.isnan(median), d["_m"].to_numpy(), median))
-    per = d.groupby("hlo_op", observed=True).agg(m=("_m", "median"), e=("_e", "median"), n=("_n", "sum"))
-    lost = (per["m"] - per["e"]) * per["n"] * k
-    return str(lost.sort_index(kind="stable").idxmax())
+        ident = pd.MultiIndex.from_arrays([e["module"].astype(str), e["program_id"].to_numpy(dtype="int64", na_value=-1),
+                                           e["hlo_op"].astype(str)])
+        median = stats["midpoint_median_s"].reindex(ident).to_numpy()
+        m = np.where(np.isnan(median), m, median)
+    t = pd.DataFrame({"layer": key.loc[e.index, "layer"].to_numpy(), "phase": key.loc[e.index, "phase"].to_numpy(),
+                      "op": e["hlo_op"].astype(str).to_numpy(), "m": m,
+                      "e": e["expected_s"].to_numpy(np.float64) / execs, "n": execs})
+    per = t.groupby(["layer", "phase", "op"], sort=True).agg(m=("m", "median"), e=("e", "median"), n=("n", "sum"))
+    per["lost"] = (per["m"] - per["e"]) * per["n"] * k
+    per = per.reset_index()
+    best = per.loc[per.groupby(["layer", "phase"], sort=False)["lost"].idxmax()]
+    return best.set_index(["layer", "phase"])["op"]
 
 
-def _instance_spread(g: pd.DataFrame, k: float) -> pd.Series:
-    """Time per step of each repeated-block instance in ``g`` (empty when the rows hold no instances)."""
-    if "instance" not in g:
-        return pd.Series(dtype=float)
-    inst = g["instance"].astype(str)
-    d = g[inst != ""]
-    if d.empty:
-        return pd.Series(dtype=float)
-    return d.groupby(inst[inst != ""], observed=True)["measured_s"].sum() * k
+def worst_op(g: pd.DataFrame, k: float, stats: pd.DataFrame | None = None) -> str:
+    """:func:`_worst_ops` of rows that are one layer and phase: the op name, '' when none has an expectation."""
+    key = pd.DataFrame({"layer": "", "phase": ""}, index=g.index)
+    best = _worst_ops(g, key, k, stats)
+    return str(best.iloc[0]) if len(best) else ""
+
+
+def _instance_spreads(d: pd.DataFrame, key: pd.DataFrame, k: float) -> pd.DataFrame:
+    """Per (layer, phase): ``instances`` (repeated-block instances among the rows; column ``instance``) and the
+    ``instance_min_s`` / ``instance_median_s`` / ``instance_max_s`` of their time per step (empty without)."""
+    cols = ["instances", "instance_min_s", "instance_median_s", "instance_max_s"]
+    if "instance" not in d:
+        return pd.DataFrame(columns=cols, index=pd.MultiIndex.from_tuples([], names=["layer", "phase"]))
+    inst = d["instance"].astype(str).to_numpy()
+    on = inst != ""
+    if not on.any():
+        return pd.DataFrame(columns=cols, index=pd.MultiIndex.from_tuples([], names=["layer", "phase"]))
+    t = pd.DataFrame({"layer": key["layer"].to_numpy()[on], "phase": key["phase"].to_numpy()[on], "inst": inst[on],
+                      "s": d["measured_s"].to_numpy(np.float64)[on]})
+    per = t.groupby(["layer", "phase", "inst"], sort=False)["s"].sum() * k
+    g = per.groupby(level=[0, 1], sort=False)
+    return pd.DataFrame({"instances": g.size(), "instance_min_s": g.min(), "instance_median_s": g.median(),
+                         "instance_max_s": g.max()})
