@@ -258,3 +258,19 @@ def test_jobs_read_hosts_in_parallel_with_the_same_result(tmp_path) -> None:
 def test_dask_run_equals_the_local_run(tmp_path, dask_address: str) -> None:
     logdir = _pod(tmp_path)
     assert _report(logdir, "--dask", dask_address) == _report(logdir, "--jobs", "1")
+
+
+def test_readme_dask_command_as_written(tmp_path, dask_address: str) -> None:
+    """The README's --dask command, with a local run directory for its bucket and the local cluster's address."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (cmd,) = re.findall(r"&& (traceroof analyze \S+ --dask \S+)", readme)
+    logdir = _pod(tmp_path)
+    cmd = cmd.replace("gs://my-bucket/logdir", str(logdir))
+    cmd = re.sub(r"tcp://\S+", dask_address, cmd)
+    extra = ["--hlo", str(ROOT / "fixtures" / "sharded_mlp" / "hlo"), "--chip", str(HOST_CHIP), "--format", "json"]
+    r = CliRunner().invoke(main, [*shlex.split(cmd)[1:], *extra])
+    assert r.exit_code == 0, r.output
+    assert r.output == _report(logdir, "--jobs", "1")

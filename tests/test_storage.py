@@ -203,3 +203,24 @@ def test_local_inputs_stay_paths(tmp_path):
     found = discover([str(tmp_path / "fx")])
     assert found.profiles and found.hlo_files
     assert all(isinstance(p, Path) for p in (*found.profiles, *found.hlo_files))
+
+
+def test_readme_object_storage_command_as_written(memfs):
+    """The README's gs:// command, its bucket replaced by an in-process memory:// one holding a fixture."""
+    import re
+    import shlex
+
+    readme = (FIXTURES.parent / "README.md").read_text(encoding="utf-8")
+    (cmd,) = [c.strip() for c in re.findall(r"&& (traceroof analyze gs://\S+ --hlo gs://\S+)", readme)]
+    root = upload(memfs, FIXTURES / "transformer", "my-bucket")
+    args = shlex.split(cmd.replace("gs://my-bucket", root))[1:]
+    r = CliRunner().invoke(main, [*args, "--chip", str(HOST_CHIP), "--format", "json"])
+    local = CliRunner().invoke(main, ["analyze", str(FIXTURES / "transformer" / "logdir"), "--hlo",
+                                      str(FIXTURES / "transformer" / "hlo"), "--chip", str(HOST_CHIP), "--format", "json"])
+    assert r.exit_code == 0 and local.exit_code == 0, r.output
+    ours, theirs = json.loads(r.output), json.loads(local.output)
+    for doc in (ours, theirs):
+        for k in ("input", "hlo_sources"):
+            doc["summary"].pop(k)
+        doc["summary"]["join"].pop("matched_sources")
+    assert ours == theirs
