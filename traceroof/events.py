@@ -203,22 +203,36 @@ def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> pd.DataFrame:
     end_line = np.full(len(ops), -1, np.int64)
     end_line[has] = e["line"].to_numpy()[idx[has].astype(np.int64)]
     lines = ops["line_id"].to_numpy(np.int64)
-    for line in np.unique(end_line[grow]):  # subtract the completing thread's time in other ops
-        on = lines == line
-        order = np.argsort(start[on], kind="stable")
-        s_l, e_l = start[on][order], old_end[on][order]
-        cum = np.concatenate([[0], np.cumsum(e_l - s_l)])
-
-        def busy(t: np.ndarray) -> np.ndarray:
-            j = np.searchsorted(s_l, t, side="right") - 1
-            part = np.where(j >= 0, np.clip(np.minimum(t, e_l[np.maximum(j, 0)]) - s_l[np.maximum(j, 0)], 0, None), 0)
-            return cum[np.maximum(j, 0)] * (j >= 0) + part
-
-        sel = grow & (end_line == line)
-        extra[sel] -= busy(done[sel]) - busy(old_end[sel])
+    sel = np.flatnonzero(grow)
+    extra[sel] -= _busy(lines, start, old_end, end_line[sel], done[sel]) \
+        - _busy(lines, start, old_end, end_line[sel], old_end[sel])  # the completing thread's time in other ops
     extra = np.maximum(extra, 0).astype(np.int64)
     grow &= extra > 0
     return ops.assign(async_end_ps=pd.arrays.IntegerArray(old_end + extra, ~grow))
+
+
+def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndarray, q_t: np.ndarray) -> np.ndarray:
+    """Per query: the time (ps) thread ``q_line`` spent in op events (``lines``, ``start``, ``end``; one thread's
+    events do not overlap) up to time ``q_t``."""
+    wanted = np.unique(q_line)
+    on = np.flatnonzero(np.isin(lines, wanted))
+    order = np.lexsort((start[on], lines[on]))
+    line, s, e = lines[on][order], start[on][order], end[on][order]
+    dur = e - s
+    cum = np.cumsum(dur) - dur  # time before each event, from the thread's first event
+    first = np.flatnonzero(np.diff(line, prepend=line[0] - 1 if len(line) else 0))
+    cum -= np.repeat(cum[first], np.diff(np.append(first, len(line))))
+    # (thread, time) as one sortable key: thread index x (number of distinct times + 1) + time rank
+    times, rank = np.unique(np.concatenate([s, q_t]), return_inverse=True)
+    width = len(times) + 1
+    key = np.searchsorted(wanted, line) * width + rank[:len(s)]
+    q_key = np.searchsorted(wanted, q_line) * width + rank[len(s):]
+    j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
+    ok = j >= 0
+    ok[ok] = line[j[ok]] == q_line[ok]
+    jj = np.maximum(j, 0)
+    part = np.clip(np.minimum(q_t, e[jj]) - s[jj], 0, None) if len(line) else np.zeros(len(q_t), np.int64)
+    return np.where(ok, cum[jj] + part, 0) if len(line) else np.zeros(len(q_t), np.int64)
 
 
 def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:

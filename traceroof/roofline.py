@@ -39,10 +39,13 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     and ``arithmetic_intensity_flops_per_byte``. Returns a new DataFrame.
     """
     out = ops.copy()
-    precision = out["dot_precision"].astype(str) if "dot_precision" in out else pd.Series("", index=out.index)
-    frame = pd.DataFrame({"category": out["category"].astype(str), "dtype": out["dtype"].astype(str),
-                          "precision": precision.to_numpy()})
-    codes, combos = pd.factorize(pd.MultiIndex.from_frame(frame))  # peaks looked up once per distinct triple
+    parts = [pd.Categorical(out[c]) if c in out else pd.Categorical([""] * len(out))
+             for c in ("category", "dtype", "dot_precision")]
+    packed = np.zeros(len(out), np.int64)  # peaks looked up once per distinct (category, dtype, precision)
+    for p in parts:
+        packed = packed * (len(p.categories) + 1) + p.codes
+    codes, first = np.unique(packed, return_inverse=True)[1], np.unique(packed, return_index=True)[1]
+    combos = [tuple(str(p.categories[p.codes[i]]) if p.codes[i] >= 0 else "nan" for p in parts) for i in first]
     peaks, peak_keys = [], []
     for cat, dtype, prec in combos:
         value, key = chip.peak_for(dtype, vector=cat != "matmul", precision=prec if cat == "matmul" else "")
