@@ -106,10 +106,10 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
         for c in np.unique(op_code[sel[mod[sel] == m]]):
             users[(int(m), int(c))] = sorted(code_of[u] for u in _evented_users(str(op_names[c]), graph, evented))
     # queries: (event, a user op of its result); candidates: events of those user ops in the same executions
-    pair_mc = pd.MultiIndex.from_arrays([mod[sel], op_code[sel]])
-    n_users = np.array([len(users[(int(m), int(c))]) for m, c in pair_mc])
+    pair_mc = list(zip(mod[sel].tolist(), op_code[sel].tolist()))
+    n_users = np.array([len(users[mc]) for mc in pair_mc], np.int64)
     q_event = np.repeat(sel, n_users)
-    q_user = np.array([u for m, c in pair_mc for u in users[(int(m), int(c))]], np.int64)
+    q_user = np.array([u for mc in pair_mc for u in users[mc]], np.int64)
     if not len(q_event):
         return out
     wanted = np.unique(q_user)
@@ -119,12 +119,12 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     if not len(cand):
         return out
     # one group id per (host, device, module, run, op) over candidates and queries together
-    both = pd.DataFrame({"h": np.concatenate([host[cand], host[q_event]]),
-                         "d": np.concatenate([device[cand], device[q_event]]),
-                         "m": np.concatenate([mod[cand], mod[q_event]]),
-                         "r": np.concatenate([run[cand], run[q_event]]),
-                         "o": np.concatenate([op_code[cand], q_user])})
-    group = pd.MultiIndex.from_frame(both).factorize()[0].astype(np.int64)
+    group = np.zeros(len(cand) + len(q_event), np.int64)
+    for col in (host, device, mod, run):
+        codes, uniq = pd.factorize(np.concatenate([col[cand], col[q_event]]))
+        group = pd.factorize(group * (len(uniq) + 1) + codes)[0].astype(np.int64)
+    codes, uniq = pd.factorize(np.concatenate([op_code[cand], q_user]))
+    group = pd.factorize(group * (len(uniq) + 1) + codes)[0].astype(np.int64)
     g_cand, g_query = group[:len(cand)], group[len(cand):]
     # starts as dense ranks, so (group, start) packs into one sortable int64
     values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
