@@ -62,10 +62,20 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
     """
     if counted.empty:
         return pd.DataFrame(columns=STATS_COLUMNS, index=pd.MultiIndex.from_tuples([], names=OP_ID))
-    ident = pd.DataFrame({"module": counted["module"].astype(str).to_numpy(),
-                          "program_id": counted["program_id"].to_numpy(dtype="int64", na_value=-1),
-                          "hlo_op": counted["hlo_op"].astype(str).to_numpy()})
-    op_row, uniques = pd.factorize(pd.MultiIndex.from_frame(ident))
+    module, hlo_op = pd.Categorical(counted["module"]), pd.Categorical(counted["hlo_op"])
+    pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
+    pid_code, pid_values = pd.factorize(pid)
+    packed = (module.codes.astype(np.int64) * (len(pid_values) + 1) + pid_code) * (len(hlo_op.categories) + 1) \
+        + hlo_op.codes
+    op_row = pd.factorize(packed)[0].astype(np.int64)
+    first_row = np.zeros(int(op_row.max()) + 1 if len(op_row) else 0, np.int64)
+    first_row[op_row[::-1]] = np.arange(len(op_row))[::-1]  # each op's first row
+
+    def text(cat: pd.Categorical) -> np.ndarray:
+        names = np.append(np.asarray(cat.categories.astype(str), dtype=object), "nan")  # code -1: NA
+        return names[cat.codes[first_row]]
+
+    uniques = pd.MultiIndex.from_arrays([text(module), pid[first_row], text(hlo_op)])
     n_ops = len(uniques)
     single = counted["kernels_per_execution"].to_numpy(np.float64) <= 1.0
     parts_op, parts_t, parts_w = [], [], []
