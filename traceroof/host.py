@@ -23,8 +23,8 @@ from traceroof.steps import assign_steps, device_step_spans, dominant_program_st
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
 # event columns that leave the host: what the op table and the timeline read
-EVENT_COLUMNS = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "run_id", "launch_ps",
-                 "step", "start_ps", "duration_ps", "framework_scope", "profile_flops", "profile_model_flops",
+EVENT_COLUMNS = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "run_id",
+                 "launch_ps", "step", "start_ps", "duration_ps", "framework_scope", "profile_flops", "profile_model_flops",
                  "profile_bytes_accessed")
 
 

@@ -50,9 +50,10 @@ def _grouped_quantiles(op: np.ndarray, t: np.ndarray, w: np.ndarray, n_ops: int,
 def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> pd.DataFrame:
     """Robust per-execution statistics of every op (index ``OP_ID``, sorted): ``median_s`` and ``p90_s``
     (measured time of one execution), ``spread`` = p90 ÷ median (1 = every execution alike; how far the slow
-    tail reaches), ``max_s``, ``samples``, ``midpoint_median_s`` (the two middle samples' mean) and ``outlier_executions``: executions slower than ``OUTLIER_RATIO`` x
-    the op's median (counted only for ops with at least ``OUTLIER_MIN_EXECUTIONS`` executions, so the median is
-    a fair typical value), e.g. one 16 ms run among 90 µs runs: noise, contention or first-run effects.
+    tail reaches), ``max_s``, ``samples``, ``midpoint_median_s`` (the mean of the two middle samples, as pandas'
+    ``median``) and ``outlier_executions``: executions slower than ``OUTLIER_RATIO`` x the op's median (counted
+    only for ops with at least ``OUTLIER_MIN_EXECUTIONS`` executions, so the median is a fair typical value), e.g.
+    one 16 ms run among 90 µs runs: noise, contention or first-run effects.
 
     One sample per execution where an event is one execution (CPU, TPU: read from the ``timeline`` of the rows'
     events; without a timeline, as for an XProf export, one sample per row, its mean, weighted by its

@@ -61,9 +61,10 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
     ``pairs`` maps (program id, ``-done`` op) to its ``-start`` op; a done event gets the window from the latest
     preceding start of its pair on the same device, and the start event gets nothing.
 
-    Needs ``device``, ``program_id``, ``hlo_op``, ``category``, ``counted`` and the events' ``timeline``.
+    Needs ``device``, ``program_id``, ``hlo_op``, ``category``, ``counted`` and the events' ``timeline``. The
+    columns are added to ``ops`` in place (no copy of the large op table), which is returned.
     """
-    out = ops.copy()
+    out = ops
     is_coll_row = (out["category"].astype(str) == "collective").to_numpy()
     window_row = np.zeros(len(out))
     hidden_row = np.zeros(len(out))

@@ -36,9 +36,9 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     ``communication_s``, ``expected_s``, ``bound`` (``compute`` / ``memory`` / ``communication`` / ``latency``
     (a collective whose per-hop latency floor sets its time) / ``opaque`` / ``unknown`` for ops without HLO),
     ``efficiency``, ``lost_s``
-    and ``arithmetic_intensity_flops_per_byte``. Returns a new DataFrame.
+    and ``arithmetic_intensity_flops_per_byte`` to ``ops`` (in place: the op table is large; no copy) and returns it.
     """
-    out = ops.copy()
+    out = ops
     parts = [pd.Categorical(out[c]) if c in out else pd.Categorical([""] * len(out))
              for c in ("category", "dtype", "dot_precision")]
     packed = np.zeros(len(out), np.int64)  # peaks looked up once per distinct (category, dtype, precision)
