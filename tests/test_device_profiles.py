@@ -272,3 +272,13 @@ def test_gpu_kernels_get_their_launch_by_correlation_id(rel):
     assert api and events["launch_ps"].notna().all()
     assert (events["start_ps"] >= events["launch_ps"]).all()  # a kernel starts after its launch
     assert set(events["launch_ps"].astype("int64")) <= set(api.values())
+
+
+def test_unattributed_kernels_are_counted_by_event_not_by_op_row():
+    """Op rows aggregate events (one row per kernel and step): the note counts the 12 helper-copy kernel events,
+    and no attributed event is reported as lacking HLO."""
+    a = analyze(third_party("tracelens_mi300x/jax08_gemm.xplane.pb"))
+    notes = " | ".join(a.summary.notes)
+    assert "12 kernel events (1.7% of kernel time) carry no hlo_op" in notes
+    assert "have no HLO" not in notes
+    assert int(a.ops["events"].sum()) == a.summary.join.events_total

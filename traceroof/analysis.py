@@ -131,9 +131,9 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     if len(unattributed):
         share = unattributed["duration_ps"].sum() / max(join.time_total_ps, 1)
         kernels = ", ".join(sorted(unattributed["kernel"].astype(str).unique())[:3])
-        notes.append(f"{len(unattributed):,} kernel events ({share:.1%} of kernel time) carry no hlo_op: "
+        notes.append(f"{int(unattributed['events'].sum()):,} kernel events ({share:.1%} of kernel time) carry no hlo_op: "
                      f"unattributed kernel time ({kernels})")
-    missing = join.events_total - join.events_joined - len(unattributed)
+    missing = join.events_total - join.events_joined - int(unattributed["events"].sum())
     if profile.modules and missing > 0:
         share = 1 - (join.time_joined_ps + unattributed["duration_ps"].sum()) / max(join.time_total_ps, 1)
         notes.append(f"{missing:,} of {join.events_total:,} op events "
