@@ -29,6 +29,7 @@ import traceroof.progress as progress_module
 from parsers.errors import InputError, TraceroofError
 from parsers.hlo_text import parse_hlo_text
 from tests.conftest import HOST_CHIP, ROOT
+from traceroof.analysis import analyze as analyze_profile
 from traceroof.chips import get_chip
 from traceroof.cli import main
 from traceroof.discovery import discover
@@ -274,3 +275,24 @@ def test_readme_dask_command_as_written(tmp_path, dask_address: str) -> None:
     r = CliRunner().invoke(main, [*shlex.split(cmd)[1:], *extra])
     assert r.exit_code == 0, r.output
     assert r.output == _report(logdir, "--jobs", "1")
+
+
+def test_hosts_notes_are_summed_once_and_their_program_counted_once(tmp_path) -> None:
+    """Three copies of one host: the async-thunk note counts 3x the events in one note, the HLO the hosts carry
+    is one program, and every per-step figure equals the single host's."""
+    import re
+
+    src = next((ROOT / "fixtures" / "transformer").rglob("*.xplane.pb"))
+    run = tmp_path / "logdir" / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    for host in ("a", "b", "c"):
+        shutil.copyfile(src, run / f"host_{host}.xplane.pb")
+    hlo = ROOT / "fixtures" / "transformer" / "hlo"
+    one = analyze_profile(src, hlo=hlo, chip=str(HOST_CHIP))
+    three = analyze_profile(tmp_path / "logdir", hlo=hlo, chip=str(HOST_CHIP), jobs=2)
+    pattern = r"^(\d[\d,]*) op events are launches of asynchronous thunks"
+    (n1,) = [int(m.group(1).replace(",", "")) for n in one.summary.notes if (m := re.match(pattern, n))]
+    (n3,) = [int(m.group(1).replace(",", "")) for n in three.summary.notes if (m := re.match(pattern, n))]
+    assert n3 == 3 * n1
+    assert three.summary.hlo_sources == one.summary.hlo_sources
+    assert three.summary.flops_per_step == one.summary.flops_per_step and three.summary.devices == 3

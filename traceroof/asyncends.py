@@ -21,10 +21,10 @@ ASYNC_CUT_NOTE_SHARE = 0.01  # async thunk ends cut by more than this share of o
 NO_BOUND_PS = np.iinfo(np.int64).max
 
 
-def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], notes: list[str]) -> pd.DataFrame:
+def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], facts: dict[str, int]) -> pd.DataFrame:
     """Stretch async-thunk launches to the ends :func:`_async_thunk_ends` found, bounded by later work that
-    needed the result; drop ``async_end_ps``. Notes state the stretch (over ``ASYNC_NOTE_SHARE`` of op time,
-    with the number of ends cut) and, on their own, ends cut by over ``ASYNC_CUT_NOTE_SHARE`` of op time.
+    needed the result; drop ``async_end_ps``. What was stretched and cut is added to ``facts`` (summed over hosts;
+    :func:`async_notes` states it).
 
     The ``end:`` event is not the thunk's completion but when the completion callback ran, which can be much
     later: XLA registers the trace callback on the thunk's event before the executor registers its continuation,
@@ -68,17 +68,30 @@ def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], notes:
     extra_ps = int((new_end - end).sum())
     cut = cut_user | cut_next
     removed_ps = int((implied - new_end)[cut].sum())
-    if removed_ps > ASYNC_CUT_NOTE_SHARE * op_ps:
-        notes.append(f"{int(cut.sum()):,} async thunk ends came after later work had started (their `end:` event "
-                     f"is when the completion was processed, not the op's end): their time is cut at the first "
-                     f"start of an op using the result ({int(cut_user.sum()):,}) or of the program's next "
-                     f"execution ({int(cut_next.sum()):,}), {removed_ps / 1e9:,.3f} ms of op time removed")
-    if extra_ps > ASYNC_NOTE_SHARE * op_ps:
-        notes.append(f"{int((new_end > end).sum()):,} op events are launches of asynchronous thunks: their time "
-                     f"runs to the thunk's `end:` event (+{extra_ps / op_ps:.0%} op time"
-                     + (f"; {int(cut.sum()):,} ends cut at later work that needed the result" if cut.any() else "")
-                     + ")")
+    for k, v in (("async_op_ps", op_ps), ("async_extra_ps", extra_ps), ("async_grown", int((new_end > end).sum())),
+                 ("async_cut", int(cut.sum())), ("async_cut_user", int(cut_user.sum())),
+                 ("async_cut_next", int(cut_next.sum())), ("async_removed_ps", removed_ps)):
+        facts[k] = facts.get(k, 0) + v
     return events.assign(duration_ps=new_end - start)
+
+
+def async_notes(facts: dict[str, int]) -> list[str]:
+    """The report's notes on async thunk ends from the ``facts`` :func:`_bound_async_ends` recorded (summed over
+    hosts): the ends cut (over ``ASYNC_CUT_NOTE_SHARE`` of op time removed) and the stretch (over
+    ``ASYNC_NOTE_SHARE`` of op time added)."""
+    out = []
+    op_ps, cut = facts.get("async_op_ps", 0), facts.get("async_cut", 0)
+    if facts.get("async_removed_ps", 0) > ASYNC_CUT_NOTE_SHARE * op_ps:
+        out.append(f"{cut:,} async thunk ends came after later work had started (their `end:` event "
+                   f"is when the completion was processed, not the op's end): their time is cut at the first "
+                   f"start of an op using the result ({facts['async_cut_user']:,}) or of the program's next "
+                   f"execution ({facts['async_cut_next']:,}), {facts['async_removed_ps'] / 1e9:,.3f} ms of op time "
+                   "removed")
+    if facts.get("async_extra_ps", 0) > ASYNC_NOTE_SHARE * op_ps:
+        out.append(f"{facts['async_grown']:,} op events are launches of asynchronous thunks: their time "
+                   f"runs to the thunk's `end:` event (+{facts['async_extra_ps'] / op_ps:.0%} op time"
+                   + (f"; {cut:,} ends cut at later work that needed the result" if cut else "") + ")")
+    return out
 
 
 def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow: np.ndarray) -> np.ndarray:

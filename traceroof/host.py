@@ -108,17 +108,19 @@ def read_host(task: HostTask) -> HostEvents:
                         covered={m.program_id for m in truth if m.program_id is not None})
     dumps, out.superseded = reconcile(texts, truth, out.hlo_notes)
     check_dumps(dumps, ev)
-    ev = _bound_async_ends(ev, truth + dumps, out.event_notes)
-    ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes)
+    ev = _bound_async_ends(ev, truth + dumps, counts)
+    ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes, counts)
     out.events = ev[[c for c in EVENT_COLUMNS if c in ev]]
     out.modules = list(extra) + [(m, "dump") for m in dumps]
     return out
 
 
-def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: str, notes: list[str]
-                        ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: str, notes: list[str],
+                        facts: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     """Put every op event in the step whose launch produced it (:mod:`traceroof.steps`); without step markers,
-    each execution of the dominant program is a step. Steps gain ``device_start_ps`` / ``device_end_ps``."""
+    each execution of the dominant program is a step. Steps gain ``device_start_ps`` / ``device_end_ps``. Op
+    time not tied to a launch and executions launched outside the marked steps are added to ``facts`` (summed
+    over hosts; :func:`step_notes` states them)."""
     if not steps.empty and "device" in steps and steps["device"].notna().all():  # TPU / framework Steps lines
         step = assign_steps(events["start_ps"].to_numpy(np.int64), events["device"], steps, by="device")
         events = events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0))
@@ -136,18 +138,30 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
                          "program with the most op time, is a step")
     step = assign_steps(when, hosts, steps)
     has_run = events["run_id"].notna().to_numpy() if "run_id" in events else np.zeros(len(events), bool)
-    if (has_run & ~known).any():
-        share = events["duration_ps"].to_numpy()[has_run & ~known].sum() / max(events["duration_ps"].sum(), 1)
-        notes.append(f"{share:.1%} of op time could not be tied to its launch (no launch event of its program "
-                     "in the profile): placed in steps by its own start time")
+    duration = events["duration_ps"].to_numpy(np.int64)
     outside = (step < 0) & known
-    if outside.any() and annotation and not annotation.startswith("executions of"):
-        runs = events.loc[outside, ["program_id", "run_id"]].drop_duplicates()
-        share = events["duration_ps"].to_numpy()[outside].sum() / max(events["duration_ps"].sum(), 1)
-        notes.append(f"{len(runs)} execution(s) ({share:.1%} of op time) were launched outside the marked steps "
-                     "(work between steps, or a step still open when the trace stopped): left out of per-step "
-                     "figures")
+    marked = bool(annotation) and not annotation.startswith("executions of")
+    runs = len(events.loc[outside, ["program_id", "run_id"]].drop_duplicates()) if outside.any() and marked else 0
+    for k, v in (("steps_op_ps", int(duration.sum())), ("steps_untied_ps", int(duration[has_run & ~known].sum())),
+                 ("steps_untied", int((has_run & ~known).sum())), ("steps_outside_runs", runs),
+                 ("steps_outside_ps", int(duration[outside].sum()) if runs else 0)):
+        facts[k] = facts.get(k, 0) + v
     steps = device_step_spans(step, hosts, when, start + events["duration_ps"].to_numpy(np.int64), steps)
     return events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0)), steps, annotation
 
 
+
+
+def step_notes(facts: dict[str, int]) -> list[str]:
+    """The report's notes from the ``facts`` :func:`_steps_by_execution` recorded (summed over hosts): op time not
+    tied to its launch, and executions launched outside the marked steps."""
+    out = []
+    total = max(facts.get("steps_op_ps", 0), 1)
+    if facts.get("steps_untied", 0):
+        out.append(f"{facts['steps_untied_ps'] / total:.1%} of op time could not be tied to its launch (no launch "
+                   "event of its program in the profile): placed in steps by its own start time")
+    if facts.get("steps_outside_runs", 0):
+        out.append(f"{facts['steps_outside_runs']} execution(s) ({facts['steps_outside_ps'] / total:.1%} of op time) "
+                   "were launched outside the marked steps (work between steps, or a step still open when the "
+                   "trace stopped): left out of per-step figures")
+    return out

@@ -19,7 +19,8 @@ from parsers.errors import InputError
 from parsers.hlo import HloModule
 from parsers.xspace import DURATION_LIMIT_PS
 from traceroof.discovery import Inputs
-from traceroof.host import HostEvents, HostTask, read_host
+from traceroof.asyncends import async_notes
+from traceroof.host import HostEvents, HostTask, read_host, step_notes
 from traceroof.parallel import map_hosts
 
 MAX_HOST_SKEW_PS = DURATION_LIMIT_PS  # hosts whose profile_start_time differ by more are not aligned (13 days)
@@ -85,7 +86,7 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     """One :class:`Profile` of the hosts' tables: times shifted onto one clock (the earliest host's
     ``profile_start_time``; not aligned, with a note, when the hosts' starts lie more than
     ``MAX_HOST_SKEW_PS`` apart or some are unknown), events and steps concatenated, modules of the same program
-    kept once, notes once each (a host's own event notes prefixed with its name when there are several hosts).
+    kept once, notes once each (counts in them summed over the hosts).
 
     :raises InputError: no host holds XLA op events.
     """
@@ -134,13 +135,12 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
         notes.append(f"op events with an id stat that is not a valid integer (corrupt stats) lost it: "
                      f"{', '.join(f'{n:,} {k}' for k, n in sorted(bad_ids.items()))}; they join to HLO and steps "
                      "without it")
-    several = len([h for h in hosts if len(h.events)]) > 1
-    notes += _dedup([f"{h.host}: {n}" if several else n for h in hosts for n in h.event_notes])
+    notes += async_notes(counts) + _dedup([n for h in hosts for n in h.event_notes]) + step_notes(counts)
     notes += _dedup([n for h in hosts for n in h.hlo_notes])
     seen: dict[tuple, tuple[HloModule, str]] = {}
-    for h in hosts:
+    for h in hosts:  # one module per program (id and name; by name without an id), as the hosts ran one program
         for m, how in h.modules:
-            seen.setdefault((m.program_id, m.name, str(m.source)), (m, how))
+            seen.setdefault((m.program_id, m.name), (m, how))
     modules = [m for m, _ in seen.values()]
     hows = [how for _, how in seen.values()]
     superseded = frozenset().union(*(h.superseded for h in hosts))
