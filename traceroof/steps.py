@@ -56,20 +56,25 @@ def launch_events(events: pd.DataFrame) -> pd.DataFrame:
         # per line, by start: the innermost enclosing event is the latest started one that is still open
         key = pj["start_ps"].to_numpy(np.int64)
         pend = pj["start_ps"].to_numpy(np.int64) + pj["duration_ps"].to_numpy(np.int64)
-        for ln in np.unique(out["line_id"].to_numpy()):
+        module = out["module"].to_numpy(object).copy()
+        o_line, o_start, o_end = (out[c].to_numpy(np.int64) for c in ("line_id", "start_ps", "end_ps"))
+        for ln in np.unique(o_line):
             on_line = np.flatnonzero(pline == ln)
-            todo = np.flatnonzero((out["module"].to_numpy(object) == "") & (out["line_id"].to_numpy() == ln))
+            todo = np.flatnonzero((module == "") & (o_line == ln))
             if not len(on_line) or not len(todo):
                 continue
             starts, ends = key[on_line], pend[on_line]
-            for i in todo:
-                s, e = out.at[i, "start_ps"], out.at[i, "end_ps"]
-                j = int(np.searchsorted(starts, s, side="right")) - 1
-                stop = max(j - MAX_PJIT_LOOKBACK, -1)
-                while j > stop and ends[j] < e:  # a sibling that ended before the launch: look further out
-                    j -= 1
-                if j > stop:
-                    out.at[i, "module"] = f"jit_{fn[on_line[j]]}"
+            s, e = o_start[todo], o_end[todo]
+            j = np.searchsorted(starts, s, side="right") - 1
+            stop = np.maximum(j - MAX_PJIT_LOOKBACK, -1)
+            active = np.arange(len(j))
+            while len(active):  # a sibling that ended before the launch: look further out (at most the lookback)
+                jj = j[active]
+                active = active[(jj > stop[active]) & (ends[np.maximum(jj, 0)] < e[active])]
+                j[active] -= 1
+            found = j > stop
+            module[todo[found]] = [f"jit_{f}" for f in fn[on_line[j[found]]]]
+        out["module"] = module
     return out.sort_values("start_ps", kind="stable").reset_index(drop=True)
 
 
