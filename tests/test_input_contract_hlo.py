@@ -471,3 +471,20 @@ def test_parameter_numbers_must_be_0_to_n_minus_1():  # fuzz: parameter(21474836
         parse_hlo_text(text, "p.txt")
     ok = text.replace("parameter(1)", "parameter(0)").replace("parameter(2147483648)", "parameter(1)")
     assert len(parse_hlo_text(ok, "p.txt")) == 1
+
+
+def test_an_unrelated_dump_reusing_a_profiled_program_id_does_not_hide_the_profiles_hlo(tmp_path):
+    """--hlo names a dump folder of another program whose file number is the profiled program's id: the
+    profile's own HloProto (same id, another module name) still joins every event."""
+    from traceroof.analysis import analyze
+
+    from tests.conftest import HOST_CHIP
+
+    own = analyze(FIXTURES / "transformer" / "logdir", chip=str(HOST_CHIP))
+    pid = int(own.ops["program_id"].dropna().mode().iloc[0])
+    other = next((FIXTURES / "scan_mlp" / "hlo").glob("*jit_train_step*"))
+    (tmp_path / f"module_{pid:04d}.jit_other_program.cpu_after_optimizations.txt").write_text(
+        other.read_text().replace("HloModule jit_train_step", "HloModule jit_other_program", 1))
+    a = analyze(FIXTURES / "transformer" / "logdir", hlo=[tmp_path], chip=str(HOST_CHIP))
+    assert a.summary.join.events_joined == a.summary.join.events_total == own.summary.join.events_total
+    assert a.summary.flops_per_step == own.summary.flops_per_step

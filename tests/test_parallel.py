@@ -296,3 +296,42 @@ def test_hosts_notes_are_summed_once_and_their_program_counted_once(tmp_path) ->
     assert n3 == 3 * n1
     assert three.summary.hlo_sources == one.summary.hlo_sources
     assert three.summary.flops_per_step == one.summary.flops_per_step and three.summary.devices == 3
+
+
+def test_a_host_without_op_events_is_left_out_and_steps_are_one_per_step(tmp_path) -> None:
+    """Four hosts, one of which ran no XLA program (its file keeps only the python thread's step annotations):
+    the other hosts' device step times are kept, the idle host is named in a note, and a step seen by three
+    hosts counts once (mean and spread as for one host)."""
+    from parsers.xspace import SCHEMA
+
+    src = next((ROOT / "fixtures" / "transformer").rglob("*.xplane.pb"))
+    run = tmp_path / "logdir" / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    for host in ("a", "b", "c"):
+        shutil.copyfile(src, run / f"host_{host}.xplane.pb")
+    space = SCHEMA["XSpace"]()
+    space.ParseFromString(src.read_bytes())
+    for plane in space.planes:
+        if plane.name == "/host:CPU":
+            keep = [line for line in plane.lines if line.name == "python"]
+            del plane.lines[:]
+            plane.lines.extend(keep)
+    (run / "host_idle.xplane.pb").write_bytes(space.SerializeToString())
+    hlo = ROOT / "fixtures" / "transformer" / "hlo"
+    one = analyze_profile(src, hlo=hlo, chip=str(HOST_CHIP))
+    pod = analyze_profile(tmp_path / "logdir", hlo=hlo, chip=str(HOST_CHIP), jobs=2)
+    assert pod.summary.step_times_s == pytest.approx(one.summary.step_times_s, rel=1e-12)
+    assert pod.summary.step_time_std_s == pytest.approx(one.summary.step_time_std_s, rel=1e-12)
+    assert any(n.startswith("1 host(s) hold no op events (host_idle)") for n in pod.summary.notes)
+    assert pod.summary.flops_per_step == pytest.approx(one.summary.flops_per_step, rel=1e-12)
+
+
+def test_dask_with_relative_paths(tmp_path, dask_address: str, monkeypatch) -> None:
+    """Workers run in their own folder: a relative run directory is made absolute before it is sent."""
+    _pod(tmp_path)
+    shutil.copytree(ROOT / "fixtures" / "sharded_mlp" / "hlo", tmp_path / "hlo")
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["analyze", "logdir", "--hlo", "hlo", "--chip", str(HOST_CHIP), "--format", "json",
+                                  "--dask", dask_address])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["summary"]["devices"] == 24

@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import InputError
+from parsers.storage import is_url
 from parsers.hlo_text import is_known_opcode
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
 from traceroof.collectives import default_topology, expected_time, module_devices, parse_topology
@@ -79,6 +80,8 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         paths = [paths]
     if isinstance(hlo, (str, Path)):
         hlo = [hlo]
+    if dask_address:  # the workers open the files: relative paths would be relative to their folders
+        paths, hlo = ([p if is_url(str(p)) else Path(p).absolute() for p in ps] for ps in (paths, hlo))
     inputs = discover(paths, hlo)
     if inputs.kind == "xprof_hlo_stats":
         return analyze_export(inputs, chip, depth, top, topology, model_flops_per_step)

@@ -35,7 +35,11 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule], weights: n
     An event's module is the one with its program id and name; without a program id, the only module of that
     name (several modules sharing a name and no id to tell them apart: ambiguous, not joined).
     """
-    by_id: dict[int, int] = {m.program_id: i for i, m in enumerate(modules) if m.program_id is not None}
+    by_id: dict[tuple[int, str], int] = {}  # (program id, name): an unrelated dump may reuse a profiled id
+    for i, m in enumerate(modules):
+        if m.program_id is not None:
+            by_id.setdefault((m.program_id, m.name), i)
+    ids = {m.program_id for m in modules if m.program_id is not None}
     by_name: dict[str, list[int]] = {}
     for i, m in enumerate(modules):
         by_name.setdefault(m.name, []).append(i)
@@ -53,9 +57,8 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule], weights: n
         name = cats[mi] if 0 <= mi < len(cats) else ""
         p = int(pids[pi])
         idx = -1
-        if p >= 0 and p in by_id:
-            if modules[by_id[p]].name == name:
-                idx = by_id[p]
+        if p >= 0 and p in ids:
+            idx = by_id.get((p, name), -1)
         elif len(by_name.get(name, [])) == 1 and (p < 0 or modules[by_name[name][0]].program_id is None):
             idx = by_name[name][0]
         elif len(by_name.get(name, [])) > 1:

@@ -104,8 +104,14 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
         starts = [None] * len(hosts)
     elif len(hosts) > 1 and inputs.kind == "xplane" and any(s is None for s in starts):
         notes.append("some hosts have no profile_start_time: their clocks were not aligned")
+    idle = [h.host for h in hosts if h.events.empty]
+    if idle and len(idle) < len(hosts):
+        notes.append(f"{len(idle)} host(s) hold no op events ({', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}): "
+                     "their steps are left out (a host that ran no XLA program, or whose trace missed it)")
     frames, step_frames = [], []
     for h, s in zip(hosts, starts):
+        if h.events.empty:
+            continue
         offset_ps = (s - base) * 1000 if (s is not None and base is not None) else 0
         ev, st = h.events, h.steps
         if offset_ps and len(ev):

@@ -14,7 +14,18 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     """Per-step times (s) of the used steps: the device time (first launch -> last op end, see
     :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
     annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
-    than ``STEP_TIME_DISAGREEMENT``, and which side waits."""
+    than ``STEP_TIME_DISAGREEMENT``, and which side waits. A step seen by several hosts (or devices' ``Steps``
+    lines) is one step: from its earliest start to its latest end over them (a synchronous step ends when its last
+    participant does), so the number of hosts changes neither the mean nor the spread."""
+    if len(sel) and sel["step"].duplicated().any():
+        spans = {c: ("min" if c.endswith("start_ps") else "max") for c in
+                 ("start_ps", "end_ps", "device_start_ps", "device_end_ps") if c in sel}
+        g = sel.groupby("step", sort=True)
+        agg = g.agg(spans)
+        for c in ("device_start_ps", "device_end_ps"):  # a participant without a device span: none for the step
+            if c in sel:
+                agg[c] = agg[c].where(~g[c].apply(lambda x: x.isna().any()))
+        sel = agg.reset_index()
     host = _valid_steps((sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12, "step annotations",
                         notes)
     host_mean = float(host.mean()) if len(host) else float("nan")
