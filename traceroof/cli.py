@@ -7,6 +7,7 @@ shows the traceback).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import sys
@@ -27,8 +28,15 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+# storage and cluster libraries log their retries with tracebacks; the CLI's one line says what failed
+QUIET_LOGGERS = ("gcsfs", "s3fs", "fsspec", "aiobotocore", "botocore", "google.auth", "distributed")
+
+
 def _guarded(fn: Callable[..., None]) -> Callable[..., None]:
     def wrapper(*args: object, **kwargs: object) -> None:
+        if not os.environ.get("TRACEROOF_DEBUG"):
+            for name in QUIET_LOGGERS:
+                logging.getLogger(name).setLevel(logging.CRITICAL)
         try:
             fn(*args, **kwargs)
         except TraceroofError as e:
