@@ -17,7 +17,7 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     than ``STEP_TIME_DISAGREEMENT``, and which side waits. A step seen by several hosts (or devices' ``Steps``
     lines) is one step: from its earliest start to its latest end over them (a synchronous step ends when its last
     participant does), so the number of hosts changes neither the mean nor the spread."""
-    if len(sel) and sel["step"].duplicated().any():
+    if len(sel) and "step" in sel and sel["step"].duplicated().any():
         spans = {c: ("min" if c.endswith("start_ps") else "max") for c in
                  ("start_ps", "end_ps", "device_start_ps", "device_end_ps") if c in sel}
         g = sel.groupby("step", sort=True)
