@@ -157,6 +157,11 @@ def test_tensorflow_profile_without_xla_gives_a_framework_report():
     assert a.layers["layer"].str.startswith("bert_span_labeler").any()
     assert set(a.layers["phase"]) >= {"forward", "backward"}
     assert a.ops["expected_s"].isna().all() and len(a.top_ops)
+    # the step time is the devices' own Steps lines (each numbers its steps), read here from the file itself
+    xs = read_xspace(third_party("xprof_v100_tf2/bert_8xv100.xplane.pb"))
+    spans_s = [d * 1e-12 for p in xs.planes if p.name.startswith("/device:") for line in p.lines
+               if line.name == "Steps" for d in p.events(lines=[line])["duration_ps"]]
+    assert a.summary.step_time_mean_s == pytest.approx(sum(spans_s) / len(spans_s), rel=1e-9)
 
 
 # -- XProf exports of a real TPU v5 training run -------------------------------------------------------------

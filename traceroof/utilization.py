@@ -14,10 +14,12 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     """Per-step times (s) of the used steps: the device time (first launch -> last op end, see
     :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
     annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
-    than ``STEP_TIME_DISAGREEMENT``, and which side waits. A step seen by several hosts (or devices' ``Steps``
-    lines) is one step: from its earliest start to its latest end over them (a synchronous step ends when its last
-    participant does), so the number of hosts changes neither the mean nor the spread."""
-    if len(sel) and "step" in sel and sel["step"].duplicated().any():
+    than ``STEP_TIME_DISAGREEMENT``, and which side waits. A step annotated on several hosts is one step: from its
+    earliest start to its latest end over them (a synchronous step ends when its last host does), so the number of
+    hosts changes neither the mean nor the spread. Devices' own ``Steps`` lines (TPU, framework profiles) number
+    their steps per device and stay one sample each."""
+    per_host = "device" not in sel or sel["device"].isna().all()  # host annotations, not devices' Steps lines
+    if len(sel) and "step" in sel and per_host and sel["step"].duplicated().any():
         spans = {c: ("min" if c.endswith("start_ps") else "max") for c in
                  ("start_ps", "end_ps", "device_start_ps", "device_end_ps") if c in sel}
         g = sel.groupby("step", sort=True)
