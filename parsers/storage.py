@@ -47,6 +47,12 @@ def location(x: str | Path) -> Location:
     return url.rstrip("/") if not url.endswith("://") else url
 
 
+def process_local(loc: Location) -> bool:
+    """True for a location only this process can read (fsspec's ``memory://`` filesystem lives in its memory):
+    it must not be handed to worker processes or a cluster."""
+    return isinstance(loc, str) and loc.startswith("memory://")
+
+
 def name(loc: Location) -> str:
     """The last component of a location (``h0.xplane.pb`` of ``gs://b/run/h0.xplane.pb``)."""
     return loc.name if isinstance(loc, Path) else loc.rstrip("/").rsplit("/", 1)[-1]

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
+from traceroof.codes import group_codes
 from traceroof.join import match_modules
 
 
@@ -132,12 +133,8 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     if not len(cand):
         return out
     # one group id per (host, device, module, run, op) over candidates and queries together
-    group = np.zeros(len(cand) + len(q_event), np.int64)
-    for col in (host, device, mod, run):
-        codes, uniq = pd.factorize(np.concatenate([col[cand], col[q_event]]))
-        group = pd.factorize(group * (len(uniq) + 1) + codes)[0].astype(np.int64)
-    codes, uniq = pd.factorize(np.concatenate([op_code[cand], q_user]))
-    group = pd.factorize(group * (len(uniq) + 1) + codes)[0].astype(np.int64)
+    group = group_codes([np.concatenate([col[cand], col[q_event]]) for col in (host, device, mod, run)]
+                        + [np.concatenate([op_code[cand], q_user])])
     g_cand, g_query = group[:len(cand)], group[len(cand):]
     # starts as dense ranks, so (group, start) packs into one sortable int64
     values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)

@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import first_rows, group_codes
 from traceroof.optable import Timeline
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
@@ -65,12 +66,8 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
         return pd.DataFrame(columns=STATS_COLUMNS, index=pd.MultiIndex.from_tuples([], names=OP_ID))
     module, hlo_op = pd.Categorical(counted["module"]), pd.Categorical(counted["hlo_op"])
     pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
-    pid_code, pid_values = pd.factorize(pid)
-    packed = (module.codes.astype(np.int64) * (len(pid_values) + 1) + pid_code) * (len(hlo_op.categories) + 1) \
-        + hlo_op.codes
-    op_row = pd.factorize(packed)[0].astype(np.int64)
-    first_row = np.zeros(int(op_row.max()) + 1 if len(op_row) else 0, np.int64)
-    first_row[op_row[::-1]] = np.arange(len(op_row))[::-1]  # each op's first row
+    op_row = group_codes([module, pid, hlo_op])
+    first_row = first_rows(op_row)
 
     def text(cat: pd.Categorical) -> np.ndarray:
         names = np.append(np.asarray(cat.categories.astype(str), dtype=object), "nan")  # code -1: NA

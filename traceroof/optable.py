@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import Instruction
+from traceroof.codes import group_codes
 from traceroof.collectives import classify
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.findings import is_retiling
@@ -52,21 +53,12 @@ class Timeline:
         return len(self.row)
 
 
-def _codes(col: pd.Series) -> tuple[np.ndarray, int]:
-    """Integer codes (0..n-1, NA its own code) of a column and their count."""
-    codes, uniques = pd.factorize(col, use_na_sentinel=False)
-    return codes.astype(np.int64), max(len(uniques), 1)
-
-
 def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
     """Op events -> op rows (:data:`ROW_KEY` columns present in ``events``, first-seen order) with ``events``
     (count), ``duration_ps`` (sum), ``start_ps`` (first start) and, for TPU profiles, the sums of libtpu's per-op
     costs (NaN for a row where some event lacks them); and the :class:`Timeline` of the events."""
     keys = [c for c in ROW_KEY if c in events]
-    row = np.zeros(len(events), np.int64)
-    for c in keys:  # mixed-radix codes, re-factorized after each column so they stay small
-        codes, n = _codes(events[c])
-        row = pd.factorize(row * n + codes)[0].astype(np.int64)
+    row = group_codes([events[c] for c in keys]) if keys else np.zeros(len(events), np.int64)
     n_rows = int(row.max()) + 1 if len(row) else 0
     order = np.argsort(row, kind="stable")
     bounds = np.flatnonzero(np.diff(row[order], prepend=-1)) if len(row) else np.zeros(0, np.int64)
@@ -244,8 +236,10 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     return out, report, timeline
 
 
-# per-op constants besides the additive sums and the attribute columns: recomputed or first-taken by per_op
-_RATIOS = ("efficiency",)
+# numeric columns that are not sums over events: per-op constants or ratios, taken from the op's first row
+# (efficiency is recomputed from the sums)
+_NOT_ADDITIVE = ("op_key", "step", "program_id", "efficiency", "kernels_per_execution", "peak_flops_per_s",
+                 "arithmetic_intensity_flops_per_byte", "collective_id")
 
 
 def per_op(rows: pd.DataFrame) -> pd.DataFrame:
@@ -257,17 +251,14 @@ def per_op(rows: pd.DataFrame) -> pd.DataFrame:
     anything per device or per step."""
     if rows.empty or "op_key" not in rows:
         return rows
-    key = pd.factorize(rows["op_key"].to_numpy(np.int64) * (len(rows) + 1)
-                       + pd.factorize(rows["scope"])[0].astype(np.int64))[0]
+    key = group_codes([rows["op_key"].to_numpy(np.int64), rows["scope"]])
     n = int(key.max()) + 1
     order = np.argsort(key, kind="stable")
     bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
     out = rows.iloc[order[bounds]].copy()
     for c in rows.columns:
         v = rows[c]
-        if c in ("op_key", "step", "program_id") or c in _RATIOS or not pd.api.types.is_numeric_dtype(v) \
-                or pd.api.types.is_bool_dtype(v) or c in ("kernels_per_execution", "peak_flops_per_s",
-                                                          "arithmetic_intensity_flops_per_byte", "collective_id"):
+        if c in _NOT_ADDITIVE or not pd.api.types.is_numeric_dtype(v) or pd.api.types.is_bool_dtype(v):
             continue
         if c == "start_ps":
             out[c] = np.minimum.reduceat(v.to_numpy(np.int64)[order], bounds)

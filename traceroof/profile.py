@@ -15,6 +15,7 @@ from typing import Sequence
 import pandas as pd
 from pandas.api.types import union_categoricals
 
+from parsers import storage
 from parsers.errors import InputError
 from parsers.hlo import HloModule
 from parsers.xspace import DURATION_LIMIT_PS
@@ -59,8 +60,8 @@ def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None 
     :raises InputError: the profile holds no XLA op events.
     """
     tasks = [HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files) for p in inputs.profiles]
-    if any(str(p).startswith("memory://") for p in inputs.profiles):
-        jobs, dask_address = 1, None  # fsspec's memory filesystem lives in this process only
+    if any(storage.process_local(p) for p in inputs.profiles):
+        jobs, dask_address = 1, None
     hosts = map_hosts(read_host, tasks, jobs=jobs, dask_address=dask_address, label="hosts")
     return merge_hosts(inputs, hosts)
 

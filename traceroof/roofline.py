@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip
+from traceroof.codes import first_rows, group_codes
 
 
 def _usable(figure: object) -> bool:
@@ -41,11 +42,9 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     out = ops
     parts = [pd.Categorical(out[c]) if c in out else pd.Categorical([""] * len(out))
              for c in ("category", "dtype", "dot_precision")]
-    packed = np.zeros(len(out), np.int64)  # peaks looked up once per distinct (category, dtype, precision)
-    for p in parts:
-        packed = packed * (len(p.categories) + 1) + p.codes
-    codes, first = np.unique(packed, return_inverse=True)[1], np.unique(packed, return_index=True)[1]
-    combos = [tuple(str(p.categories[p.codes[i]]) if p.codes[i] >= 0 else "nan" for p in parts) for i in first]
+    codes = group_codes(parts)  # peaks looked up once per distinct (category, dtype, precision)
+    combos = [tuple(str(p.categories[p.codes[i]]) if p.codes[i] >= 0 else "nan" for p in parts)
+              for i in first_rows(codes)]
     peaks, peak_keys = [], []
     for cat, dtype, prec in combos:
         value, key = chip.peak_for(dtype, vector=cat != "matmul", precision=prec if cat == "matmul" else "")
