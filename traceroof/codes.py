@@ -27,3 +27,15 @@ def first_rows(group: np.ndarray) -> np.ndarray:
     first = np.zeros(int(group.max()) + 1 if len(group) else 0, np.int64)
     first[group[::-1]] = np.arange(len(group))[::-1]
     return first
+
+
+def na_int64(n: int) -> pd.arrays.IntegerArray:
+    """``n`` missing values as ``Int64`` (without building a list of ``n`` ``pd.NA``: 5 M of them took 0.2 s)."""
+    return pd.arrays.IntegerArray(np.zeros(n, np.int64), np.ones(n, bool))
+
+
+def constant_categorical(value: Any, n: int) -> pd.Categorical:
+    """``n`` copies of ``value`` as a one-category Categorical (``None``: all missing)."""
+    if value is None:
+        return pd.Categorical.from_codes(np.full(n, -1, np.int8), categories=[])
+    return pd.Categorical.from_codes(np.zeros(n, np.int8), categories=[value])

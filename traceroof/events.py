@@ -14,6 +14,7 @@ import pandas as pd
 
 from parsers.errors import InputError
 from parsers.xspace import AGGREGATE_START_PS
+from traceroof.codes import constant_categorical, na_int64
 from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
 from traceroof.steps import kernel_launch_times, launch_events, launch_times
 
@@ -124,7 +125,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     if len(events) and "kernel" not in events:
         events = events.assign(kernel="", attributed=True)
     out = pd.DataFrame({
-        "host": pd.Categorical([host] * len(events)),
+        "host": constant_categorical(host, len(events)),
         "device": pd.Categorical(events["device"]) if len(events) else pd.Categorical([]),
         "program_id": events["program_id"].astype("Int64") if len(events) else pd.array([], "Int64"),
         "module": events["hlo_module"].astype("category") if len(events) else pd.Categorical([]),
@@ -133,10 +134,9 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         "duration_ps": events["duration_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
         "kernel": pd.Categorical(events["kernel"]) if len(events) else pd.Categorical([]),
         "attributed": events["attributed"].to_numpy(bool) if len(events) else np.zeros(0, bool),
-        "run_id": pd.array(events["run_id"], "Int64") if "run_id" in events else pd.array([pd.NA] * len(events),
-                                                                                           "Int64"),
+        "run_id": pd.array(events["run_id"], "Int64") if "run_id" in events else na_int64(len(events)),
         "launch_ps": pd.array(events["launch_ps"].to_numpy(np.float64), "Float64").astype("Int64")
-        if "launch_ps" in events else pd.array([pd.NA] * len(events), "Int64"),
+        if "launch_ps" in events else na_int64(len(events)),
     })
     if len(events) and "async_end_ps" in events:
         out["async_end_ps"] = pd.array(events["async_end_ps"], "Int64")
@@ -181,31 +181,34 @@ def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> pd.DataFrame:
     that event implies, less the time the completing thread spent in other op events meanwhile (a completion
     delayed because that thread ran other ops is scheduling, not this op's work); NA where the event does not
     end after the op event. Durations are unchanged: :func:`_bound_async_ends` bounds these ends by the HLO."""
-    implied = pd.array([pd.NA] * len(ops), "Int64")
+    implied = na_int64(len(ops))
     if ops.empty or ends.empty or "_p" not in ops or "_c" not in ends:
         return ops.assign(async_end_ps=implied)
-    e = pd.DataFrame({"c": ends["_c"].to_numpy(dtype="float64", na_value=np.nan),
-                      "end": (ends["start_ps"] + ends["duration_ps"]).to_numpy(np.int64),
-                      "line": ends["line_id"].to_numpy(np.int64)}).dropna().drop_duplicates("c", keep="last")
-    pos = pd.Series(np.arange(len(e)), index=e["c"].to_numpy())
+    c = ends["_c"].to_numpy(dtype="float64", na_value=np.nan)
+    valid = ~np.isnan(c)
+    c = c[valid]
+    e_end = (ends["start_ps"] + ends["duration_ps"]).to_numpy(np.int64)[valid]
+    e_line = ends["line_id"].to_numpy(np.int64)[valid]
+    flows, first_rev = np.unique(c[::-1], return_index=True)  # the last end event of each flow id
+    last = len(c) - 1 - first_rev
     k = ops["_p"].to_numpy(dtype="float64", na_value=np.nan)
-    idx = pd.Series(k).map(pos).to_numpy(np.float64, na_value=np.nan)
+    pos = np.minimum(np.searchsorted(flows, k), max(len(flows) - 1, 0))
+    has = (flows[pos] == k) if len(flows) else np.zeros(len(k), bool)  # NaN never equals
     start = ops["start_ps"].to_numpy(np.int64)
     dur = ops["duration_ps"].to_numpy(np.int64)
     old_end = start + dur
-    has = ~np.isnan(idx)
     done = np.zeros(len(ops), np.int64)
-    done[has] = e["end"].to_numpy()[idx[has].astype(np.int64)]
+    done[has] = e_end[last[pos[has]]]
     grow = has & (done > old_end)
     if not grow.any():
         return ops.assign(async_end_ps=implied)
     extra = (done - old_end).astype(np.float64)
     end_line = np.full(len(ops), -1, np.int64)
-    end_line[has] = e["line"].to_numpy()[idx[has].astype(np.int64)]
+    end_line[has] = e_line[last[pos[has]]]
     lines = ops["line_id"].to_numpy(np.int64)
     sel = np.flatnonzero(grow)
-    extra[sel] -= _busy(lines, start, old_end, end_line[sel], done[sel]) \
-        - _busy(lines, start, old_end, end_line[sel], old_end[sel])  # the completing thread's time in other ops
+    busy = _busy(lines, start, old_end, np.tile(end_line[sel], 2), np.concatenate([done[sel], old_end[sel]]))
+    extra[sel] -= busy[:len(sel)] - busy[len(sel):]  # the completing thread's time in other ops meanwhile
     extra = np.maximum(extra, 0).astype(np.int64)
     grow &= extra > 0
     return ops.assign(async_end_ps=pd.arrays.IntegerArray(old_end + extra, ~grow))
@@ -288,7 +291,7 @@ def _framework_ops(planes: Sequence, host: str) -> tuple[pd.DataFrame, pd.DataFr
         names = ev["name"].astype(str)
         path = names.str.split(":").str[0]
         frames.append(pd.DataFrame({
-            "device": f"{host}/{p.name}", "program_id": pd.array([pd.NA] * len(ev), "Int64"),
+            "device": f"{host}/{p.name}", "program_id": na_int64(len(ev)),
             "hlo_module": "", "hlo_op": path.to_numpy(), "start_ps": ev["start_ps"].to_numpy(),
             "duration_ps": ev["duration_ps"].to_numpy(), "kernel": "", "attributed": False,
             "framework_scope": path.str.replace(r"(^|/)replica_\d+(?=/|$)", "", regex=True).str.lstrip("/")
@@ -393,14 +396,14 @@ def _trace_json_events(tj, path: Path, counts: dict[str, int]) -> tuple[pd.DataF
                                            "start_ps": ops["start_ps"].to_numpy(np.int64)}), launches)
     ordinal = ops["device_ordinal"].fillna(0).astype("int64")
     out = pd.DataFrame({
-        "host": pd.Categorical([host] * len(ops)),
+        "host": constant_categorical(host, len(ops)),
         "device": pd.Categorical(host + "/cpu:" + ordinal.astype(str)),
         "program_id": ops["program_id"].array,
         "module": ops["hlo_module"].astype(str).astype("category"),
         "hlo_op": ops["hlo_op"].astype(str).astype("category"),
         "start_ps": ops["start_ps"].to_numpy(np.int64),
         "duration_ps": ops["duration_ps"].to_numpy(np.int64),
-        "kernel": pd.Categorical([""] * len(ops)),
+        "kernel": constant_categorical("", len(ops)),
         "attributed": np.ones(len(ops), bool),
         "run_id": run_id,
         "launch_ps": pd.array(launch, "Float64").astype("Int64"),

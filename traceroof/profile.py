@@ -20,6 +20,7 @@ from parsers.errors import InputError
 from parsers.hlo import HloModule
 from parsers.xspace import DURATION_LIMIT_PS
 from traceroof.discovery import Inputs
+from traceroof.codes import constant_categorical
 from traceroof.asyncends import async_notes
 from traceroof.host import HostEvents, HostTask, read_host, step_notes
 from traceroof.parallel import map_hosts
@@ -78,7 +79,7 @@ def _concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     cats = {c for f in frames for c in f.columns if isinstance(f[c].dtype, pd.CategoricalDtype)}
     out = pd.concat([f.drop(columns=[c for c in cats if c in f]) for f in frames], ignore_index=True)
     for c in cats:
-        parts = [pd.Categorical(f[c]) if c in f else pd.Categorical([None] * len(f)) for f in frames]
+        parts = [pd.Categorical(f[c]) if c in f else constant_categorical(None, len(f)) for f in frames]
         out[c] = union_categoricals(parts, ignore_order=True)
     return out[[c for c in frames[0].columns] + [c for c in out.columns if c not in frames[0].columns]]
 

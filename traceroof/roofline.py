@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip
-from traceroof.codes import first_rows, group_codes
+from traceroof.codes import constant_categorical, first_rows, group_codes
 
 
 def _usable(figure: object) -> bool:
@@ -40,7 +40,7 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     and ``arithmetic_intensity_flops_per_byte`` to ``ops`` (in place: the op table is large; no copy) and returns it.
     """
     out = ops
-    parts = [pd.Categorical(out[c]) if c in out else pd.Categorical([""] * len(out))
+    parts = [pd.Categorical(out[c]) if c in out else constant_categorical("", len(out))
              for c in ("category", "dtype", "dot_precision")]
     codes = group_codes(parts)  # peaks looked up once per distinct (category, dtype, precision)
     combos = [tuple(str(p.categories[p.codes[i]]) if p.codes[i] >= 0 else "nan" for p in parts)

@@ -24,6 +24,8 @@ import re
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import na_int64
+
 # PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
 LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnSingleDevice|Helper|Sharded|"
                           r"Portable)?(?: \((?P<module>[^()]*)\))?$")
@@ -223,8 +225,8 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     than the latest op end of the earlier steps, never after the step's own last op end) and the last op end of
     the step's events; NA for steps without ops. A span is never negative."""
     out = steps.copy()
-    out["device_start_ps"] = pd.array([pd.NA] * len(out), "Int64")
-    out["device_end_ps"] = pd.array([pd.NA] * len(out), "Int64")
+    out["device_start_ps"] = na_int64(len(out))
+    out["device_end_ps"] = na_int64(len(out))
     if out.empty:
         return out
     d = pd.DataFrame({"host": hosts, "step": ops_step, "first": when_ps, "last": end_ps})
