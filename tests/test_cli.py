@@ -167,3 +167,23 @@ def test_chips_lists_the_database_and_names_a_bad_user_chip_file(tmp_path, monke
     r = subprocess.run([sys.executable, "-m", "traceroof.cli", "chips"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "h100" in r.stdout.lower(), r.stderr
     assert "broken.toml" in r.stderr and r.stderr.startswith("traceroof: note: ")
+
+
+@pytest.mark.parametrize("args, says", [
+    (("analyze", "fixtures/transformer", "--jobs", "0"), "0 is not in the range x>=1; see 'traceroof analyze --help'"),
+    (("analyze", "fixtures/transformer", "--format", "xyz"), "'xyz' is not one of"),
+    (("analyze", "fixtures/transformer", "--bogus"), "No such option '--bogus'"),
+    (("nosuch",), "No such command 'nosuch'; see 'traceroof --help'"),
+    (("analyze", "fixtures/transformer", "--jobs", "2", "--dask", "tcp://127.0.0.1:1"), "--jobs 2 with --dask"),
+])
+def test_usage_errors_are_one_line_and_exit_2(args, says):
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("traceroof: error: ") and says in r.stderr, r.stderr
+
+
+def test_bare_command_shows_help_and_version_works():
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "Commands:" in r.stdout and "analyze" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli", "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and "traceroof, version" in r.stdout

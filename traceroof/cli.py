@@ -124,7 +124,30 @@ def _parallel_options(f: Callable) -> Callable:
                         help="Hosts read in parallel processes  [default: the cores this process may use]")(f)
 
 
-@click.group()
+class _Main(click.Group):
+    """The command group, with usage errors (an unknown option, a value out of range) as one line and exit 2
+    like every other bad input, instead of click's usage block."""
+
+    def main(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
+        kwargs["standalone_mode"] = False
+        try:
+            rc = super().main(*args, **kwargs)  # type: ignore[arg-type]
+        except click.exceptions.NoArgsIsHelpError as e:  # a bare `traceroof`: its help, as click does
+            click.echo(e.format_message())
+            sys.exit(2)
+        except click.UsageError as e:
+            where = f"; see '{e.ctx.command_path} --help'" if e.ctx is not None else ""
+            _fail(f"{e.format_message().rstrip('.')}{where}")
+        except click.ClickException as e:
+            _fail(e.format_message())
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        else:
+            sys.exit(rc if isinstance(rc, int) else 0)
+
+
+@click.group(cls=_Main)
 @click.version_option(package_name="traceroof")
 def main() -> None:
     """Roofline and per-layer efficiency reports for profiled XLA programs."""
@@ -335,4 +358,4 @@ def calibrate(output: str | None, name: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(prog_name="traceroof")

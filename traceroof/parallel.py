@@ -62,16 +62,19 @@ def map_hosts(fn: Callable[[T], R], items: Sequence[T], *, jobs: int | None = No
 
     ``jobs``: worker processes (None: :func:`cpu_count`); the pool never has more processes than items, and one
     job or one item runs in this process with no pool and no pickling. ``dask_address`` (``tcp://host:8786``)
-    runs the map on that Dask cluster instead, which then decides the parallelism (``jobs`` is only checked).
+    runs the map on that Dask cluster instead, which then decides the parallelism.
 
-    Raises: InputError for ``jobs`` < 1, for a worker process that died (the message names the items it was
-    running and says to run with fewer ``--jobs``) and for Dask trouble (extra not installed, scheduler not
+    Raises: InputError for ``jobs`` < 1 or given with ``dask_address``, for a worker process that died (the
+    message names the items it was running and says to run with fewer ``--jobs``) and for Dask trouble (extra not installed, scheduler not
     answering within :data:`DASK_CONNECT_TIMEOUT_S`, no workers, workers that cannot import traceroof, a
     worker killed). The first error ``fn`` raises is re-raised as is (a TraceroofError keeps its class and
     one-line message); the items not yet started are cancelled (those running finish first).
     """
     if jobs is not None and jobs < 1:
         raise InputError(f"--jobs {jobs}: must be 1 or more (leave --jobs out to use every core)")
+    if jobs is not None and dask_address is not None:
+        raise InputError(f"--jobs {jobs} with --dask: the Dask cluster's workers decide the parallelism; "
+                         "drop --jobs")
     items = list(items)
     if dask_address is not None:
         return _map_dask(fn, items, dask_address, label)
