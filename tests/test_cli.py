@@ -187,3 +187,11 @@ def test_bare_command_shows_help_and_version_works():
     assert r.returncode == 2 and "Commands:" in r.stdout and "analyze" in r.stdout
     r = subprocess.run([sys.executable, "-m", "traceroof.cli", "--version"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0 and "traceroof, version" in r.stdout
+
+
+def test_output_to_an_object_store_url_is_refused_in_one_line(tmp_path):
+    for args in (("analyze", "fixtures/transformer", "-o", "gs://bucket/report.json"),
+                 ("calibrate", "-o", "s3://bucket/chip.toml")):
+        r = subprocess.run([sys.executable, "-m", "traceroof.cli", *args], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert "reports are written to a local file" in r.stderr

@@ -89,12 +89,23 @@ def _inputs(paths: Sequence[str], hlo: Sequence[str] = (), chip: str | None = No
     return files
 
 
+def _local_output(output: str) -> None:
+    """Refuse an object-storage URL as ``-o``: reports are written atomically to local files."""
+    from parsers.storage import is_url
+
+    if is_url(output):
+        raise TraceroofError(f"-o {output}: reports are written to a local file; write it here and copy it "
+                             "(gsutil cp, aws s3 cp)")
+
+
 def _protected(output: str | None, *sides: tuple[Sequence[str], Sequence[str], str | None]) -> list[Path]:
     """The input files of ``sides`` (paths, HLO paths, chip) that ``-o`` must not name; none without ``-o``.
     Refuses at once, before the analysis runs."""
     if not output:
         return []
     from traceroof.report.output import refuse_inputs
+
+    _local_output(output)
 
     files = [f for side in sides for f in _inputs(*side)]
     refuse_inputs(output, files)
@@ -106,6 +117,7 @@ def _write(text: str, output: str | None, inputs: Sequence[Path] = ()) -> None:
     from traceroof.report.output import refuse_inputs, write_atomic
 
     if output:
+        _local_output(output)
         refuse_inputs(output, inputs)
         try:
             write_atomic(output, text)
@@ -350,6 +362,8 @@ def calibrate(output: str | None, name: str) -> None:
     """Measure this machine (matmul FLOP/s, vector FLOP/s, memory bandwidth) into a chip file."""
     from traceroof.chips import calibrate as measure, calibration_toml, host_cache_path
 
+    if output:
+        _local_output(output)
     path = Path(output) if output else host_cache_path()
     text = calibration_toml(measure(), name)
     path.parent.mkdir(parents=True, exist_ok=True)
