@@ -468,6 +468,34 @@ def _load_bytes(path: Location) -> Any:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
+def _truncation(buf: Any, why: str) -> str:
+    """When the field at the byte a wire error names is length-delimited and claims more bytes than the file
+    has, say so: the file is cut short (an interrupted copy or capture), not corrupt inside."""
+    m = re.search(r"at byte (\d+)", why)
+    if not m:
+        return ""
+    at, size, values = int(m.group(1)), len(buf), []
+    p = at
+    for _ in range(2):  # the key, then the length
+        v = shift = 0
+        while p < size and shift < 64:
+            b = buf[p]
+            p += 1
+            v |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+        else:
+            return ""
+        values.append(v)
+        if v & 7 != 2 and len(values) == 1:
+            return ""
+    if p + values[1] <= size:
+        return ""
+    return (f" (the field there claims {values[1]:,} bytes but the file ends {size - p:,} bytes later: the file is "
+            "cut short, e.g. an interrupted copy or capture)")
+
+
 def read_xspace(path: str | Path, decoder: str | None = None) -> XSpace:
     """Decode an ``.xplane.pb`` (or gzip-compressed ``.xplane.pb.gz``) file: a local path, or a URL
     (``gs://...``, read whole into memory through :mod:`parsers.storage`).
@@ -486,9 +514,9 @@ def read_xspace(path: str | Path, decoder: str | None = None) -> XSpace:
     size = len(buf)
 
     def bad(why: str) -> FormatError:
-        hint = ""
+        hint = _truncation(buf, why)
         if bytes(buf[: min(size, 65536)]).count(b"\xef\xbf\xbd") > 16:
-            hint = " (bytes >= 0x80 were replaced by U+FFFD: the file went through a text conversion)"
+            hint += " (bytes >= 0x80 were replaced by U+FFFD: the file went through a text conversion)"
         return FormatError(f"{p}: not a valid XSpace protobuf: {why}{hint}; pass an intact .xplane.pb")
 
     try:

@@ -99,6 +99,7 @@ def test_truncated_file_is_a_format_error(tmp_path):
         for p in xs.planes:
             p.events()
     assert "cut.xplane.pb" in str(err.value) and "\n" not in str(err.value)
+    assert "the file is cut short" in str(err.value)  # the plane at byte 0 claims more bytes than remain
 
 
 def test_text_mangled_file_is_named(tmp_path):
