@@ -335,3 +335,30 @@ def test_dask_with_relative_paths(tmp_path, dask_address: str, monkeypatch) -> N
                                   "--dask", dask_address])
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["summary"]["devices"] == 24
+
+
+def test_hosts_with_different_hlo_under_one_program_are_named_in_a_note(tmp_path) -> None:
+    """Two hosts whose program has the same id and name but other HLO (different runs put in one folder): the
+    report says so, naming the program and both hosts, instead of silently using the first host's HLO."""
+    import copy
+    import dataclasses
+
+    from traceroof.discovery import discover
+    from traceroof.host import HostTask, read_host
+    from traceroof.profile import merge_hosts
+
+    logdir = _pod(tmp_path)
+    inputs = discover([logdir], [ROOT / "fixtures" / "sharded_mlp" / "hlo"])
+    hosts = [read_host(HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files)) for p in inputs.profiles]
+    assert "hold different HLO" not in " ".join(merge_hosts(inputs, hosts).notes)
+    other = []
+    for m, how in hosts[2].modules:
+        m = copy.deepcopy(m)
+        comp = m.entry
+        inst = comp.instructions[-1]
+        comp.instructions[-1] = dataclasses.replace(inst, name=inst.name + ".other")
+        other.append((m, how))
+    hosts[2] = dataclasses.replace(hosts[2], modules=other)
+    notes = " ".join(merge_hosts(inputs, hosts).notes)
+    assert "hosts hold different HLO under the same program id and name" in notes
+    assert "host_a vs host_c" in notes and "analyze them separately" in notes

@@ -22,6 +22,7 @@ from parsers.xspace import DURATION_LIMIT_PS
 from traceroof.discovery import Inputs
 from traceroof.codes import constant_categorical
 from traceroof.asyncends import async_notes
+from traceroof.hlo_source import fingerprint
 from traceroof.host import HostEvents, HostTask, read_host, step_notes
 from traceroof.parallel import map_hosts
 
@@ -146,9 +147,20 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     notes += async_notes(counts) + _dedup([n for h in hosts for n in h.event_notes]) + step_notes(counts)
     notes += _dedup([n for h in hosts for n in h.hlo_notes])
     seen: dict[tuple, tuple[HloModule, str]] = {}
+    owner: dict[tuple, tuple[str, str]] = {}  # program -> (first host holding it, its fingerprint)
+    differing: list[str] = []
     for h in hosts:  # one module per program (id and name; by name without an id), as the hosts ran one program
         for m, how in h.modules:
-            seen.setdefault((m.program_id, m.name), (m, how))
+            key = (m.program_id, m.name)
+            if key not in seen:
+                seen[key] = (m, how)
+                owner[key] = (h.host, fingerprint(m)[0]) if len(hosts) > 1 else (h.host, "")
+            elif len(hosts) > 1 and fingerprint(m)[0] != owner[key][1]:
+                differing.append(f"{m.name} ({owner[key][0]} vs {h.host})")
+    if differing:
+        notes.append(f"hosts hold different HLO under the same program id and name: {', '.join(differing[:3])}"
+                     f"{' ...' if len(differing) > 3 else ''}; the first host's HLO is used for all - these look "
+                     "like different runs: analyze them separately")
     modules = [m for m, _ in seen.values()]
     hows = [how for _, how in seen.values()]
     superseded = frozenset().union(*(h.superseded for h in hosts))
