@@ -221,7 +221,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                     tuple(step_findings(summary, counted, per, target.kind) + outlier_findings(stats)
                           + layout_findings(counted, per)
                           + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")),
-                    coll_table, topo.describe(), per)
+                    coll_table, topo.describe(), per, counted)
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

@@ -63,7 +63,8 @@ class Summary:
 
 @dataclass(frozen=True, eq=False)
 class Analysis:
-    """Everything a report shows. ``ops`` is the op table (one row per op execution); ``layers`` the
+    """Everything a report shows. ``ops`` is the op table (one row per host, device, program, op, kernel and
+    step: :func:`traceroof.optable.build_op_table`); ``layers`` the
     per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps;
     ``collectives`` one row per collective op (see :func:`collectives_table`); ``topology`` the topology used;
     ``per_step_divisor`` turns op-table totals into per-step, per-device figures."""
@@ -78,10 +79,13 @@ class Analysis:
     collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
     topology: str = ""
     per_step_divisor: float = 1.0  # op-table totals / this = per step, per device (steps used x devices)
+    per_op_rows: pd.DataFrame | None = None  # per_op() of the counted rows of the used steps, when already made
 
     @property
     def op_stats(self) -> pd.DataFrame:
         """Per-step figures of every distinct op, keyed by what it is, not what it is called (see
         :func:`op_stats`): the table ``traceroof diff`` matches on."""
-        counted = self.ops[self.ops["counted"] & self.ops["step"].notna()]
-        return op_stats(per_op(counted), self.per_step_divisor)
+        rows = self.per_op_rows
+        if rows is None:
+            rows = per_op(self.ops[self.ops["counted"] & self.ops["step"].notna()])
+        return op_stats(rows, self.per_step_divisor)
