@@ -218,13 +218,14 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     )
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
-    breakdown = analysis_breakdown(profile, ops, timeline, steps, used)
+    breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used)
     return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
                     tuple(step_findings(summary, counted, per, target.kind) + outlier_findings(stats)
                           + layout_findings(counted, per)
                           + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")
                           + breakdown_findings(breakdown)),
-                    coll_table, topo.describe(), per, step_breakdown=breakdown)
+                    coll_table, topo.describe(), per, step_breakdown=breakdown,
+                    step_timeline=step_timeline)
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

@@ -36,6 +36,10 @@ LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed communication", "la
           "host_bound_s": "host-bound", "outside_program_s": "outside any program"}
 HOST_BOUND_FINDING_SHARE = 0.1  # host-bound idle above this share of the step: a finding
 IDLE_FINDING_SHARE = 0.2  # launch gaps + outside-program time above this share of the step: a finding
+ITEM_COLUMNS = ["step", "device", "kind", "start_s", "duration_s", "row"]
+MAX_DRAWN_STEPS = 6  # steps drawn in the HTML timeline: the median, the slowest, then the first ones
+MAX_DRAWN_DEVICES = 4  # devices drawn per step
+MAX_DRAWN_OPS = 4000  # op bars drawn over all steps and devices (the longest of each strip); the page says so
 Intervals = tuple[np.ndarray, np.ndarray]  # sorted, disjoint (start_ps, end_ps), from merge_intervals
 
 
@@ -147,10 +151,19 @@ def step_breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame,
     ``step``); ``timeline``: its events; ``run_id`` / ``launch_ps``: per event of the timeline (float, NaN when
     unknown); ``host_activity``: :func:`traceroof.hostactivity.host_activity` rows on the same clock; ``pairs``:
     async collective pairs."""
+    return _breakdown(ops, timeline, windows, run_id, launch_ps, host_activity, pairs)[0]
+
+
+def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run_id: np.ndarray | None,
+               launch_ps: np.ndarray | None, host_activity: pd.DataFrame | None,
+               pairs: dict[tuple[object, str], str] | None, draw: frozenset[int] = frozenset()
+               ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """:func:`step_breakdown`'s rows, and the :func:`timeline_items` of the steps in ``draw``."""
+    items: list[pd.DataFrame] = []
     share_cols = [f"host_bound_{k}_share" for k in HOST_KINDS]
     cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols]
     if windows.empty or not len(timeline):
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=cols), pd.DataFrame(columns=ITEM_COLUMNS)
     r = timeline.row
     counted = ops["counted"].to_numpy(bool)[r]
     dev_codes = pd.Categorical(ops["device"].astype(str)).codes
@@ -207,8 +220,25 @@ def step_breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame,
             "compute_s": c_ps * 1e-12, "exposed_comm_s": (busy_ps - c_ps) * 1e-12,
             "launch_gap_s": launch_gap * 1e-12, "host_bound_s": hb_ps * 1e-12,
             "outside_program_s": np.maximum(outside, 0) * 1e-12, **shares}))
+        for st, w0, w1 in zip(w["step"].to_numpy(np.int64), lo, hi):
+            if int(st) not in draw:
+                continue
+            win = (np.array([w0]), np.array([w1]))
+            sets = {"exposed communication": _minus(busy, compute), "launch gap": _minus(programs, busy),
+                    "host-bound": idle_host}
+            sets["outside any program"] = _minus(win, _union(busy, programs, idle_host))
+            sel = np.flatnonzero((e > w0) & (s < w1))
+            parts = [pd.DataFrame({"kind": "op", "start_ps": np.maximum(s[sel], w0), "end_ps": np.minimum(e[sel], w1),
+                                   "row": r[m][sel]})]
+            for kind, iv in sets.items():
+                a0, a1 = _intersect(iv, win)
+                parts.append(pd.DataFrame({"kind": kind, "start_ps": a0, "end_ps": a1, "row": -1}))
+            it = pd.concat(parts, ignore_index=True)
+            items.append(it.assign(step=int(st), device=d, start_s=(it["start_ps"] - w0) * 1e-12,
+                                   duration_s=(it["end_ps"] - it["start_ps"]) * 1e-12)[ITEM_COLUMNS])
     out = pd.concat(rows, ignore_index=True)[cols]
-    return out.sort_values(["step", "device"], kind="stable").reset_index(drop=True)
+    tl = pd.concat(items, ignore_index=True) if items else pd.DataFrame(columns=ITEM_COLUMNS)
+    return out.sort_values(["step", "device"], kind="stable").reset_index(drop=True), tl
 
 
 def _waiting_for_launch(ex: pd.DataFrame, programs: Intervals) -> Intervals:
@@ -299,10 +329,11 @@ def breakdown_delta(base: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
 
 
 def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd.DataFrame,
-                       used: tuple[int, ...]) -> pd.DataFrame:
+                       used: tuple[int, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`step_breakdown` of the ``used`` steps of an analysis (``profile``: the
     :class:`~traceroof.profile.Profile` the op table and timeline were built from; ``steps``: its steps, or the
-    one step the analysis made of a profile without markers)."""
+    one step the analysis made of a profile without markers), and the items of the HTML timeline
+    (:func:`timeline_items`)."""
     from traceroof.communication import _async_pairs
 
     device_host = dict(zip(ops["device"].astype(str), ops["host"].astype(str)))
@@ -312,5 +343,49 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     same = len(ev) == len(timeline)
     run_id = ev["run_id"].to_numpy(dtype="float64", na_value=np.nan) if same and "run_id" in ev else None
     launch = ev["launch_ps"].to_numpy(dtype="float64", na_value=np.nan) if same and "launch_ps" in ev else None
-    return step_breakdown(ops, timeline, windows, run_id, launch, profile.host_activity,
-                          _async_pairs(profile.modules))
+    devices = sorted(set(windows["device"]))[:MAX_DRAWN_DEVICES]
+    draw = _drawn_steps(windows)
+    rows, items = _breakdown(ops, timeline, windows[windows["device"].isin(devices) | ~windows["step"].isin(draw)],
+                             run_id, launch, profile.host_activity, _async_pairs(profile.modules), draw)
+    if len(set(windows["device"])) > len(devices):  # the devices not drawn: their rows only
+        more, _ = _breakdown(ops, timeline, windows[~windows["device"].isin(devices) & windows["step"].isin(draw)],
+                             run_id, launch, profile.host_activity, _async_pairs(profile.modules))
+        rows = pd.concat([rows, more], ignore_index=True).sort_values(["step", "device"], kind="stable") \
+            .reset_index(drop=True)
+    return rows, timeline_items(items, ops)
+
+
+def _drawn_steps(windows: pd.DataFrame) -> frozenset[int]:
+    """The steps the HTML timeline draws: the median and the slowest step, then the first ones."""
+    t = windows.assign(t=windows["end_ps"] - windows["start_ps"]).groupby("step")["t"].mean().sort_values(
+        kind="stable")
+    if t.empty:
+        return frozenset()
+    chosen = [int(t.index[(len(t) - 1) // 2]), int(t.index[-1])]
+    chosen += [int(x) for x in sorted(t.index) if int(x) not in chosen]
+    return frozenset(chosen[:MAX_DRAWN_STEPS])
+
+
+def timeline_items(items: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+    """What the HTML timeline draws: ``step``, ``device``, ``kind`` (``op`` or an idle / exposed-communication
+    kind), ``start_s`` (from the step's start), ``duration_s``, ``layer``, ``hlo_op`` (ops only). Op bars are
+    capped at :data:`MAX_DRAWN_OPS` over all strips (the longest of each strip kept); ``attrs["ops_total"]``
+    holds how many there were."""
+    cols = ["step", "device", "kind", "start_s", "duration_s", "layer", "hlo_op"]
+    if items.empty:
+        return pd.DataFrame(columns=cols)
+    is_op = items["kind"] == "op"
+    strips = max(items.loc[is_op, ["step", "device"]].drop_duplicates().shape[0], 1)
+    per_strip = max(MAX_DRAWN_OPS // strips, 1)
+    op_items = items[is_op].sort_values("duration_s", ascending=False, kind="stable") \
+        .groupby(["step", "device"], sort=False).head(per_strip)
+    kept = pd.concat([op_items, items[~is_op & (items["duration_s"] > 0)]]).sort_values(
+        ["step", "device", "start_s"], kind="stable")
+    row = kept["row"].to_numpy(np.int64)
+    layer = np.where(row >= 0, ops["layer"].astype(str).to_numpy()[np.maximum(row, 0)], "")
+    phase = np.where(row >= 0, ops["phase"].astype(str).to_numpy()[np.maximum(row, 0)], "")
+    op = np.where(row >= 0, ops["hlo_op"].astype(str).to_numpy()[np.maximum(row, 0)], "")
+    out = kept.assign(layer=[f"{x} ({p})" if x else "" for x, p in zip(layer, phase)], hlo_op=op)[cols] \
+        .reset_index(drop=True)
+    out.attrs["ops_total"] = int(is_op.sum())
+    return out
