@@ -4,6 +4,7 @@ timeline, the NNX fixture's host overhead as host-bound time, and the report sec
 from __future__ import annotations
 
 import json
+import re
 from functools import lru_cache
 
 import numpy as np
@@ -147,3 +148,26 @@ def test_json_and_text_sections() -> None:
     assert "Step breakdown" in text and "host-bound" in text and "slowest step 2" in text
     md = render(a, "markdown")
     assert "## Step breakdown" in md and "| mean |" in md
+
+
+def test_diff_shows_breakdown_deltas(tmp_path) -> None:
+    """From a saved JSON report to a profile: the mean step's components on both sides, signed deltas."""
+    from traceroof.diff import diff, side_from_analysis, side_from_json
+    from parsers.errors import FormatError
+    from traceroof.report import render
+    from traceroof.report.diff import render_diff_json, render_diff_text
+
+    base = tmp_path / "base.json"
+    base.write_text(render(analyzed("diff_base"), "json"))
+    r = diff(side_from_json(base), side_from_analysis(analyzed("diff_wide"), "wide"))
+    text = render_diff_text(r)
+    assert "Step breakdown (mean step, per device)" in text
+    rows = {x["component"]: x for x in json.loads(render_diff_json(r, False, ""))["step_breakdown"]}
+    new = analyzed("diff_wide").step_breakdown
+    assert rows["compute_s"]["new_s"] == pytest.approx(new["compute_s"].mean())
+    assert rows["step_time_s"]["delta_s"] > 0 and re.search(r"compute\s+\S+ ms\s+\S+ ms\s+\+", text)
+    doc = json.loads(base.read_text())
+    doc["step_breakdown"][0]["host_bound_s"] = -1.0
+    base.write_text(json.dumps(doc))
+    with pytest.raises(FormatError, match=r"step_breakdown\[0\]\.host_bound_s"):
+        side_from_json(base)

@@ -103,6 +103,6 @@ def test_timeline_draws_in_chromium(tmp_path) -> None:
     f.write_text(render(analyzed("sharded_mlp"), "html"))
     dom = _chromium(f, tmp_path, "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-1000:]
-    block = dom.stdout.split('id="step-timeline"', 1)[1][:40000]
+    block = dom.stdout.split('id="step-timeline"', 1)[1][:300000]
     assert "main-svg" in block and "step 1" in block  # drawn, with its step selector
     assert re.search(r'<div id="page-errors">\s*</div>', dom.stdout)

@@ -32,6 +32,7 @@ from traceroof.hostactivity import HOST_KINDS, inside, merge_intervals
 from traceroof.optable import Timeline
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
+BREAKDOWN_COLUMNS = ("step_time_s", *COMPONENTS)  # the numeric columns a saved report's rows must carry
 LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed communication", "launch_gap_s": "launch gaps",
           "host_bound_s": "host-bound", "outside_program_s": "outside any program"}
 HOST_BOUND_FINDING_SHARE = 0.1  # host-bound idle above this share of the step: a finding

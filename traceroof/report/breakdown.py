@@ -74,7 +74,7 @@ def breakdown_delta_table(base: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame
     d = breakdown_delta(base, new)
     return pd.DataFrame({"component": [LABELS.get(c, "step time") for c in d["component"]],
                          "base": d["base_s"].map(fmt_time), "new": d["new_s"].map(fmt_time),
-                         "delta": d["delta_s"].map(fmt_time)}) if len(d) else d
+                         "delta": d["delta_s"].map(lambda x: ("+" if x > 0 else "") + fmt_time(x))}) if len(d) else d
 
 
 def breakdown_diff_text(base: pd.DataFrame, new: pd.DataFrame, markdown: bool = False) -> list[str]:
