@@ -14,6 +14,7 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.storage import is_url
 from parsers.hlo_text import is_known_opcode
+from traceroof.breakdown import analysis_breakdown, breakdown_findings
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
 from traceroof.collectives import default_topology, expected_time, module_devices, parse_topology
 from traceroof.communication import _async_pairs, _latency_bound, collectives_table, communication_findings
@@ -217,11 +218,14 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     )
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
+    breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used)
     return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
                     tuple(step_findings(summary, counted, per, target.kind) + outlier_findings(stats)
                           + layout_findings(counted, per)
-                          + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")),
-                    coll_table, topo.describe(), per, counted)
+                          + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")
+                          + breakdown_findings(breakdown)),
+                    coll_table, topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown,
+                    step_timeline=step_timeline)
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

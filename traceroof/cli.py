@@ -185,11 +185,14 @@ def main() -> None:
               help="Model FLOPs of one step over all devices (e.g. 6·params·tokens) for the MFU; default: the "
                    "executed FLOPs without the rematerialised forward.")
 @click.option("-o", "--output", help="Write the report to this file instead of stdout.")
+@click.option("--wide", is_flag=True, help="Terminal report: every column and cell in full (default: fits 120 "
+                                           "columns, wide cells shortened with … and wide tables folded).")
 @_parallel_options
 @_guarded
 def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: int, expand: bool,
             warmup_steps: int, top: int, fmt: str, table: str, topology: str | None,
-            model_flops_per_step: float | None, output: str | None, jobs: int | None, dask: str | None) -> None:
+            model_flops_per_step: float | None, output: str | None, jobs: int | None, dask: str | None,
+            wide: bool = False) -> None:
     """Per-layer roofline report of a profile (.xplane.pb, run directory, logdir or trace JSON)."""
     from traceroof.analysis import analyze as run
     from traceroof.report import render
@@ -197,7 +200,7 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
     inputs = _protected(output, (paths, hlo, chip))
     a = run(list(paths), hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, top=top, topology=topology,
             model_flops_per_step=model_flops_per_step, expand=expand, jobs=jobs, dask_address=dask)
-    _write(render(a, fmt, table), output, inputs)
+    _write(render(a, fmt, table, wide), output, inputs)
 
 
 @main.command()

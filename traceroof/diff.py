@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -20,6 +20,7 @@ import pandas as pd
 
 from parsers.errors import FormatError, InputError
 from traceroof.analysis import Analysis, analyze
+from traceroof.breakdown import BREAKDOWN_COLUMNS
 from traceroof.opstats import OP_KEY
 
 NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
@@ -41,13 +42,14 @@ class Side:
     exposed_comm_per_step_s: float
     layers: pd.DataFrame
     op_stats: pd.DataFrame
+    step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown rows
 
 
 def side_from_analysis(a: Analysis, label: str) -> Side:
     """A side from an :class:`Analysis` in memory."""
     s = a.summary
     return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
-                a.layers, a.op_stats)
+                a.layers, a.op_stats, a.step_breakdown)
 
 
 def _number(value: object) -> float | None:
@@ -117,7 +119,8 @@ def side_from_json(path: Path) -> Side:
     chip = s.get("chip_id", "")
     return Side(str(path), chip if isinstance(chip, str) else str(chip), tuple(float(t) for t in times), step,
                 figures["flops_per_step"] or 0.0, figures["exposed_comm_per_step_s"] or 0.0,
-                _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS))
+                _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS),
+                _table(path, doc, "step_breakdown", BREAKDOWN_COLUMNS) if "step_breakdown" in doc else pd.DataFrame())
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,

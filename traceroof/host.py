@@ -19,6 +19,7 @@ from parsers.xspace import read_xspace
 from traceroof.asyncends import _bound_async_ends
 from traceroof.events import _host_of, _trace_json_events, _xspace_events
 from traceroof.hlo_source import check_dumps, embedded_hlo, parse_dumps, profile_hlo, reconcile, relevant_dumps
+from traceroof.hostactivity import host_activity
 from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
@@ -64,6 +65,7 @@ class HostEvents:
     counts: dict[str, int] = field(default_factory=dict)
     modules: list[tuple[HloModule, str]] = field(default_factory=list)
     superseded: frozenset[str] = frozenset()
+    host_activity: pd.DataFrame | None = None  # host threads' busy intervals (traceroof.hostactivity)
 
 
 def read_host(task: HostTask) -> HostEvents:
@@ -78,6 +80,7 @@ def read_host(task: HostTask) -> HostEvents:
         xs = read_xspace(task.path)
         ev, steps, kind, desc, ann, stats, counts = _xspace_events(xs)
         embedded = embedded_hlo(xs)
+        activity = host_activity(xs, _host_of(str(task.path)))
         read_notes += xs.notes
         start_ns, decoder = xs.profile_start_time_ns, xs.decoder
         del xs
@@ -88,11 +91,12 @@ def read_host(task: HostTask) -> HostEvents:
             read_notes.append(f"{storage.name(task.path)} holds exactly {len(tj.complete_events):,} events, a "
                               "trace-viewer cap: events were probably dropped; analyze the .xplane.pb instead")
         ev, steps, ann = _trace_json_events(tj, task.path, counts)
+        activity = None
         kind, desc, stats, embedded, start_ns, decoder = (
             "cpu", "host CPU (trace JSON: no plane stats, no program ids)", {}, [], None, "")
         del tj
     out = HostEvents(_host_of(str(task.path)), ev, steps, kind, desc, ann, stats, start_ns, decoder, read_notes,
-                     counts=counts)
+                     counts=counts, host_activity=activity)
     if ev.empty:
         return out
     long_ops = (ev["duration_ps"] > MAX_OP_EVENT_PS).to_numpy(bool)

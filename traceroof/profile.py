@@ -23,6 +23,7 @@ from traceroof.discovery import Inputs
 from traceroof.codes import constant_categorical
 from traceroof.asyncends import async_notes
 from traceroof.hlo_source import fingerprint
+from traceroof.hostactivity import empty_activity, shifted_activity
 from traceroof.host import HostEvents, HostTask, read_host, step_notes
 from traceroof.parallel import map_hosts
 
@@ -52,6 +53,7 @@ class Profile:
     hlo_sources: dict[str, int] = field(default_factory=dict)
     dump_sources: frozenset[str] = frozenset()  # HLO text files superseded by the profile's own HLO
     decoder: str = ""
+    host_activity: pd.DataFrame = field(default_factory=empty_activity)  # traceroof.hostactivity, one clock
 
 
 def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None = None) -> Profile:
@@ -174,4 +176,6 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     annotation = next((h.step_annotation for h in reversed(hosts) if h.step_annotation), "")
     return Profile(inputs, events, steps, modules, last.device_kind, last.device_description, annotation,
                    plane_stats, notes, {k: v for k, v in sources.items() if v}, superseded,
-                   ",".join(sorted({h.decoder for h in hosts} - {""})))
+                   ",".join(sorted({h.decoder for h in hosts} - {""})),
+                   shifted_activity([(h.host_activity, (s - base) * 1000 if s is not None and base is not None
+                                      else 0) for h, s in zip(hosts, starts) if not h.events.empty]))

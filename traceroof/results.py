@@ -80,6 +80,8 @@ class Analysis:
     topology: str = ""
     per_step_divisor: float = 1.0  # op-table totals / this = per step, per device (steps used x devices)
     per_op_rows: pd.DataFrame | None = None  # per_op() of the counted rows of the used steps, when already made
+    step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown, per step and device
+    step_timeline: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown.timeline_items (HTML)
 
     @property
     def op_stats(self) -> pd.DataFrame:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from traceroof.analysis import Analysis
 
 
-def render(a: Analysis, fmt: str, table: str = "layers") -> str:
+def render(a: Analysis, fmt: str, table: str = "layers", wide: bool = False) -> str:
     """Render an analysis as ``terminal``, ``markdown``, ``json``, ``csv`` (``table`` picks the CSV table) or
-    ``html`` (self-contained page with charts)."""
+    ``html`` (self-contained page with charts). The terminal report fits 120 columns unless ``wide``."""
     from traceroof.report.data import render_csv, render_json
     from traceroof.report.text import render_markdown, render_terminal
 
     if fmt == "terminal":
-        return render_terminal(a)
+        return render_terminal(a, None) if wide else render_terminal(a)
     if fmt == "markdown":
         return render_markdown(a)
     if fmt == "json":

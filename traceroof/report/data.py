@@ -63,6 +63,7 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     doc: dict[str, Any] = {"summary": summary, "depth": a.depth, "topology": a.topology}
     for t in tables:
         doc[t.replace("-", "_")] = records(table(a, t))
+    doc["step_breakdown"] = records(a.step_breakdown)  # traceroof.breakdown: per step and device
     doc["findings"] = list(a.findings)
     return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 

@@ -6,7 +6,9 @@ import json
 
 import pandas as pd
 
+from traceroof.breakdown import breakdown_delta
 from traceroof.diff import DiffResult
+from traceroof.report.breakdown import breakdown_diff_text
 from traceroof.report.data import clean_value, records
 from traceroof.report.safe import json_text, markdown as markdown_text, printable
 from traceroof.report.text import md_table, text_table, fmt_pct, fmt_si, fmt_time
@@ -49,6 +51,7 @@ def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False)
     out += [f"- {safe(c)}" for c in r.contributors]
     if gate_line:
         out.append(f"gate: {safe(gate_line)}")
+    out += breakdown_diff_text(r.base.step_breakdown, r.new.step_breakdown, markdown)
     out += ["", f"{h}Per layer (per step, per device)", table(_layers(r))]
     out += ["", f"{h}Matched ops with the largest changes", table(_ops(r))]
     if len(r.unmatched):
@@ -64,6 +67,7 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
                                                           "standard_error_s", "noise")}),
         "contributors": list(r.contributors), "gate": {"failed": failed, "reason": gate_line},
         "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
+        "step_breakdown": records(breakdown_delta(r.base.step_breakdown, r.new.step_breakdown)),
     }
     return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 

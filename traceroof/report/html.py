@@ -15,6 +15,7 @@ import pandas as pd
 
 from traceroof.analysis import Analysis
 from traceroof.report.safe import printable
+from traceroof.report.timeline import axis_labels, timeline_figure, timeline_html
 from traceroof.report.text import collectives_table, fmt_si, fmt_time, header_lines, layers_table, top_table
 
 PAGE_TEMPLATE = """<!DOCTYPE html>
@@ -168,8 +169,11 @@ def layer_bars_figure(a: Analysis) -> dict:
         sums = values.groupby(label).sum() / per
         y = [float(sums.get(k, 0.0)) * 1e3 for k in order]
         traces.append({"type": "bar", "name": esc(name), "x": [esc(k) for k in order], "y": y})
+    ticks = [esc(k) for k in order]
     return {"data": traces, "layout": {"barmode": "stack", "title": {"text": "Time per step by layer (ms)"},
-                                       "yaxis": {"title": {"text": "ms per step"}}, "margin": {"b": 160}}}
+                                       "yaxis": {"title": {"text": "ms per step"}}, "margin": {"b": 160},
+                                       "xaxis": {"tickvals": ticks, "ticktext": axis_labels(ticks),
+                                                 "automargin": True}}}
 
 
 def chart_script(figures: dict[str, dict]) -> str:
@@ -192,6 +196,8 @@ def plotlyjs_source() -> str:
 
 def render_html(a: Analysis) -> str:
     """The HTML report of an analysis (one self-contained file)."""
+    from traceroof.report.breakdown import breakdown_html
+
     s = a.summary
     head = "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in header_lines(a)) + "</dl>"
     layers_raw = a.layers[["layer", "phase", "time_per_step_s", "share_of_step", "flops_per_step",
@@ -201,6 +207,7 @@ def render_html(a: Analysis) -> str:
         "<h2>Summary</h2>", head,
         "<h2>Roofline</h2>", '<div id="roofline" class="chart"></div>',
         "<h2>Time per layer</h2>", '<div id="layer-bars" class="chart"></div>',
+        timeline_html(a), breakdown_html(a.step_breakdown),
         f"<h2>Per layer (named-scope depth {a.depth}; per step, per device)</h2>",
         table_html(layers_table(a), layers_raw, "layers-table"),
         f"<h2>Top {len(a.top_ops)} ops by median lost time</h2>", table_html(top_table(a), None, "top-ops-table"),
@@ -212,6 +219,7 @@ def render_html(a: Analysis) -> str:
     if s.notes:
         body += ["<h2>Missing or partial input</h2>", "<ul>" + "".join(f"<li>{esc(n)}</li>" for n in s.notes)
                  + "</ul>"]
-    charts = chart_script({"roofline": roofline_figure(a), "layer-bars": layer_bars_figure(a)})
+    charts = chart_script({"roofline": roofline_figure(a), "layer-bars": layer_bars_figure(a),
+                           **({"step-timeline": timeline_figure(a)} if len(a.step_timeline) else {})})
     return PAGE_TEMPLATE.format(title=esc(f"traceroof: {s.input}"), body="\n".join(body), plotlyjs=plotlyjs_source(),
                         charts=charts)

@@ -128,25 +128,92 @@ def top_table(a: Analysis) -> pd.DataFrame:
 
 
 MAX_CELL = 64  # terminal cells longer than this are shortened in the middle (Markdown/JSON/CSV keep them)
+TERMINAL_WIDTH = 120  # the terminal report fits this many columns unless --wide
+MIN_TEXT_CELL = 16  # text columns are shortened to no less than this (or their header) before a table folds
+LEFT = {"layer", "phase", "worst op", "op", "opcode", "category", "bound", "shape", "operands", "kind", "form",
+        "mode", "axes", "link", "component", "device", "ops (new)", "ops", "side", "matched by"}
 
 
-def _short(v: object) -> str:
+def _short(v: object, limit: int | None = MAX_CELL) -> str:
+    """A cell as printable text, cut in the middle with "…" when longer than ``limit`` (``None``: never)."""
     s = printable(v)
-    return s if len(s) <= MAX_CELL else s[: MAX_CELL // 2 - 1] + "…" + s[-(MAX_CELL // 2) :]
+    if limit is None or len(s) <= limit:
+        return s
+    head = (limit - 1) // 2
+    return s[:head] + "…" + s[len(s) - (limit - 1 - head):]
 
 
-def text_table(df: pd.DataFrame) -> str:
-    """A plain-text table, columns aligned, control characters escaped, long cells shortened in the middle."""
+def _shrunk(cols: list[str], widths: list[int], width: int) -> list[int] | None:
+    """Column widths with the widest text columns shortened (to no less than ``MIN_TEXT_CELL`` or their
+    header) so that the table fits ``width``; ``None`` when that is not enough."""
+    widths = list(widths)
+    floor = [max(len(c), MIN_TEXT_CELL) if c in LEFT else w for c, w in zip(cols, widths)]
+    while sum(widths) + 2 * (len(cols) - 1) > width:
+        i = max(range(len(cols)), key=lambda j: (widths[j] - floor[j], -j))
+        if widths[i] <= floor[i]:
+            return None
+        widths[i] -= 1
+    return widths
+
+
+def _key_columns(cells: list[list[str]], n_cols: int) -> list[int]:
+    """The first columns (at most three) that tell the rows apart: repeated in every block of a folded table."""
+    for k in range(1, min(3, n_cols - 1) + 1):
+        if len({tuple(r[:k]) for r in cells}) == len(cells):
+            return list(range(k))
+    return list(range(min(3, n_cols - 1)))
+
+
+def text_table(df: pd.DataFrame, width: int | None = TERMINAL_WIDTH) -> str:
+    """A plain-text table, columns aligned, control characters escaped. Within ``width`` columns (``None``: no
+    limit, every cell in full): cells longer than ``MAX_CELL`` are shortened in the middle with "…"; then, if
+    that makes the table fit, the widest text columns; else the table is folded into blocks that repeat the
+    key columns (the first ones that tell rows apart), each block after the first under a "continued" line."""
     if df.empty:
         return "(none)"
-    cols = list(df.columns)
-    cells = [[_short(v) for v in row] for row in df.itertuples(index=False)]
+    cols = [str(c) for c in df.columns]
+    cells = [[_short(v, None if width is None else MAX_CELL) for v in row] for row in df.itertuples(index=False)]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    left = {"layer", "phase", "worst op", "op", "opcode", "category", "bound", "shape", "operands", "kind", "form",
-            "mode", "axes", "link"}
-    def line(vals: list[str]) -> str:
-        return "  ".join(v.ljust(w) if c in left else v.rjust(w) for v, w, c in zip(vals, widths, cols)).rstrip()
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells])
+    blocks, key = [list(range(len(cols)))], []
+    if width and sum(widths) + 2 * (len(cols) - 1) > width:
+        fitted = _shrunk(cols, widths, width)
+        if fitted is not None:
+            widths = fitted
+        else:
+            key = _key_columns(cells, len(cols))
+            room = width - sum(widths[j] + 2 for j in key)
+            widths = [min(w, max(room, MIN_TEXT_CELL)) if i not in key else w for i, w in enumerate(widths)]
+            blocks, cur = [], list(key)
+            for i in range(len(key), len(cols)):
+                if len(cur) > len(key) and sum(widths[j] + 2 for j in cur) + widths[i] > width:
+                    blocks.append(cur)
+                    cur = list(key)
+                cur.append(i)
+            blocks.append(cur)
+    cells = [[_short(v, w) for v, w in zip(r, widths)] for r in cells]
+
+    def block(idx: list[int]) -> list[str]:
+        def line(vals: list[str]) -> str:
+            return "  ".join(vals[i].ljust(widths[i]) if cols[i] in LEFT else vals[i].rjust(widths[i])
+                             for i in idx).rstrip()
+        return [line(cols), line(["-" * w for w in widths])] + [line(r) for r in cells]
+
+    out = block(blocks[0])
+    for b in blocks[1:]:
+        shown = ", ".join(cols[j] for j in b if j not in key)
+        out += wrap(f"… continued: {shown} (--wide: one table)", width, "", "  ") + block(b)
+    return "\n".join(out)
+
+
+def wrap(text: str, width: int | None, first: str = "", rest: str = "") -> list[str]:
+    """``first`` + ``text`` as lines of at most ``width`` columns (``None``: one line), continued after
+    ``rest``."""
+    import textwrap
+
+    if width is None or len(first) + len(text) <= width:
+        return [first + text]
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest, break_on_hyphens=False) \
+        or [first]
 
 
 def md_table(df: pd.DataFrame) -> str:
@@ -158,27 +225,36 @@ def md_table(df: pd.DataFrame) -> str:
     return "\n".join(rows)
 
 
-def render_terminal(a: Analysis) -> str:
-    """Plain-text report for a terminal: header, per-layer table, top ops, findings and notes."""
+def render_terminal(a: Analysis, width: int | None = TERMINAL_WIDTH) -> str:
+    """Plain-text report for a terminal: header, per-layer table, top ops, findings and notes; within ``width``
+    columns (long lines wrapped, wide tables shortened and folded: :func:`text_table`), ``None`` for no limit."""
+    from traceroof.report.breakdown import breakdown_text
+
     out = ["traceroof: per-layer roofline report", ""]
-    width = max(len(k) for k, _ in header_lines(a))
-    out += [f"{k.ljust(width)}  {printable(v)}" for k, v in header_lines(a)]
-    out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", text_table(layers_table(a))]
-    out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a))]
+    pad = max(len(k) for k, _ in header_lines(a))
+    for k, v in header_lines(a):
+        out += wrap(printable(v), width, f"{k.ljust(pad)}  ", " " * (pad + 2))
+    out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", text_table(layers_table(a), width)]
+    out += breakdown_text(a.step_breakdown, width=width)
+    out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a), width)]
     if len(a.collectives):
-        out += ["", "Collectives (per step, per device)", text_table(collectives_table(a))]
+        out += ["", "Collectives (per step, per device)", text_table(collectives_table(a), width)]
     if a.findings:
-        out += ["", "Findings"] + [f"- {printable(f)}" for f in a.findings]
+        out += ["", "Findings"] + [x for f in a.findings for x in wrap(printable(f), width, "- ", "  ")]
     if a.summary.notes:
-        out += ["", "Missing or partial input"] + [f"- {printable(n)}" for n in a.summary.notes]
+        out += ["", "Missing or partial input"] + [x for n in a.summary.notes for x in wrap(printable(n), width,
+                                                                                           "- ", "  ")]
     return "\n".join(out) + "\n"
 
 
 def render_markdown(a: Analysis) -> str:
     """GitHub-flavoured Markdown report with the same content as the terminal report."""
+    from traceroof.report.breakdown import breakdown_text
+
     out = ["# traceroof: per-layer roofline report", ""]
     out += [f"- **{k or ' '}**: {markdown(v.replace('|', '/'))}" for k, v in header_lines(a)]
     out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", md_table(layers_table(a))]
+    out += breakdown_text(a.step_breakdown, markdown=True)
     out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]

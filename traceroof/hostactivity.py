@@ -1,0 +1,141 @@
+"""When the host threads were busy, from the host plane of an ``.xplane.pb`` (:func:`host_activity`): the Python
+thread that launches programs (``python``, and ``dispatch`` for its PjRt/PjitFunction launch events), the PjRt
+client threads (``dispatch``), the compiler threads (``compile``) and input-pipeline threads (``input``).
+
+Read by :mod:`traceroof.breakdown` to tell device idle time spent waiting for the host (host-bound) from idle
+time the host did not cause. Intervals are merged per kind, so the table stays small (hundreds of rows per host
+even with the Python tracer on). XLA:CPU op events (``hlo_op``) and the thunk executor's scaffolding are device
+work, not host work, and are left out; so are events where the host waits for the device (``Await``,
+``BlockHostUntilReady``): a host that waits is not what holds the device back.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+
+HOST_KINDS = ("python", "dispatch", "compile", "input")
+OP_WORKER_LINE = re.compile(r"^tf_XLAEigen|^XLA Ops$|^Stream")  # device work on XLA:CPU pools / device lines
+COMPILE_LINE = re.compile(r"compil|codegen", re.IGNORECASE)
+INPUT_LINE = re.compile(r"tf_data|tf\.data|grain|dataloader|input|prefetch", re.IGNORECASE)
+PJRT_LINE = re.compile(r"pjrt.*client", re.IGNORECASE)
+PYTHON_LINE = re.compile(r"^python|^MainThread$", re.IGNORECASE)
+# launch-side events on the launching thread (jax 0.4.3x-0.10 names)
+DISPATCH_EVENT = re.compile(r"PjitFunction\(|(?:\w+::)*\w*PjRt\w*(?:Executable|Client|Buffer)::|ExecutePrepare|"
+                            r"Handle inputs|Handle input event|AllocateOutputBuffers|ParseArguments|shard_args|"
+                            r"batched_copy_array|ExecuteReplicated")
+SCAFFOLD_EVENT = re.compile(r"end: |ThunkExecutor|ThreadpoolListener")
+WAIT_EVENT = re.compile(r".*(?:Await|BlockHostUntilReady|block_until_ready|WaitUntilReady)", re.IGNORECASE)
+COLUMNS = ("host", "kind", "start_ps", "end_ps")
+
+
+def empty_activity() -> pd.DataFrame:
+    """A host-activity table with no rows."""
+    return pd.DataFrame({"host": pd.Series([], dtype=object), "kind": pd.Series([], dtype=object),
+                         "start_ps": np.zeros(0, np.int64), "end_ps": np.zeros(0, np.int64)})
+
+
+def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals [start, end) as sorted, disjoint (start, end) int64 arrays."""
+    start, end = np.asarray(start, np.int64), np.asarray(end, np.int64)
+    keep = end > start
+    start, end = start[keep], end[keep]
+    if not len(start):
+        return start, end
+    order = np.argsort(start, kind="stable")
+    s, e = start[order], end[order]
+    run_end = np.maximum.accumulate(e)
+    new = np.ones(len(s), bool)
+    new[1:] = s[1:] > run_end[:-1]
+    grp = np.cumsum(new) - 1
+    me = np.zeros(int(grp[-1]) + 1, np.int64)
+    np.maximum.at(me, grp, e)
+    return s[new], me
+
+
+def subtract_intervals(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Merged intervals ``a`` less merged intervals ``b`` (both sorted and disjoint)."""
+    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
+    if len(pts) < 2:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    lo, hi = pts[:-1], pts[1:]
+    keep = inside(a, lo) & ~inside(b, lo)
+    return merge_intervals(lo[keep], hi[keep])
+
+
+def inside(s: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> np.ndarray:
+    """Whether each time ``t`` lies in one of the merged intervals ``s`` (start inclusive, end exclusive)."""
+    ms, me = s
+    i = np.searchsorted(ms, t, side="right") - 1
+    return (i >= 0) & (t < me[np.maximum(i, 0)]) if len(ms) else np.zeros(len(t), bool)
+
+
+def _line_kind(name: str) -> str | None:
+    if OP_WORKER_LINE.search(name):
+        return None
+    if COMPILE_LINE.search(name):
+        return "compile"
+    if INPUT_LINE.search(name):
+        return "input"
+    if PJRT_LINE.search(name):
+        return "dispatch"
+    return "python"  # decided below: only lines that launch programs, mark steps or are named python
+
+
+def host_activity(xs, host: str) -> pd.DataFrame:
+    """Busy intervals of ``host``'s host threads in an :class:`~parsers.xspace.XSpace`: ``host``, ``kind`` (one
+    of :data:`HOST_KINDS`), ``start_ps``, ``end_ps`` (the profile's clock, as op events), merged per kind. Empty
+    when the file has no ``/host:CPU`` plane. A line counts as the Python thread when it is named ``python*`` /
+    ``MainThread``, or holds launch events or step annotations (``step_num``)."""
+    cpu = xs.plane("/host:CPU")
+    if cpu is None:
+        return empty_activity()
+    parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in HOST_KINDS}
+    waits: list[tuple[np.ndarray, np.ndarray]] = []
+    for line in cpu.lines:
+        kind = _line_kind(line.name)
+        if kind is None or not line.event_count:
+            continue
+        ev = cpu.events(stats=("hlo_op", "step_num"), lines=[line])
+        names = pd.Categorical(ev["name"])
+        cats = [str(c) for c in names.categories]
+        codes = np.where(names.codes >= 0, names.codes, len(cats))
+
+        def by_name(pattern: re.Pattern) -> np.ndarray:
+            return np.array([pattern.match(c) is not None for c in cats] + [False])[codes]
+
+        dispatch = by_name(DISPATCH_EVENT)
+        if kind == "python" and not (PYTHON_LINE.search(line.name) or dispatch.any()
+                                     or ev["step_num"].notna().any()):
+            continue  # some other thread (GC, a profiler's own): not evidence of host work on the step
+        work = ev["hlo_op"].isna().to_numpy() & ~by_name(SCAFFOLD_EVENT)
+        wait = by_name(WAIT_EVENT)
+        start = ev["start_ps"].to_numpy(np.int64)
+        end = start + ev["duration_ps"].to_numpy(np.int64)
+        waits.append(merge_intervals(start[wait], end[wait]))
+        work &= ~wait
+        if kind == "python":
+            parts["dispatch"].append((start[work & dispatch], end[work & dispatch]))
+            work &= ~dispatch
+        parts[kind].append((start[work], end[work]))
+    wait_all = merge_intervals(*(np.concatenate(x) for x in zip(*waits))) if waits else None
+    rows = []
+    for kind, chunks in parts.items():
+        if not chunks:
+            continue
+        merged = merge_intervals(np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]))
+        if wait_all is not None and len(wait_all[0]):
+            merged = subtract_intervals(merged, wait_all)
+        if len(merged[0]):
+            rows.append(pd.DataFrame({"host": host, "kind": kind, "start_ps": merged[0], "end_ps": merged[1]}))
+    return pd.concat(rows, ignore_index=True) if rows else empty_activity()
+
+
+def shifted_activity(parts: list[tuple[pd.DataFrame | None, int]]) -> pd.DataFrame:
+    """The hosts' activity tables, each shifted by its offset (ps) onto the profile's one clock, as one table."""
+    frames = [a.assign(start_ps=a["start_ps"] + off, end_ps=a["end_ps"] + off) for a, off in parts
+              if a is not None and len(a)]
+    return pd.concat(frames, ignore_index=True) if frames else empty_activity()
