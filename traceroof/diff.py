@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import FormatError, InputError
+from traceroof.memory import memory_delta, memory_from_json
 from traceroof.analysis import Analysis, analyze
 from traceroof.opstats import OP_KEY
 
@@ -41,13 +42,14 @@ class Side:
     exposed_comm_per_step_s: float
     layers: pd.DataFrame
     op_stats: pd.DataFrame
+    memory: dict | None = None  # the JSON ``memory`` object (traceroof.memory)
 
 
 def side_from_analysis(a: Analysis, label: str) -> Side:
     """A side from an :class:`Analysis` in memory."""
     s = a.summary
     return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
-                a.layers, a.op_stats)
+                a.layers, a.op_stats, a.memory.to_json() if a.memory is not None else None)
 
 
 def _number(value: object) -> float | None:
@@ -117,7 +119,8 @@ def side_from_json(path: Path) -> Side:
     chip = s.get("chip_id", "")
     return Side(str(path), chip if isinstance(chip, str) else str(chip), tuple(float(t) for t in times), step,
                 figures["flops_per_step"] or 0.0, figures["exposed_comm_per_step_s"] or 0.0,
-                _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS))
+                _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS),
+                memory_from_json(path, doc.get("memory")))
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
@@ -157,6 +160,7 @@ class DiffResult:
     ops: pd.DataFrame
     unmatched: pd.DataFrame
     contributors: tuple[str, ...]
+    memory: dict | None = None  # peak memory and category deltas (traceroof.memory.memory_delta)
 
 
 def step_delta(base: Side, new: Side) -> StepDelta:
@@ -223,7 +227,8 @@ def diff(base: Side, new: Side) -> DiffResult:
     unmatched = pd.concat([only_b.assign(side="removed"), only_n.assign(side="added")], ignore_index=True)
     layers = _layer_deltas(base.layers, new.layers)
     step = step_delta(base, new)
-    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched)))
+    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched)),
+                      memory_delta(base.memory, new.memory))
 
 
 def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:

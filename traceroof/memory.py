@@ -431,13 +431,18 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     files = report_files(dump_file) if dump_file else {}
     devices = _devices(module)
 
-    def describe(name: str, size: int, category: str) -> Buffer:
+    def describe(value: str, size: int, category: str) -> Buffer:
+        name, _, index = value.partition("{")  # XLA's ``name{1}``: element 1 of a tuple-shaped instruction
         inst = module.instruction(name)
         info = scopes.get(name)
         layer = layers.get(name) or (inst.metadata.op_name if inst is not None and inst.opcode == "parameter"
                                      else info.scope)
-        return Buffer(name, inst.opcode if inst else "", layer, info.phase, str(inst.shape) if inst else "", size,
-                      category)
+        shape = inst.shape if inst is not None else None
+        for i in index.rstrip("}").split(","):
+            if shape is not None and i.strip().isdigit() and shape.is_tuple and int(i) < len(shape.tuple_shapes):
+                shape = shape.tuple_shapes[int(i)]
+        return Buffer(value if index.strip("}") else name, inst.opcode if inst else "", layer, info.phase,
+                      str(shape) if shape is not None else "", size, category)
 
     def category_of(name: str) -> str:
         inst = module.instruction(name)
@@ -454,7 +459,7 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
         xla_live = read_live_range(files["live-range"]) if "live-range" in files else None
         split = _split_assignment(ba, cats, xla_live, category_of)
         peak_values = xla_live.peak_values if xla_live else tuple((n, s) for n, s in ours.live)
-        largest = [describe(n.split("{")[0], s, category_of(n.split("{")[0])) for n, s in peak_values]
+        largest = [describe(n, s, category_of(n.split("{")[0])) for n, s in peak_values]
         largest = sorted(largest, key=lambda b: -b.size_bytes)[:TOP_BUFFERS]
         pm = ProgramMemory(module.name, module.program_id, devices, "xla_buffer_assignment", ba.total_bytes(), split,
                            tuple(largest), BookModel(0, 0, 0, 0),
@@ -645,3 +650,62 @@ def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None) -> Memo
             key = (int(pid) if not pd.isna(pid) else None, str(mod))
             layers.setdefault(key, {})[str(op)] = str(layer)
     return memory_view(profile.modules, profile.inputs.hlo_files, profile.inputs.profiles, ran, hbm_bytes, layers)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# diff: memory deltas
+# --------------------------------------------------------------------------------------------------------------
+
+def memory_from_json(path: object, memory: object) -> dict | None:
+    """The ``memory`` object of a saved JSON report, checked: ``peak_bytes_per_device`` and each category a
+    finite number >= 0 (or null). ``None`` when the report has none.
+
+    :raises FormatError: naming the file and the key."""
+    import math
+
+    from parsers.errors import FormatError
+
+    if memory is None:
+        return None
+    if not isinstance(memory, dict) or not isinstance(memory.get("categories", {}), dict):
+        raise FormatError(f"{path}: memory is not an object with categories; write the report with "
+                          "`traceroof analyze ... --format json -o base.json`")
+    figures = [("peak_bytes_per_device", memory.get("peak_bytes_per_device"))]
+    figures += [(f"categories.{k}", v) for k, v in memory.get("categories", {}).items()]
+    for key, v in figures:
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                              or v < 0):
+            raise FormatError(f"{path}: memory.{key} is {v!r}; expected a finite number of bytes >= 0")
+    return memory
+
+
+def memory_delta(base: Mapping | None, new: Mapping | None) -> dict | None:
+    """Peak memory per device and each category, base -> new, with the change in bytes and percent (``None``
+    unless both sides have a peak)."""
+    if not base or not new or base.get("peak_bytes_per_device") is None or new.get("peak_bytes_per_device") is None:
+        return None
+
+    def row(b: float, n: float) -> dict:
+        return {"base_bytes": b, "new_bytes": n, "delta_bytes": n - b,
+                "delta_pct": (n - b) / b * 100 if b else None}
+
+    cats = {c: row(float((base.get("categories") or {}).get(c) or 0), float((new.get("categories") or {}).get(c) or 0))
+            for c in CATEGORIES if (base.get("categories") or {}).get(c) or (new.get("categories") or {}).get(c)}
+    return {"peak_bytes_per_device": row(float(base["peak_bytes_per_device"]), float(new["peak_bytes_per_device"])),
+            "source": {"base": base.get("source"), "new": new.get("source")}, "categories": cats,
+            "headroom_bytes": {"base": base.get("headroom_bytes"), "new": new.get("headroom_bytes")}}
+
+
+def memory_delta_line(delta: Mapping | None) -> str:
+    """One line for a diff's summary: the peak's change and the categories that moved it most."""
+    if not delta:
+        return ""
+    from traceroof.report.memory import fmt_bytes
+
+    p = delta["peak_bytes_per_device"]
+    pct = f" ({p['delta_pct']:+.1f}%)" if p["delta_pct"] is not None else ""
+    movers = sorted(delta["categories"].items(), key=lambda kv: -abs(kv[1]["delta_bytes"]))
+    parts = [f"{c.replace('_', ' ')} {'+' if d['delta_bytes'] >= 0 else '-'}{fmt_bytes(abs(d['delta_bytes']))}"
+             for c, d in movers[:3] if d["delta_bytes"]]
+    return (f"peak memory per device {fmt_bytes(p['base_bytes'])} -> {fmt_bytes(p['new_bytes'])}{pct}"
+            + (f": {', '.join(parts)}" if parts else ""))

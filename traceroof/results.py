@@ -78,6 +78,7 @@ class Analysis:
     collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
     topology: str = ""
     per_step_divisor: float = 1.0  # op-table totals / this = per step, per device (steps used x devices)
+    memory: object = None  # traceroof.memory.MemoryView of the programs that ran (None for XProf exports)
 
     @property
     def op_stats(self) -> pd.DataFrame:

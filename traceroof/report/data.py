@@ -64,6 +64,8 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     for t in tables:
         doc[t.replace("-", "_")] = records(table(a, t))
     doc["findings"] = list(a.findings)
+    if a.memory is not None:
+        doc["memory"] = clean_value(a.memory.to_json())
     return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 
 

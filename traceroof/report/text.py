@@ -8,6 +8,7 @@ import pandas as pd
 
 from traceroof.analysis import Analysis
 from traceroof.report.safe import markdown, markdown_cell, printable
+from traceroof.report.memory import memory_markdown, memory_terminal
 
 
 def fmt_time(s: float) -> str:
@@ -167,6 +168,7 @@ def render_terminal(a: Analysis) -> str:
     out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a))]
     if len(a.collectives):
         out += ["", "Collectives (per step, per device)", text_table(collectives_table(a))]
+    out += memory_terminal(a.memory)
     if a.findings:
         out += ["", "Findings"] + [f"- {printable(f)}" for f in a.findings]
     if a.summary.notes:
@@ -182,6 +184,7 @@ def render_markdown(a: Analysis) -> str:
     out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
+    out += memory_markdown(a.memory)
     if a.findings:
         out += ["", "## Findings", ""] + [f"- {markdown(f)}" for f in a.findings]
     if a.summary.notes:
