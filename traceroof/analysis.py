@@ -23,6 +23,7 @@ from traceroof.export_analysis import analyze_export
 from traceroof.findings import layout_findings, step_findings
 from traceroof.hlo_source import HloMismatchError
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
+from traceroof.memory import analysis_memory
 from traceroof.optable import build_op_table, per_op
 from traceroof.opstats import execution_stats, outlier_findings, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
@@ -225,7 +226,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                           + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")
                           + breakdown_findings(breakdown)),
                     coll_table, topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown,
-                    step_timeline=step_timeline)
+                    step_timeline=step_timeline,
+                    memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")))
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import FormatError, InputError
+from traceroof.memory import memory_delta, memory_from_json
 from traceroof.analysis import Analysis, analyze
 from traceroof.breakdown import BREAKDOWN_COLUMNS
 from traceroof.opstats import OP_KEY
@@ -43,13 +44,15 @@ class Side:
     layers: pd.DataFrame
     op_stats: pd.DataFrame
     step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown rows
+    memory: dict | None = None  # the JSON ``memory`` object (traceroof.memory)
 
 
 def side_from_analysis(a: Analysis, label: str) -> Side:
     """A side from an :class:`Analysis` in memory."""
     s = a.summary
     return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
-                a.layers, a.op_stats, a.step_breakdown)
+                a.layers, a.op_stats, a.step_breakdown,
+                a.memory.to_json() if a.memory is not None else None)
 
 
 def _number(value: object) -> float | None:
@@ -120,7 +123,8 @@ def side_from_json(path: Path) -> Side:
     return Side(str(path), chip if isinstance(chip, str) else str(chip), tuple(float(t) for t in times), step,
                 figures["flops_per_step"] or 0.0, figures["exposed_comm_per_step_s"] or 0.0,
                 _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS),
-                _table(path, doc, "step_breakdown", BREAKDOWN_COLUMNS) if "step_breakdown" in doc else pd.DataFrame())
+                _table(path, doc, "step_breakdown", BREAKDOWN_COLUMNS) if "step_breakdown" in doc else pd.DataFrame(),
+                memory_from_json(path, doc.get("memory")))
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
@@ -160,6 +164,7 @@ class DiffResult:
     ops: pd.DataFrame
     unmatched: pd.DataFrame
     contributors: tuple[str, ...]
+    memory: dict | None = None  # peak memory and category deltas (traceroof.memory.memory_delta)
 
 
 def step_delta(base: Side, new: Side) -> StepDelta:
@@ -226,7 +231,8 @@ def diff(base: Side, new: Side) -> DiffResult:
     unmatched = pd.concat([only_b.assign(side="removed"), only_n.assign(side="added")], ignore_index=True)
     layers = _layer_deltas(base.layers, new.layers)
     step = step_delta(base, new)
-    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched)))
+    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched)),
+                      memory_delta(base.memory, new.memory))
 
 
 def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:

@@ -82,6 +82,7 @@ class Analysis:
     per_op_rows: pd.DataFrame | None = None  # per_op() of the counted rows of the used steps, when already made
     step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown, per step and device
     step_timeline: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown.timeline_items (HTML)
+    memory: object = None  # traceroof.memory.MemoryView of the programs that ran (None for XProf exports)
 
     @property
     def op_stats(self) -> pd.DataFrame:

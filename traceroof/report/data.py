@@ -65,6 +65,8 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
         doc[t.replace("-", "_")] = records(table(a, t))
     doc["step_breakdown"] = records(a.step_breakdown)  # traceroof.breakdown: per step and device
     doc["findings"] = list(a.findings)
+    if a.memory is not None:
+        doc["memory"] = clean_value(a.memory.to_json())
     return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 from traceroof.breakdown import breakdown_delta
 from traceroof.diff import DiffResult
 from traceroof.report.breakdown import breakdown_diff_text
+from traceroof.memory import memory_delta_line
 from traceroof.report.data import clean_value, records
 from traceroof.report.safe import json_text, markdown as markdown_text, printable
 from traceroof.report.text import md_table, text_table, fmt_pct, fmt_si, fmt_time
@@ -48,6 +49,7 @@ def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False)
     out = [("# " if markdown else "") + "traceroof diff", "",
            f"base: {safe(r.base.label)} ({safe(r.base.chip)}); new: {safe(r.new.label)} ({safe(r.new.chip)})",
            f"FLOPs per step {fmt_si(r.base.flops_per_step, 'FLOP')} -> {fmt_si(r.new.flops_per_step, 'FLOP')}"]
+    out += [safe(memory_delta_line(r.memory))] if r.memory else []
     out += [f"- {safe(c)}" for c in r.contributors]
     if gate_line:
         out.append(f"gate: {safe(gate_line)}")
@@ -69,6 +71,8 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
         "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
         "step_breakdown": records(breakdown_delta(r.base.step_breakdown, r.new.step_breakdown)),
     }
+    if r.memory:
+        doc["memory"] = clean_value(r.memory)
     return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 
 
@@ -87,7 +91,7 @@ def render_diff_html(r: DiffResult, gate_line: str = "") -> str:
     body = [
         "<h2>Summary</h2>",
         f"<p>base: {esc(r.base.label)} ({esc(r.base.chip)})<br>new: {esc(r.new.label)} ({esc(r.new.chip)})</p>",
-        "<ul>" + "".join(f"<li>{esc(c)}</li>" for c in r.contributors) + "</ul>",
+        "<ul>" + "".join(f"<li>{esc(c)}</li>" for c in r.contributors + (memory_delta_line(r.memory),) if c) + "</ul>",
         f"<p>gate: {esc(gate_line)}</p>" if gate_line else "",
         '<div id="layer-bars" class="chart"></div>',
         "<h2>Per layer</h2>", table_html(_layers(r), None, "layers-table"),

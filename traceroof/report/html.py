@@ -17,6 +17,7 @@ from traceroof.analysis import Analysis
 from traceroof.report.safe import printable
 from traceroof.report.timeline import axis_labels, timeline_figure, timeline_html
 from traceroof.report.text import collectives_table, fmt_si, fmt_time, header_lines, layers_table, top_table
+from traceroof.report.memory import memory_html
 
 PAGE_TEMPLATE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{title}</title>
@@ -214,6 +215,7 @@ def render_html(a: Analysis) -> str:
     ]
     if len(a.collectives):
         body += ["<h2>Collectives</h2>", table_html(collectives_table(a), None, "collectives-table")]
+    body += memory_html(a.memory)
     if a.findings:
         body += ["<h2>Findings</h2>", "<ul>" + "".join(f"<li>{esc(f)}</li>" for f in a.findings) + "</ul>"]
     if s.notes:

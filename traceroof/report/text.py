@@ -8,6 +8,7 @@ import pandas as pd
 
 from traceroof.analysis import Analysis
 from traceroof.report.safe import markdown, markdown_cell, printable
+from traceroof.report.memory import memory_markdown, memory_terminal
 
 
 def fmt_time(s: float) -> str:
@@ -239,6 +240,7 @@ def render_terminal(a: Analysis, width: int | None = TERMINAL_WIDTH) -> str:
     out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a), width)]
     if len(a.collectives):
         out += ["", "Collectives (per step, per device)", text_table(collectives_table(a), width)]
+    out += memory_terminal(a.memory, width)
     if a.findings:
         out += ["", "Findings"] + [x for f in a.findings for x in wrap(printable(f), width, "- ", "  ")]
     if a.summary.notes:
@@ -258,6 +260,7 @@ def render_markdown(a: Analysis) -> str:
     out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
+    out += memory_markdown(a.memory)
     if a.findings:
         out += ["", "## Findings", ""] + [f"- {markdown(f)}" for f in a.findings]
     if a.summary.notes:

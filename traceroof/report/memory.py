@@ -1,0 +1,101 @@
+"""The Memory section of the terminal, Markdown and HTML reports (:class:`~traceroof.memory.MemoryView`): the
+peak per device with its source and headroom, the category split, XLA's and traceroof's figures side by side,
+the book's model and why it differs, the largest buffers live at the peak, and allocator figures."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from traceroof.memory import CATEGORIES, MemoryView, ProgramMemory
+
+SOURCES = {"xla_buffer_assignment": "XLA's buffer assignment", "traceroof_live_ranges": "traceroof's live ranges"}
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes in decimal units (``4.33 MB``); ``-`` when unknown."""
+    if n is None or pd.isna(n):
+        return "-"
+    for unit, k in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= k:
+            return f"{n / k:.3g} {unit}"
+    return f"{int(n)} B"
+
+
+def _lines(view: MemoryView) -> list[tuple[str, str]]:
+    p = view.peak
+    if p is None:
+        return []
+    hbm = (f"of {fmt_bytes(view.hbm_bytes)} HBM: headroom {fmt_bytes(view.headroom_bytes)} "
+           f"({view.headroom_bytes / view.hbm_bytes:.1%})" if view.headroom_bytes is not None
+           else "(the chip's HBM capacity is unknown: no headroom)")
+    out = [("peak", f"{fmt_bytes(p.peak_bytes)} per device {hbm}; program {p.program}, from {SOURCES[p.source]}"),
+           ("split", ", ".join(f"{c.replace('_', ' ')} {fmt_bytes(p.categories[c])}" for c in CATEGORIES
+                               if p.categories.get(c)))]
+    checks = []
+    if p.xla_report_total_bytes is not None:
+        checks.append(f"XLA memory-usage report {fmt_bytes(p.xla_report_total_bytes)}")
+    if p.xla_live_range_peak_bytes is not None:
+        checks.append(f"XLA live-range peak {fmt_bytes(p.xla_live_range_peak_bytes)} (values, no packing)")
+    if p.source == "xla_buffer_assignment" and p.live_range_peak_bytes:
+        checks.append(f"traceroof live-range estimate {fmt_bytes(p.live_range_peak_bytes)} "
+                      f"({p.live_range_peak_bytes / p.peak_bytes:.2f}x)")
+    if checks:
+        out.append(("checks", "; ".join(checks)))
+    b = p.book
+    out.append(("book", f"parameters {fmt_bytes(b.parameters_bytes)} + optimizer state "
+                        f"{fmt_bytes(b.optimizer_state_bytes)} + gradients {fmt_bytes(b.gradients_bytes)} + saved "
+                        f"activations {fmt_bytes(b.activations_bytes)} = {fmt_bytes(b.total_bytes)} per device "
+                        "(How to Scale Your Model §5.1.1)"))
+    out += [("", line) for line in b.explanation]
+    for q in view.programs:
+        if q is not p:
+            out.append(("program", f"{q.program}: {fmt_bytes(q.peak_bytes)} from {SOURCES[q.source]}"))
+    out += [("note", n) for n in view.notes]
+    for a in view.allocators:
+        out.append(("allocator", f"{a.allocator}: at most {fmt_bytes(a.max_in_use_bytes)} in use during the trace, "
+                                 f"peak {fmt_bytes(a.peak_in_use_bytes)} since start, limit "
+                                 f"{fmt_bytes(a.limit_bytes)} ({a.events:,} events)"))
+    return out
+
+
+def buffers_table(p: ProgramMemory) -> pd.DataFrame:
+    """The largest buffers live at the peak, for display."""
+    return pd.DataFrame([{"buffer": b.name, "op": b.opcode, "layer": b.layer, "phase": b.phase, "shape": b.shape,
+                          "size": fmt_bytes(b.size_bytes), "category": b.category.replace("_", " ")}
+                         for b in p.largest])
+
+
+def memory_terminal(view: MemoryView | None, width: int | None = None) -> list[str]:
+    """Lines of the terminal report's Memory section (none without a view or program), folded to ``width``
+    columns (None: unfolded)."""
+    from traceroof.report.text import printable, text_table, wrap
+
+    if view is None or view.peak is None:
+        return []
+    lines = _lines(view)
+    pad = max(len(k) for k, _ in lines)
+    out = ["", "Memory (per device)"] + [x for k, v in lines
+                                        for x in wrap(printable(v), width, f"{k.ljust(pad)}  ", " " * (pad + 2))]
+    return out + ["", "Largest buffers live at the peak", text_table(buffers_table(view.peak), width)]
+
+
+def memory_markdown(view: MemoryView | None) -> list[str]:
+    """Lines of the Markdown report's Memory section."""
+    from traceroof.report.safe import markdown
+    from traceroof.report.text import md_table
+
+    if view is None or view.peak is None:
+        return []
+    out = ["", "## Memory (per device)", ""] + [f"- **{k or ' '}**: {markdown(v)}" for k, v in _lines(view)]
+    return out + ["", "Largest buffers live at the peak:", "", md_table(buffers_table(view.peak))]
+
+
+def memory_html(view: MemoryView | None) -> list[str]:
+    """HTML fragments of the report's Memory section."""
+    from traceroof.report.html import esc, table_html
+
+    if view is None or view.peak is None:
+        return []
+    dl = "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in _lines(view)) + "</dl>"
+    return ["<h2>Memory (per device)</h2>", dl, "<h3>Largest buffers live at the peak</h3>",
+            table_html(buffers_table(view.peak), None, "memory-buffers-table")]
