@@ -22,6 +22,7 @@ from traceroof.export_analysis import analyze_export
 from traceroof.findings import layout_findings, step_findings
 from traceroof.hlo_source import HloMismatchError
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
+from traceroof.mesh_book import book_on_mesh
 from traceroof.optable import build_op_table, per_op
 from traceroof.opstats import execution_stats, outlier_findings, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
@@ -217,11 +218,13 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     )
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
+    par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # the book on the mesh (traceroof.mesh_book)
     return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
                     tuple(step_findings(summary, counted, per, target.kind) + outlier_findings(stats)
                           + layout_findings(counted, per)
-                          + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")),
-                    coll_table, topo.describe(), per)
+                          + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")
+                          + list(par.findings if par else ())),
+                    coll_table, topo.describe(), per, parallelism=par)
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

@@ -78,6 +78,7 @@ class Analysis:
     collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
     topology: str = ""
     per_step_divisor: float = 1.0  # op-table totals / this = per step, per device (steps used x devices)
+    parallelism: object = None  # traceroof.mesh_book.ParallelismReport: strategy per mesh axis, the book's arithmetic
 
     @property
     def op_stats(self) -> pd.DataFrame:

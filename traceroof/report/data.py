@@ -63,6 +63,8 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     doc: dict[str, Any] = {"summary": summary, "depth": a.depth, "topology": a.topology}
     for t in tables:
         doc[t.replace("-", "_")] = records(table(a, t))
+    from traceroof.report.parallelism import parallelism_json
+    doc["parallelism"], doc["mesh_what_if"] = parallelism_json(a)
     doc["findings"] = list(a.findings)
     return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"
 

@@ -167,6 +167,8 @@ def render_terminal(a: Analysis) -> str:
     out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a))]
     if len(a.collectives):
         out += ["", "Collectives (per step, per device)", text_table(collectives_table(a))]
+    from traceroof.report.parallelism import parallelism_lines
+    out += parallelism_lines(a)
     if a.findings:
         out += ["", "Findings"] + [f"- {printable(f)}" for f in a.findings]
     if a.summary.notes:
@@ -182,6 +184,8 @@ def render_markdown(a: Analysis) -> str:
     out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
+    from traceroof.report.parallelism import parallelism_lines
+    out += parallelism_lines(a, md=True)
     if a.findings:
         out += ["", "## Findings", ""] + [f"- {markdown(f)}" for f in a.findings]
     if a.summary.notes:
