@@ -200,3 +200,40 @@ def test_tpu_hlo_pure_fsdp_llama_is_communication_bound() -> None:
     assert row.batch_per_device == 512 and row.bound == "communication"
     assert math.isclose(row.t_comm_s / row.t_math_s, 850 / 512, rel_tol=0.05)
     assert len(rep.findings) == 1 and "raise the per-device batch" in rep.findings[0]
+
+
+def test_report_section_every_format() -> None:
+    """A profiled fsdp4 x tp2 step judged on v5p: JSON rows with the issue's keys and the measured communication
+    beside the book's, what-ifs with one best, a finding per communication-bound axis, and the section in the
+    terminal, Markdown and HTML reports."""
+    from traceroof.analysis import analyze
+    from traceroof.report import render
+
+    a = analyze(FIXTURES / "par_fsdp4_tp2", chip="v5p", topology="2x2x2")
+    doc = json.loads(render(a, "json"))
+    rows = doc["parallelism"]
+    keys = {"axis", "size", "strategy", "batch_per_device", "critical_batch_per_device", "t_math_s", "t_comm_s",
+            "bound", "evidence"}
+    assert all(keys <= set(r) for r in rows)
+    assert [(r["axis"], r["size"], r["strategy"]) for r in rows] == [("axis0", 4, "fsdp"), ("axis1", 2, "tensor")]
+    fsdp = rows[0]
+    # 2550 x 2 (f32: 4 bytes per element) x 2 (2x2x2 has no wraparound: one-way links) / 2 ICI axes spanned
+    assert fsdp["batch_per_device"] == 40 and fsdp["critical_batch_per_device"] == pytest.approx(2550 * 2 * 2 / 2, 0.05)
+    assert fsdp["measured_comm_s"] > 0 and fsdp["expected_comm_s"] > 0 and fsdp["bound"] == "communication"
+    assert sum(w["best"] for w in doc["mesh_what_if"]) == 1
+    assert [w["name"] for w in doc["mesh_what_if"] if w["current"]] == ["fsdp4 x tp2"]
+    assert any(f.startswith("mesh axis axis0 (fsdp, 4-way) is communication-bound") for f in doc["findings"])
+    assert "axis1 (tensor): activations" in render(a, "terminal")
+    assert "## Parallelism" in render(a, "markdown")
+    assert 'id="parallelism-table"' in render(a, "html")
+
+
+def test_sequence_axis_gathers_tokens() -> None:
+    """Activations all-gathered along a token dimension (not the features) in the forward pass: sequence
+    parallelism; along the last (feature) dimension: tensor parallelism."""
+    for dim, want in ((0, "sequence"), (1, "tensor")):
+        shape = "f32[64,32]" if dim == 0 else "f32[8,256]"
+        m = _hlo(f"""  %ag = {shape}{{1,0}} all-gather(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={{{dim}}}, use_global_device_ids=true, metadata={{op_name="jit(f)/jvp(attn)/all_gather"}}""")
+        mesh = recover_mesh(m)
+        (s,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
+        assert s.strategy == want, (dim, s)
