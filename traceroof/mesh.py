@@ -141,13 +141,13 @@ def program_collectives(module: HloModule, devices: int | None = None) -> list[t
 
 def program_devices(module: HloModule, found: list) -> int:
     """The module header's device count, or (a module from a profile's HloProto has no header) one more than the
-    largest device id its collectives name."""
+    largest device id its collectives name (at most :data:`MAX_MESH_DEVICES`)."""
     n = module_devices(module)
     if n > 1:
         return n
     ids = [d for *_, c, _ in found for g in c.groups for d in g] + \
         [d for *_, c, _ in found for pair in c.source_target_pairs for d in pair]
-    return max(ids, default=0) + 1
+    return min(max(ids, default=0) + 1, MAX_MESH_DEVICES)
 
 
 def recover_mesh(module: HloModule) -> Mesh:
