@@ -24,6 +24,7 @@ from traceroof.findings import layout_findings, step_findings
 from traceroof.hlo_source import HloMismatchError
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
 from traceroof.memory import analysis_memory
+from traceroof.mesh_book import book_on_mesh
 from traceroof.optable import build_op_table, per_op
 from traceroof.opstats import execution_stats, outlier_findings, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
@@ -220,14 +221,16 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
     breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used)
+    par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # the book on the mesh (traceroof.mesh_book)
     return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
                     tuple(step_findings(summary, counted, per, target.kind) + outlier_findings(stats)
                           + layout_findings(counted, per)
                           + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")
-                          + breakdown_findings(breakdown)),
+                          + breakdown_findings(breakdown) + list(par.findings if par else ())),
                     coll_table, topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown,
                     step_timeline=step_timeline,
-                    memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")))
+                    memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")),
+                    parallelism=par)
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

@@ -83,6 +83,7 @@ class Analysis:
     step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown, per step and device
     step_timeline: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown.timeline_items (HTML)
     memory: object = None  # traceroof.memory.MemoryView of the programs that ran (None for XProf exports)
+    parallelism: object = None  # traceroof.mesh_book.ParallelismReport: strategy per mesh axis, the book's arithmetic
 
     @property
     def op_stats(self) -> pd.DataFrame:

@@ -64,6 +64,8 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     for t in tables:
         doc[t.replace("-", "_")] = records(table(a, t))
     doc["step_breakdown"] = records(a.step_breakdown)  # traceroof.breakdown: per step and device
+    from traceroof.report.parallelism import parallelism_json
+    doc["parallelism"], doc["mesh_what_if"] = parallelism_json(a)
     doc["findings"] = list(a.findings)
     if a.memory is not None:
         doc["memory"] = clean_value(a.memory.to_json())

@@ -216,6 +216,8 @@ def render_html(a: Analysis) -> str:
     if len(a.collectives):
         body += ["<h2>Collectives</h2>", table_html(collectives_table(a), None, "collectives-table")]
     body += memory_html(a.memory)
+    from traceroof.report.parallelism import parallelism_html
+    body += parallelism_html(a)
     if a.findings:
         body += ["<h2>Findings</h2>", "<ul>" + "".join(f"<li>{esc(f)}</li>" for f in a.findings) + "</ul>"]
     if s.notes:

@@ -241,6 +241,8 @@ def render_terminal(a: Analysis, width: int | None = TERMINAL_WIDTH) -> str:
     if len(a.collectives):
         out += ["", "Collectives (per step, per device)", text_table(collectives_table(a), width)]
     out += memory_terminal(a.memory, width)
+    from traceroof.report.parallelism import parallelism_lines
+    out += parallelism_lines(a, width=width)
     if a.findings:
         out += ["", "Findings"] + [x for f in a.findings for x in wrap(printable(f), width, "- ", "  ")]
     if a.summary.notes:
@@ -261,6 +263,8 @@ def render_markdown(a: Analysis) -> str:
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
     out += memory_markdown(a.memory)
+    from traceroof.report.parallelism import parallelism_lines
+    out += parallelism_lines(a, md=True)
     if a.findings:
         out += ["", "## Findings", ""] + [f"- {markdown(f)}" for f in a.findings]
     if a.summary.notes:

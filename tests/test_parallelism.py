@@ -1,0 +1,239 @@
+"""Strategy per mesh axis on real sharded steps (fixtures/generate_parallel.py), mesh recovery from every
+replica-group form, and the book's thresholds (How to Scale Your Model §5, §6, §12.4) reproduced from the chip
+files within ±5 %, on formulas and on hand-written TPU-sized HLO."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from parsers.hlo_text import parse_hlo_file, parse_hlo_text
+from tests.conftest import FIXTURES
+from traceroof.book_math import (Link, axis_link, critical_batch_data, fsdp_tp_critical_batch, optimal_fsdp,
+                                 tensor_parallel_limit, training_memory)
+from traceroof.chips import get_chip
+from traceroof.collectives import parse_topology
+from traceroof.mesh import group_factors, recover_mesh
+from traceroof.mesh_book import book_on_mesh
+from traceroof.parallelism import classify_axes, collect_evidence, state_params
+
+PAR = sorted(p.name for p in FIXTURES.glob("par_*"))
+
+
+def _module(name: str):
+    (m,) = parse_hlo_file(next((FIXTURES / name / "hlo").glob("*jit_train_step*")))
+    return m
+
+
+@pytest.mark.parametrize("name", PAR)
+def test_fixture_strategies(name: str) -> None:
+    """Each profiled step's mesh and per-axis strategy are the ones it was written with (facts.json)."""
+    cfg = json.loads((FIXTURES / name / "facts.json").read_text())["config"]
+    m = _module(name)
+    mesh = recover_mesh(m)
+    assert [a.size for a in mesh.axes] == cfg["mesh"] and mesh.regular
+    got = [s.strategy for s in classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))]
+    assert got == [cfg["strategy"][axis] for axis in cfg["axes"]]
+
+
+def test_fixture_evidence_and_sizes() -> None:
+    """Evidence names what was seen (XLA:CPU's all-reduce + dynamic-slice for FSDP gradients); D, F, L and the
+    tokens per device come out of the HLO."""
+    m = _module("par_fsdp8")
+    mesh = recover_mesh(m)
+    (row,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
+    assert "weights all-gathered before use" in row.evidence and "dynamic-slice" in row.evidence
+    v5p = get_chip("v5p")
+    rep = book_on_mesh([m], v5p, parse_topology("2x2x2", v5p))
+    s = rep.sizes
+    assert (s.d_model, s.d_ff, s.layers, s.tokens, s.tokens_per_device) == (128, 384, 2, 160, 20)
+    assert rep.rows[0].bound == "communication" and rep.findings and "fewer fsdp ways" in rep.findings[0]
+    assert sum(w.best for w in rep.what_if) == 1 and any(w.current and w.name == "fsdp8" for w in rep.what_if)
+
+
+def test_mesh_forms() -> None:
+    """Explicit lists, iota ``[G,S]<=[dims]T(perm)`` and ``mesh[...]`` groups give the same 4 x 2 mesh; groups that
+    fit no row-major mesh become one axis per partition."""
+    assert group_factors((0, 1, 4, 5)) == ((1, 2), (4, 2)) and group_factors((0, 1, 3)) is None
+    forms = {"explicit": "{{0,2,4,6},{1,3,5,7}}", "iota": "[2,4]<=[4,2]T(1,0)", "mesh": "mesh['a'=4,'b'=2] {'a'}"}
+    for form, groups in forms.items():
+        m = _hlo(f"""  %ag = f32[8,4]{{1,0}} all-gather(%p), channel_id=1, replica_groups={groups}, dimensions={{0}}, use_global_device_ids=true
+  %ar = f32[8,4]{{1,0}} all-reduce(%ag), channel_id=2, replica_groups=[4,2]<=[8], use_global_device_ids=true, to_apply=%add""")
+        mesh = recover_mesh(m)
+        assert [(a.size, a.stride) for a in mesh.axes] == [(4, 2), (2, 1)], form
+        assert [pc.axes for pc in mesh.collectives] == [("axis0",), ("axis1",)], form
+    odd = recover_mesh(_hlo("""  %ar = f32[2,4]{1,0} all-reduce(%p), channel_id=2, replica_groups={{0,3},{1,2},{4,7},{5,6}}, use_global_device_ids=true, to_apply=%add"""))
+    assert not odd.regular and [a.size for a in odd.axes] == [2] and "permuted" in odd.note
+
+
+def _hlo(body: str, devices: int = 8):
+    text = f"""HloModule t, num_partitions={devices}
+
+%add (x: f32[], y: f32[]) -> f32[] {{
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}}
+
+ENTRY %main (p: f32[2,4]) -> f32[2,4] {{
+  %p = f32[2,4]{{1,0}} parameter(0)
+{body}
+  ROOT %r = f32[2,4]{{1,0}} copy(%p)
+}}
+"""
+    (m,) = parse_hlo_text(text)
+    return m
+
+
+# -- the book's numbers from the chip files -------------------------------------------------------------------
+
+def _close(got: float, book: float) -> bool:
+    return abs(got - book) <= 0.05 * book
+
+
+def test_book_thresholds_from_chip_files() -> None:
+    """§5: v5p C/W_ici = 2550 (850 over 3 axes); TP limit F/2550 ≈ 11 for F ≈ 28.7k-30k; FSDP+TP 2·2550²/F = 453
+    (LLaMA 3-70B, §6); X_opt = 1618; DCN ≈ 76,000 per pod's chip (§5 Between Pods); §12.4.1 H100 ≈ 2200 in a node,
+    ≈ 2475 across nodes. Every figure from traceroof/chips/*.toml through the topology model."""
+    v5p = get_chip("v5p")
+    c = v5p.peak_for("bf16")[0]
+    one = axis_link(v5p, parse_topology("16x16x16", v5p), tuple(range(16)))
+    assert one.axes == 1 and one.name == "ICI"
+    assert _close(critical_batch_data(c, one), 2550)
+    three = axis_link(v5p, parse_topology("4x4x4", v5p), tuple(range(64)))
+    assert three.axes == 3 and _close(critical_batch_data(c, three), 850)
+    assert _close(tensor_parallel_limit(c, one, 30_000), 30_000 / 2550) and _close(tensor_parallel_limit(c, one, 28_672), 11)
+    two = Link(one.bandwidth_bytes_per_s, 2, "ICI")
+    assert _close(fsdp_tp_critical_batch(c, two, one, 28_672), 453)
+    assert _close(optimal_fsdp(4 * 1024 * 1024, 28_672, 8960, 2, 1), 1618)
+    dcn = axis_link(v5p, parse_topology("2x4x4x4", v5p), (0, 64))
+    assert dcn.name == "DCN" and _close(critical_batch_data(c, dcn), 76_000)
+    h100 = get_chip("h100")
+    c = h100.peak_for("bf16")[0]
+    assert _close(critical_batch_data(c, axis_link(h100, parse_topology("8x2", h100), tuple(range(8)))), 2200)
+    assert _close(critical_batch_data(c, axis_link(h100, parse_topology("8x2", h100), (0, 8))), 2475)
+
+
+def test_book_llama_memory() -> None:
+    """§6: LLaMA 3-70B, 4M-token batch, 4 checkpoints per layer: 140 GB params + 560 GB Adam + 20.9 TB checkpoints
+    ≈ 21.6 TB, ≈ 2.4 GB per chip on 8960 v5p chips (gradients are counted beside, the book leaves them out)."""
+    whole = training_memory(70e9, 4e6, 8192, 80, 1, 1, 2, 8, checkpoints_per_layer=4)
+    assert _close(whole.params_bytes, 140e9) and _close(whole.optimizer_bytes, 560e9)
+    assert _close(whole.activations_bytes, 20.9e12)
+    book_total = whole.params_bytes + whole.optimizer_bytes + whole.activations_bytes
+    assert _close(book_total, 21.6e12) and _close(book_total / 8960, 2.4e9)
+
+
+def _tpu_step(devices: int, x: int, y: int, d: int, f: int, tokens_per_device: int) -> str:
+    """A bf16 MLP training step of a FSDP (x ways, major) x tensor (y ways, minor) mesh as XLA prints it: weights
+    all-gathered over x before the dots, activations all-reduced over y, gradients all-reduced over x."""
+    dx, fy = d // x, f // y
+    fsdp = f"[{y},{x}]<=[{x},{y}]T(1,0)" if y > 1 else f"[1,{x}]<=[{x}]"
+    tp = f"[{x},{y}]<=[{devices}]"
+    tensor = f"""
+  %h = bf16[{tokens_per_device},{fy}]{{1,0}} dot(%x, %wi), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/jvp(mlp)/dot_general"}}
+  %o = bf16[{tokens_per_device},{d}]{{1,0}} dot(%h, %wo), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/jvp(mlp)/dot_general"}}
+  %ar = bf16[{tokens_per_device},{d}]{{1,0}} all-reduce(%o), channel_id=3, replica_groups={tp}, use_global_device_ids=true, to_apply=%add, metadata={{op_name="jit(step)/jvp(mlp)/dot_general"}}""" if y > 1 else f"""
+  %h = bf16[{tokens_per_device},{fy}]{{1,0}} dot(%x, %wi), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/jvp(mlp)/dot_general"}}
+  %ar = bf16[{tokens_per_device},{d}]{{1,0}} dot(%h, %wo), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/jvp(mlp)/dot_general"}}"""
+    tiles_in = f"devices=[{x},{y}]<=[{devices}]"
+    tiles_out = f"devices=[{y},{x}]<=[{x},{y}]T(1,0)"
+    return f"""HloModule step, num_partitions={devices}, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias) }}
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {{
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}}
+
+ENTRY %main (wi0: bf16[{dx},{fy}], wo0: bf16[{fy},{dx}], x: bf16[{tokens_per_device},{d}]) -> (bf16[{dx},{fy}], bf16[{fy},{dx}]) {{
+  %wi0 = bf16[{dx},{fy}]{{1,0}} parameter(0), sharding={{{tiles_in}}}
+  %wo0 = bf16[{fy},{dx}]{{1,0}} parameter(1), sharding={{{tiles_out}}}
+  %x = bf16[{tokens_per_device},{d}]{{1,0}} parameter(2), sharding={{devices=[{x},1,{y}]<=[{devices}] last_tile_dim_replicate}}
+  %wi = bf16[{d},{fy}]{{1,0}} all-gather(%wi0), channel_id=1, replica_groups={fsdp}, dimensions={{0}}, use_global_device_ids=true, metadata={{op_name="jit(step)/jvp(mlp)/dot_general"}}
+  %wo = bf16[{fy},{d}]{{1,0}} all-gather(%wo0), channel_id=2, replica_groups={fsdp}, dimensions={{1}}, use_global_device_ids=true, metadata={{op_name="jit(step)/jvp(mlp)/dot_general"}}{tensor}
+  %gw = bf16[{d},{fy}]{{1,0}} dot(%x, %h), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/transpose(jvp(mlp))/dot_general"}}
+  %gr = bf16[{d},{fy}]{{1,0}} all-reduce(%gw), channel_id=4, replica_groups={fsdp}, use_global_device_ids=true, to_apply=%add, metadata={{op_name="jit(step)/transpose(jvp(mlp))/dot_general"}}
+  %pid = u32[] partition-id()
+  %zero = u32[] constant(0)
+  %gs = bf16[{dx},{fy}]{{1,0}} dynamic-slice(%gr, %pid, %zero), dynamic_slice_sizes={{{dx},{fy}}}
+  %nwi = bf16[{dx},{fy}]{{1,0}} subtract(%wi0, %gs)
+  ROOT %out = (bf16[{dx},{fy}]{{1,0}}, bf16[{fy},{dx}]{{1,0}}) tuple(%nwi, %wo0)
+}}
+"""
+
+
+def test_tpu_hlo_llama_fsdp_tp() -> None:
+    """LLaMA 3-70B's MLP (D = 8192, F = 28,672) as 256-way FSDP x 4-way tensor parallelism on a v5p 4x16x16 slice
+    (tensor on the 4-wrap x axis, FSDP over y and z: M_X·M_Y = 2), 468 tokens per chip as in §6: the strategies,
+    the FSDP+TP threshold 2·2550²/F = 453 (the step is just above it), α/M_X = 1275 per device and F/2550 ≈ 11
+    tensor ways come out of the HLO within ±5 %."""
+    x, y, n = 256, 4, 1024
+    m, = parse_hlo_text(_tpu_step(n, x, y, 8192, 28_672, 468 * n // x))
+    v5p = get_chip("v5p")
+    rep = book_on_mesh([m], v5p, parse_topology("4x16x16", v5p))
+    assert [(r.axis, r.size, r.strategy) for r in rep.rows] == [("axis0", 256, "fsdp"), ("axis1", 4, "tensor")]
+    fsdp, tensor = rep.rows
+    assert (fsdp.link_axes, tensor.link_axes) == (2, 1)
+    assert _close(fsdp.critical_batch_per_device, 2550 / 2) and fsdp.batch_per_device == 468 * 4
+    assert _close(tensor.max_ways, 28_672 / 2550) and tensor.bound == "compute"
+    assert (rep.sizes.d_model, rep.sizes.d_ff, rep.sizes.tokens) == (8192, 28_672, 468 * n)
+    note = next(n for n in rep.notes if "4α²" in n)
+    crit = float(note.split("= ")[1].split(" tokens")[0].replace(",", ""))
+    assert _close(crit, 453) and "compute-bound" in note
+    assert not rep.findings
+    best = next(w for w in rep.what_if if w.best)
+    assert best.tensor > 1 and best.fsdp > 1  # the book's answer: mix FSDP and tensor parallelism
+
+
+def test_tpu_hlo_pure_fsdp_llama_is_communication_bound() -> None:
+    """§6: pure FSDP of LLaMA 3-70B with a 4M-token batch over a full 3D pod is communication-bound (512 tokens per
+    chip on 8192 v5p chips, 16x16x32, below 2550/3 = 850), with the book's remedy as a finding."""
+    n = 8192
+    m, = parse_hlo_text(_tpu_step(n, n, 1, 8192, 28_672, 4 * 1024 * 1024 // n))
+    v5p = get_chip("v5p")
+    rep = book_on_mesh([m], v5p, parse_topology("16x16x32", v5p))
+    (row,) = rep.rows
+    assert row.strategy == "fsdp" and row.link_axes == 3 and _close(row.critical_batch_per_device, 850)
+    assert row.batch_per_device == 512 and row.bound == "communication"
+    assert math.isclose(row.t_comm_s / row.t_math_s, 850 / 512, rel_tol=0.05)
+    assert len(rep.findings) == 1 and "raise the per-device batch" in rep.findings[0]
+
+
+def test_report_section_every_format() -> None:
+    """A profiled fsdp4 x tp2 step judged on v5p: JSON rows with the issue's keys and the measured communication
+    beside the book's, what-ifs with one best, a finding per communication-bound axis, and the section in the
+    terminal, Markdown and HTML reports."""
+    from traceroof.analysis import analyze
+    from traceroof.report import render
+
+    a = analyze(FIXTURES / "par_fsdp4_tp2", chip="v5p", topology="2x2x2")
+    doc = json.loads(render(a, "json"))
+    rows = doc["parallelism"]
+    keys = {"axis", "size", "strategy", "batch_per_device", "critical_batch_per_device", "t_math_s", "t_comm_s",
+            "bound", "evidence"}
+    assert all(keys <= set(r) for r in rows)
+    assert [(r["axis"], r["size"], r["strategy"]) for r in rows] == [("axis0", 4, "fsdp"), ("axis1", 2, "tensor")]
+    fsdp = rows[0]
+    # 2550 x 2 (f32: 4 bytes per element) x 2 (2x2x2 has no wraparound: one-way links) / 2 ICI axes spanned
+    assert fsdp["batch_per_device"] == 40 and fsdp["critical_batch_per_device"] == pytest.approx(2550 * 2 * 2 / 2, 0.05)
+    assert fsdp["measured_comm_s"] > 0 and fsdp["expected_comm_s"] > 0 and fsdp["bound"] == "communication"
+    assert sum(w["best"] for w in doc["mesh_what_if"]) == 1
+    assert [w["name"] for w in doc["mesh_what_if"] if w["current"]] == ["fsdp4 x tp2"]
+    assert any(f.startswith("mesh axis axis0 (fsdp, 4-way) is communication-bound") for f in doc["findings"])
+    assert "axis1 (tensor): activations" in render(a, "terminal")
+    assert "## Parallelism" in render(a, "markdown")
+    assert 'id="parallelism-table"' in render(a, "html")
+
+
+def test_sequence_axis_gathers_tokens() -> None:
+    """Activations all-gathered along a token dimension (not the features) in the forward pass: sequence
+    parallelism; along the last (feature) dimension: tensor parallelism."""
+    for dim, want in ((0, "sequence"), (1, "tensor")):
+        shape = "f32[64,32]" if dim == 0 else "f32[8,256]"
+        m = _hlo(f"""  %ag = {shape}{{1,0}} all-gather(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={{{dim}}}, use_global_device_ids=true, metadata={{op_name="jit(f)/jvp(attn)/all_gather"}}""")
+        mesh = recover_mesh(m)
+        (s,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
+        assert s.strategy == want, (dim, s)

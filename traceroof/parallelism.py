@@ -1,0 +1,267 @@
+"""The parallelism strategy of every mesh axis, read from what the program communicates over it and when.
+
+Rules (How to Scale Your Model, "How to Parallelize a Transformer for Training": the algorithms of the data
+parallelism, FSDP, tensor parallelism and pipelining sections; the MoE all-to-all of "Training LLaMA"'s GPU
+chapter, §12.4.3):
+
+* ``expert``: tokens exchanged by all-to-all over the axis;
+* ``pipeline``: activations sent by collective-permute between the axis' devices (one hop between stages);
+* ``tensor``: activations (arrays that are no weight's shape) all-reduced / all-gathered / reduce-scattered over
+  the axis inside a layer (Megatron: ``In[B, D_Y]`` gathered, ``Out`` reduce-scattered or all-reduced);
+  ``sequence`` when the activations are gathered along a token dimension rather than the feature dimension;
+* ``fsdp``: weights (entry parameters or their shards) all-gathered over the axis before a matmul uses them,
+  gradients reduced over it;
+* ``data``: weight gradients all-reduced over the axis (or reduce-scattered, which XLA:CPU lowers as all-reduce
+  + dynamic-slice, and the updated weights all-gathered), weights never gathered before use;
+* ``unknown``: anything else (e.g. only scalars reduced), with the evidence.
+
+"Weights" are the step's state: entry parameters that are aliased to outputs (donated) or returned with the same
+shape; a collective carries weights (or their gradients) when one of its arrays has a weight's local, global or
+partially gathered shape (size-1 dimensions dropped). The backward pass is what JAX names ``transpose(...)`` in
+the op metadata.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+
+from parsers.hlo import Computation, HloModule, Instruction, Shape
+from traceroof.mesh import Mesh, PlacedCollective
+
+STRATEGIES = ("data", "fsdp", "tensor", "sequence", "pipeline", "expert", "unknown")
+SCALAR_ELEMENTS = 64  # collectives of arrays this small (loss, norms, counters) say nothing about the strategy
+
+
+def squeeze(dims: tuple[int, ...]) -> tuple[int, ...]:
+    """Dimensions without the size-1 ones (a stage's ``[1, D, F]`` slice is a ``[D, F]`` weight)."""
+    return tuple(d for d in dims if d != 1)
+
+
+def sharding_tiles(text: str, rank: int) -> tuple[int, ...]:
+    """Per-dimension tile counts of an HLO ``sharding={...}`` (``devices=[4,1,2]<=[8] last_tile_dim_replicate``
+    -> (4, 1)); all ones for ``replicated``/``maximal`` or text of another form."""
+    m = re.search(r"devices=\[([\d,]+)\]", text or "")
+    if not m:
+        return (1,) * rank
+    tiles = [int(x) for x in m.group(1).split(",")]
+    if "last_tile_dim_replicate" in text:
+        tiles = tiles[:-1]
+    extra = re.search(r"last_tile_dims=\{([^}]*)\}", text)
+    if extra:
+        tiles = tiles[: len(tiles) - len([x for x in extra.group(1).split(",") if x.strip()])]
+    return tuple(tiles) if len(tiles) == rank else (1,) * rank
+
+
+@dataclass(frozen=True)
+class StateParam:
+    """An entry parameter that is part of the step's state: ``local`` dims (per device), ``global_dims`` (from
+    its sharding), ``dtype``, and ``weight`` when it reaches a matmul (else optimizer state)."""
+
+    number: int
+    name: str
+    local: tuple[int, ...]
+    global_dims: tuple[int, ...]
+    dtype: str
+    bytes_local: int
+    weight: bool
+
+
+def _users(comp: Computation) -> dict[str, list[Instruction]]:
+    out: dict[str, list[Instruction]] = {}
+    for inst in comp.instructions:
+        for op in inst.operands:
+            out.setdefault(op, []).append(inst)
+    return out
+
+
+def _calls_opcode(module: HloModule, inst: Instruction, opcodes: tuple[str, ...], depth: int = 0) -> bool:
+    """``inst`` is one of ``opcodes`` or a fusion/call whose body holds one (nested up to 3 levels)."""
+    if inst.opcode in opcodes:
+        return True
+    if depth > 3 or inst.opcode not in ("fusion", "call", "async-start"):
+        return False
+    for name in inst.called:
+        comp = module.computations.get(name)
+        if comp is not None and any(_calls_opcode(module, i, opcodes, depth + 1) for i in comp.instructions):
+            return True
+    return False
+
+
+def _reaches(module: HloModule, comp: Computation, users: dict[str, list[Instruction]], start: Instruction,
+             opcodes: tuple[str, ...], hops: int) -> bool:
+    """A value reaches an instruction of ``opcodes`` (or a fusion holding one) within ``hops`` users."""
+    frontier, seen = [start], {start.name}
+    for _ in range(hops):
+        nxt = []
+        for inst in frontier:
+            for u in users.get(inst.name, ()):
+                if _calls_opcode(module, u, opcodes):
+                    return True
+                if u.name not in seen:
+                    seen.add(u.name)
+                    nxt.append(u)
+        frontier = nxt
+    return False
+
+
+MATMULS = ("dot", "convolution")
+
+
+def state_params(module: HloModule) -> list[StateParam]:
+    """The entry parameters that are state: aliased to an output (``input_output_alias``) or returned with their
+    shape; ``weight`` marks those that reach a matmul within 4 users (the rest: optimizer state)."""
+    entry = module.entry
+    params = entry.parameters()
+    aliased = {int(x) for x in re.findall(r"\}\s*:\s*\(\s*(\d+)\s*,", module.attrs.get("input_output_alias", ""))}
+    out_shapes = {(leaf.element_type, leaf.dims) for leaf in entry.root.shape.leaves()} if entry.root else set()
+    users = _users(entry)
+    out = []
+    for number, p in sorted(params.items()):
+        if p.shape.is_tuple or not p.shape.dims:
+            continue
+        if number not in aliased and (p.shape.element_type, p.shape.dims) not in out_shapes:
+            continue
+        tiles = sharding_tiles(p.attrs.get("sharding", ""), len(p.shape.dims))
+        out.append(StateParam(number, p.metadata.op_name or p.name, p.shape.dims,
+                              tuple(d * t for d, t in zip(p.shape.dims, tiles)), p.shape.element_type,
+                              p.shape.byte_size(), _reaches(module, entry, users, p, MATMULS, 4)))
+    if out and not any(s.weight for s in out):  # no matmul found (e.g. inside loops): all state counts as weights
+        out = [StateParam(s.number, s.name, s.local, s.global_dims, s.dtype, s.bytes_local, True) for s in out]
+    return out
+
+
+def weight_shapes(params: list[StateParam]) -> set[tuple[int, ...]]:
+    """Every shape a weight (or its gradient) can have on a device: local, global and each partial gather."""
+    shapes = set()
+    for p in params:
+        choices = [sorted({loc, glob}) for loc, glob in zip(p.local, p.global_dims)]
+        if len(choices) > 6:
+            shapes |= {squeeze(p.local), squeeze(p.global_dims)}
+            continue
+        shapes |= {squeeze(tuple(c)) for c in itertools.product(*choices)}
+    return shapes
+
+
+@dataclass
+class AxisEvidence:
+    """What runs over one axis: bytes per device per step and op names, by kind of evidence."""
+
+    bytes: dict[str, float] = field(default_factory=dict)
+    ops: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: float, op: str) -> None:
+        """Count a collective under ``kind``."""
+        self.bytes[kind] = self.bytes.get(kind, 0.0) + nbytes
+        self.ops.setdefault(kind, []).append(op)
+
+
+EVIDENCE_TEXT = {
+    "weights_gathered": "weights all-gathered before use",
+    "weights_gathered_after_update": "updated weights all-gathered",
+    "grads_all_reduced": "gradients all-reduced",
+    "grads_reduce_scattered": "gradients reduce-scattered",
+    "grads_all_reduce_sliced": "gradients all-reduced + dynamic-slice (a reduce-scatter as XLA:CPU lowers it)",
+    "activations": "activations all-reduced/gathered/scattered inside layers",
+    "activations_tokens": "activations gathered along a token dimension",
+    "permute": "activations sent by collective-permute (one hop)",
+    "all_to_all": "tokens exchanged by all-to-all",
+    "weights_other": "weights communicated otherwise",
+    "scalars": "scalars reduced (loss, norms)",
+}
+
+
+def _leaves(inst: Instruction) -> list[Shape]:
+    return [s for s in inst.shape.leaves() if s.element_type != "token" and s.dims]
+
+
+def collect_evidence(module: HloModule, mesh: Mesh, params: list[StateParam]) -> dict[str, AxisEvidence]:
+    """Evidence per axis name from every placed collective (a collective over several axes counts on each)."""
+    shapes = weight_shapes(params)
+    out = {a.name: AxisEvidence() for a in mesh.axes}
+    users_of: dict[str, dict[str, list[Instruction]]] = {}
+    for pc in mesh.collectives:
+        comp = module.computations[pc.computation]
+        inst = comp.by_name[pc.name]
+        users = users_of.setdefault(comp.name, _users(comp))
+        kind = _evidence_kind(module, comp, users, inst, pc, shapes)
+        nbytes = max(pc.collective.bytes_in, pc.collective.bytes_out) * pc.executions
+        for axis in pc.axes:
+            out[axis].add(kind, nbytes, pc.name)
+    return out
+
+
+def _evidence_kind(module: HloModule, comp: Computation, users: dict[str, list[Instruction]], inst: Instruction,
+                   pc: PlacedCollective, shapes: set[tuple[int, ...]]) -> str:
+    c = pc.collective
+    leaves = _leaves(inst) or [s for s in inst.operand_shapes if s is not None]
+    arrays = [s for s in leaves if s.elements > SCALAR_ELEMENTS]
+    if not arrays:
+        return "scalars"
+    if c.kind in ("all-to-all", "ragged-all-to-all"):
+        return "all_to_all"
+    weightlike = any(squeeze(s.dims) in shapes for s in arrays)
+    if c.kind in ("collective-permute", "send", "recv"):
+        return "weights_other" if weightlike else "permute"
+    backward = "transpose(" in pc.op_name
+    if weightlike:
+        if c.kind == "all-gather":
+            return "weights_gathered" if _reaches(module, comp, users, inst, MATMULS, 3) \
+                else "weights_gathered_after_update"
+        if c.kind == "reduce-scatter":
+            return "grads_reduce_scattered"
+        if c.kind == "all-reduce":
+            sliced = _reaches(module, comp, users, inst, ("dynamic-slice",), 2)
+            return "grads_all_reduce_sliced" if sliced else "grads_all_reduced"
+        return "weights_other"
+    if c.kind == "all-gather" and not backward:
+        dims = inst.attr_ints("dimensions")
+        out = arrays[0]
+        if dims and dims[0] != len(out.dims) - 1:
+            return "activations_tokens"
+    return "activations"
+
+
+@dataclass(frozen=True)
+class AxisStrategy:
+    """One axis' strategy and the evidence (one line: what runs over it, bytes per device per step, ops)."""
+
+    axis: str
+    size: int
+    strategy: str
+    evidence: str
+
+
+def classify_axes(mesh: Mesh, evidence: dict[str, AxisEvidence]) -> list[AxisStrategy]:
+    """The strategy of every axis (module docstring rules, in that order of precedence)."""
+    out = []
+    for a in mesh.axes:
+        ev = evidence.get(a.name, AxisEvidence())
+        b = ev.bytes
+        grads = sum(b.get(k, 0.0) for k in ("grads_all_reduced", "grads_reduce_scattered", "grads_all_reduce_sliced"))
+        acts = b.get("activations", 0.0) + b.get("activations_tokens", 0.0)
+        if b.get("all_to_all"):
+            strategy = "expert"
+        elif b.get("permute"):
+            strategy = "pipeline"
+        elif acts > b.get("weights_gathered", 0.0):
+            strategy = "sequence" if b.get("activations_tokens", 0.0) > b.get("activations", 0.0) else "tensor"
+        elif b.get("weights_gathered"):
+            strategy = "fsdp"
+        elif grads:
+            strategy = "data"
+        else:
+            strategy = "unknown"
+        parts = [f"{EVIDENCE_TEXT[k]} ({_mb(v)}, {_names(ev.ops[k])})"
+                 for k, v in sorted(b.items(), key=lambda kv: -kv[1])]
+        out.append(AxisStrategy(a.name, a.size, strategy, "; ".join(parts) or "no collective runs over it"))
+    return out
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.3g} MB/step" if nbytes >= 1e5 else f"{nbytes / 1e3:.3g} kB/step"
+
+
+def _names(ops: list[str]) -> str:
+    return ", ".join(ops[:3]) + (f" +{len(ops) - 3}" if len(ops) > 3 else "")
