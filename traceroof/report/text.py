@@ -7,6 +7,7 @@ import math
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.report.findings import TOP, markdown_top, rest_lines, terminal_top
 from traceroof.report.safe import markdown, markdown_cell, printable
 
 
@@ -159,16 +160,18 @@ def md_table(df: pd.DataFrame) -> str:
 
 
 def render_terminal(a: Analysis) -> str:
-    """Plain-text report for a terminal: header, per-layer table, top ops, findings and notes."""
+    """Plain-text report for a terminal: header, top findings, per-layer table, top ops, the other findings and
+    notes."""
     out = ["traceroof: per-layer roofline report", ""]
     width = max(len(k) for k, _ in header_lines(a))
     out += [f"{k.ljust(width)}  {printable(v)}" for k, v in header_lines(a)]
+    out += terminal_top(a)
     out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", text_table(layers_table(a))]
     out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a))]
     if len(a.collectives):
         out += ["", "Collectives (per step, per device)", text_table(collectives_table(a))]
-    if a.findings:
-        out += ["", "Findings"] + [f"- {printable(f)}" for f in a.findings]
+    if len(a.findings) > TOP:
+        out += ["", "More findings"] + rest_lines(a, printable)
     if a.summary.notes:
         out += ["", "Missing or partial input"] + [f"- {printable(n)}" for n in a.summary.notes]
     return "\n".join(out) + "\n"
@@ -178,12 +181,13 @@ def render_markdown(a: Analysis) -> str:
     """GitHub-flavoured Markdown report with the same content as the terminal report."""
     out = ["# traceroof: per-layer roofline report", ""]
     out += [f"- **{k or ' '}**: {markdown(v.replace('|', '/'))}" for k, v in header_lines(a)]
+    out += markdown_top(a)
     out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", md_table(layers_table(a))]
     out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
     if len(a.collectives):
         out += ["", "## Collectives (per step, per device)", "", md_table(collectives_table(a))]
-    if a.findings:
-        out += ["", "## Findings", ""] + [f"- {markdown(f)}" for f in a.findings]
+    if len(a.findings) > TOP:
+        out += ["", "## More findings", ""] + rest_lines(a, markdown)
     if a.summary.notes:
         out += ["", "## Missing or partial input", ""] + [f"- {markdown(n)}" for n in a.summary.notes]
     return "\n".join(out) + "\n"
