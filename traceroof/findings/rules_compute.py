@@ -74,7 +74,8 @@ def dtype_upcast(x: FindingInputs) -> list[Finding]:
     slow = float(np.nanmax(rows["peak_flops_per_s"])) if rows["peak_flops_per_s"].notna().any() else float("nan")
     gain = 1 - slow / fast if fast and slow > 0 and fast > slow else 0.0
     lost = conv_s + mm_s * gain
-    cpu = x.chip is not None and x.chip.kind == "cpu"
+    # XLA:CPU converts bf16 dots itself: the profile's backend, whatever chip it is projected onto
+    cpu = (x.chip is not None and x.chip.kind == "cpu") or "XLA:CPU" in str(x.analysis.summary.device)
     evidence = [f"{len(rows)} matmul op(s) run in f32 on {kind} data: {fmt_s(mm_s)} per step",
                 f"{len(conv)} convert-only op(s) feeding them: {fmt_s(conv_s)} per step",
                 f"peaks: f32 {slow:.3g} FLOP/s, {kind} {fast:.3g} FLOP/s" if fast else "", *shapes]

@@ -181,7 +181,7 @@ def remat_cost(x: FindingInputs) -> list[Finding]:
     evidence = [f"{len(rows)} recomputed op(s), {flops:.3g} FLOPs per step",
                 f"keeping their outputs instead: up to {fmt_bytes(held)} more activations per step and device"
                 if held else ""]
-    title = f"recomputing the forward pass (remat) takes {fmt_s(t)} per step ({share(t, x.step_s)})"
+    title = f"recomputing the forward pass (remat) takes {fmt_s(t)} per step"
     advice = ("if HBM has room, save more and recompute less: jax.checkpoint(f, policy=jax.checkpoint_policies."
               "dots_with_no_batch_dims_saveable) keeps the matmul outputs, save_only_these_names keeps what you "
               "tag with checkpoint_name; or remat fewer layers (nn.remat / nn.scan policy)")
