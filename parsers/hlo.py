@@ -357,3 +357,14 @@ class HloModule:
             return f"{inst.metadata.source_file}:{inst.metadata.source_line}"
         frame = self.stack_frames.get(inst.metadata.stack_frame_id)
         return f"{frame.file_name}:{frame.line}" if frame else ""
+
+
+def is_retiling(inst: Instruction, operand: Shape | None) -> bool:
+    """Whether ``inst`` is a copy whose result has the operand's dims but another layout (minor-to-major order or
+    tiling): a retiling, which moves bytes for no math (How to Scale Your Model §9.2.2)."""
+    if inst.opcode != "copy" or operand is None or operand.is_tuple or inst.shape.is_tuple:
+        return False
+    a, b = operand.layout, inst.shape.layout
+    if a is None or b is None or operand.dims != inst.shape.dims:
+        return False
+    return (a.minor_to_major, a.tiles) != (b.minor_to_major, b.tiles)

@@ -762,7 +762,7 @@ def check_analysis(a: Any) -> list[str]:
     import numpy as np
 
     s = a.summary
-    notes = list(s.notes) + list(a.findings) + [s.chip_note]
+    notes = list(s.notes) + [str(f) for f in a.findings] + [s.chip_note]
     out = []
     if not (math.isfinite(s.step_time_mean_s) and s.step_time_mean_s > 0) and not _noted(notes, *STEP_NOTES):
         out.append(f"step_time_mean_s: {s.step_time_mean_s!r}")

@@ -128,7 +128,10 @@ def test_top_ops_sorted_by_median_lost_time(transformer):
 
 
 def test_one_slow_execution_is_flagged_not_ranked_worst(transformer):
-    from traceroof.opstats import execution_stats, outlier_findings, top_ops
+    from traceroof.findings import FindingInputs
+    from traceroof.findings.rules_system import outlier_executions
+    from traceroof.optable import per_op
+    from traceroof.opstats import execution_stats, top_ops
 
     counted = transformer.ops[transformer.ops["counted"] & transformer.ops["step"].notna()].copy()
     per = transformer.per_step_divisor
@@ -149,10 +152,11 @@ def test_one_slow_execution_is_flagged_not_ranked_worst(transformer):
     assert after.index[0] != key and after.index.get_loc(key) > 2
     row = after.loc[key]
     assert row["outlier_executions"] == 1 and row["median_s"] == pytest.approx(victim["median_s"], rel=0.5)
-    (line,) = outlier_findings(stats)
-    assert victim["hlo_op"] in line and "noise, contention or first-run effects" in line
-    assert outlier_findings(execution_stats(transformer.ops[transformer.ops["counted"]
-                                                            & transformer.ops["step"].notna()])) == []
+    (f,) = outlier_executions(FindingInputs(transformer, per_op(counted), stats=stats))
+    assert f.code == "outlier-executions" and f.ops[0] == victim["hlo_op"] and "(--warmup-steps)" in f.advice
+    assert f.lost_per_step_s == pytest.approx((16e-3 - victim["median_s"]) / per, rel=0.3)  # the one slow run
+    clean = transformer.ops[transformer.ops["counted"] & transformer.ops["step"].notna()]
+    assert outlier_executions(FindingInputs(transformer, per_op(clean), stats=execution_stats(clean))) == []
 
 
 def test_trace_json_gives_the_same_op_times(transformer):

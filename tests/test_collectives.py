@@ -263,7 +263,8 @@ def test_library_collective_custom_calls_are_classified_without_a_made_up_cost()
 def test_findings_name_the_straggler_and_the_exposed_collective():
     from types import SimpleNamespace
 
-    from traceroof.communication import communication_findings
+    from traceroof.findings import FindingInputs
+    from traceroof.findings.rules_system import collective_straggler, exposed_collective
 
     rows = []
     for step in range(2):
@@ -271,18 +272,28 @@ def test_findings_name_the_straggler_and_the_exposed_collective():
             rows.append((d, 1, "all-reduce", step * 10**10 + delay, 1000, "collective", step))
     skew = arrival_skew(*_ops(rows))
     table = pd.DataFrame([{"hlo_op": "all-reduce.7", "kind": "all-reduce", "bytes_out": 4e6, "group_size": 8,
-                           "exposed_per_step_s": 2e-3, "exposed_share": 0.9}])
-    out = communication_findings(table, skew, SimpleNamespace(step_time_mean_s=10e-3), steps=2)
-    assert any("all-reduce.7" in f and "reduce-scatter + all-gather" in f for f in out)
-    assert any(f.startswith("host_b/gpu:3 arrives last at 100%") for f in out)
+                           "exposed_per_step_s": 2e-3, "exposed_share": 0.9, "expected_per_step_s": 1e-3,
+                           "link": "nvlink", "arrival_skew_s": 3e-4}])
+    a = SimpleNamespace(summary=SimpleNamespace(step_time_mean_s=10e-3), collectives=table, per_step_divisor=2)
+    x = FindingInputs(a, pd.DataFrame(columns=["hlo_op", "measured_s"]), get_chip("h100"), skew=skew, steps=2)
+    (exposed,) = exposed_collective(x)
+    assert exposed.ops == ("all-reduce.7",) and "reduce-scatter + all-gather" in exposed.advice
+    assert "xla_gpu_enable_latency_hiding_scheduler" in exposed.advice and exposed.lost_per_step_s == 2e-3
+    (late,) = collective_straggler(x)
+    assert late.title.startswith("host_b/gpu:3 arrives last at 100%") and late.code == "collective-straggler"
 
 
 def test_collectives_on_virtual_cpu_devices_get_no_interconnect_advice():
-    a = analyze(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
-    comm = [f for f in a.findings if "all-reduce" in f or "all-gather" in f]
-    assert comm and all("virtual CPU devices" in f and "arrival skew" in f for f in comm), comm
-    assert not any("reduce-scatter + all-gather" in f or "prefetch" in f for f in a.findings)
-    from traceroof.communication import communication_findings
+    from dataclasses import replace
 
-    real = communication_findings(a.collectives, a.collectives.iloc[:0], a.summary, 4, virtual_devices=False)
-    assert any("split it into reduce-scatter + all-gather" in f for f in real), real
+    from traceroof.findings import FindingInputs
+    from traceroof.findings.rules_system import exposed_collective
+
+    a = analyze(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
+    comm = [f for f in a.findings if f.code == "exposed-collective"]
+    assert {f.ops[0] for f in comm} == {"all-reduce.4", "all-to-all", "all-gather"}
+    assert all("virtual CPU devices" in f.title and "arrival skew" in f.advice for f in comm), comm
+    assert not any("reduce-scatter + all-gather" in str(f) or "prefetch" in str(f) for f in a.findings)
+    real = exposed_collective(FindingInputs(replace(a, findings=()), a.ops.iloc[:0], get_chip("tpu_v5e")))
+    assert any("split it into reduce-scatter + all-gather" in f.advice for f in real), real
+    assert all("xla_tpu_enable_async_collective_fusion" in f.advice for f in real)

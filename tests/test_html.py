@@ -14,6 +14,7 @@ import pytest
 
 from traceroof import analyze
 from traceroof.diff import diff, side_from_analysis
+from traceroof.findings import Finding
 from traceroof.report import render
 from traceroof.report.diff import render_diff_html
 from tests.conftest import FIXTURES, HOST_CHIP
@@ -57,7 +58,11 @@ def _poisoned(a):
     coll = a.collectives.assign(hlo_op=a.collectives["hlo_op"].astype(str) + PAYLOADS[0])
     summary = dataclasses.replace(a.summary, input=a.summary.input + PAYLOADS[1], notes=(PAYLOADS[0],))
     return dataclasses.replace(a, ops=ops, layers=layers, top_ops=top, collectives=coll, summary=summary,
-                               findings=(PAYLOADS[1],))
+                               findings=(Finding(code=PAYLOADS[0], severity="high", title=PAYLOADS[1],
+                                                 lost_per_step_s=1e-3, advice=PAYLOADS[0], source=PAYLOADS[1],
+                                                 evidence=(PAYLOADS[0],), ops=(str(top["hlo_op"].iloc[0]),
+                                                                               PAYLOADS[1]),
+                                                 source_lines=(PAYLOADS[1],)),))
 
 
 def test_profile_strings_are_escaped(sharded, tmp_path):

@@ -49,7 +49,7 @@ def test_fixture_evidence_and_sizes() -> None:
     rep = book_on_mesh([m], v5p, parse_topology("2x2x2", v5p))
     s = rep.sizes
     assert (s.d_model, s.d_ff, s.layers, s.tokens, s.tokens_per_device) == (128, 384, 2, 160, 20)
-    assert rep.rows[0].bound == "communication" and rep.findings and "fewer fsdp ways" in rep.findings[0]
+    assert rep.rows[0].bound == "communication" and rep.findings and "fewer fsdp ways" in rep.findings[0][2]
     assert sum(w.best for w in rep.what_if) == 1 and any(w.current and w.name == "fsdp8" for w in rep.what_if)
 
 
@@ -199,7 +199,7 @@ def test_tpu_hlo_pure_fsdp_llama_is_communication_bound() -> None:
     assert row.strategy == "fsdp" and row.link_axes == 3 and _close(row.critical_batch_per_device, 850)
     assert row.batch_per_device == 512 and row.bound == "communication"
     assert math.isclose(row.t_comm_s / row.t_math_s, 850 / 512, rel_tol=0.05)
-    assert len(rep.findings) == 1 and "raise the per-device batch" in rep.findings[0]
+    assert len(rep.findings) == 1 and "raise the per-device batch" in rep.findings[0][2]
 
 
 def test_report_section_every_format() -> None:
@@ -222,7 +222,10 @@ def test_report_section_every_format() -> None:
     assert fsdp["measured_comm_s"] > 0 and fsdp["expected_comm_s"] > 0 and fsdp["bound"] == "communication"
     assert sum(w["best"] for w in doc["mesh_what_if"]) == 1
     assert [w["name"] for w in doc["mesh_what_if"] if w["current"]] == ["fsdp4 x tp2"]
-    assert any(f.startswith("mesh axis axis0 (fsdp, 4-way) is communication-bound") for f in doc["findings"])
+    (axis0,) = [f for f in doc["findings"] if f["code"] == "comm-bound-axis" and "axis0" in f["title"]]
+    assert axis0["title"].startswith("mesh axis axis0 (fsdp, 4-way) is communication-bound")
+    assert "raise the per-device batch" in axis0["advice"] and axis0["lost_per_step_s"] == pytest.approx(
+        fsdp["measured_exposed_s"])
     assert "axis1 (tensor): activations" in render(a, "terminal")
     assert "## Parallelism" in render(a, "markdown")
     assert 'id="parallelism-table"' in render(a, "html")

@@ -51,7 +51,14 @@ def _poisoned(a):
     s = dataclasses.replace(a.summary, input=a.summary.input + HOSTILE, chip_name=HOSTILE, chip_note=HOSTILE,
                             notes=(HOSTILE,))
     return dataclasses.replace(a, ops=_poison_frame(a.ops), layers=layers, top_ops=_poison_frame(a.top_ops),
-                               collectives=_poison_frame(a.collectives), summary=s, findings=(HOSTILE,))
+                               collectives=_poison_frame(a.collectives), summary=s, findings=(_hostile_finding(),))
+
+
+def _hostile_finding():
+    from traceroof.findings import Finding
+
+    return Finding(code=HOSTILE, severity="high", title=HOSTILE, lost_per_step_s=1e-3, advice=HOSTILE,
+                   source=HOSTILE, evidence=(HOSTILE,), ops=(HOSTILE,), source_lines=(HOSTILE,))
 
 
 def _assert_inert_text(text: str, shown: str = "\\x1b]0;pwned\\x07") -> None:
@@ -85,6 +92,7 @@ def test_terminal_and_markdown_are_inert(sharded):
     a = _poisoned(sharded)
     _assert_inert_text(render(a, "terminal"))
     _assert_markdown(render(a, "markdown"))
+    _assert_markdown(render(a, "summary"))
 
 
 def test_json_keeps_strings_exact(sharded):
@@ -92,7 +100,9 @@ def test_json_keeps_strings_exact(sharded):
     text = render(a, "json")
     assert not re.search("[\x7f-\x9f\u202e]", text)  # raw C1/DEL/bidi never reach a terminal that cats it
     doc = json.loads(text)
-    assert doc["summary"]["chip_name"] == HOSTILE and doc["findings"] == [HOSTILE]
+    assert doc["summary"]["chip_name"] == HOSTILE
+    (f,) = doc["findings"]
+    assert f["title"] == f["advice"] == f["code"] == HOSTILE and f["source_lines"] == f["ops"] == [HOSTILE]
     assert doc["layers"][0]["layer"] == f"{FORMULA}{sharded.layers['layer'].iloc[0]}{HOSTILE}"
 
 

@@ -14,19 +14,19 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.storage import is_url
 from parsers.hlo_text import is_known_opcode
-from traceroof.breakdown import analysis_breakdown, breakdown_findings
+from traceroof.breakdown import analysis_breakdown
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
 from traceroof.collectives import default_topology, expected_time, module_devices, parse_topology
-from traceroof.communication import _async_pairs, _latency_bound, collectives_table, communication_findings
+from traceroof.communication import _async_pairs, _latency_bound, collectives_table
 from traceroof.discovery import discover
 from traceroof.export_analysis import analyze_export
-from traceroof.findings import layout_findings, step_findings
+from traceroof.findings import FindingInputs, with_findings
 from traceroof.hlo_source import HloMismatchError
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
 from traceroof.memory import analysis_memory
 from traceroof.mesh_book import book_on_mesh
 from traceroof.optable import build_op_table, per_op
-from traceroof.opstats import execution_stats, outlier_findings, top_ops
+from traceroof.opstats import execution_stats, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import Profile, load_profile
 from traceroof.progress import progress
@@ -221,16 +221,12 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
     breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used)
-    par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # the book on the mesh (traceroof.mesh_book)
-    return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth,
-                    tuple(step_findings(summary, counted, per, target.kind) + outlier_findings(stats)
-                          + layout_findings(counted, per)
-                          + communication_findings(coll_table, skew, summary, len(used), topo.kind == "host")
-                          + breakdown_findings(breakdown) + list(par.findings if par else ())),
-                    coll_table, topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown,
-                    step_timeline=step_timeline,
-                    memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")),
-                    parallelism=par)
+    par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # traceroof.mesh_book
+    a = Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth, (), coll_table,
+                 topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown, step_timeline=step_timeline,
+                 memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")), parallelism=par)
+    return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
+                                          tuple(profile.modules)))
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:

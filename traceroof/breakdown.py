@@ -35,8 +35,6 @@ COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "ou
 BREAKDOWN_COLUMNS = ("step_time_s", *COMPONENTS)  # the numeric columns a saved report's rows must carry
 LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed communication", "launch_gap_s": "launch gaps",
           "host_bound_s": "host-bound", "outside_program_s": "outside any program"}
-HOST_BOUND_FINDING_SHARE = 0.1  # host-bound idle above this share of the step: a finding
-IDLE_FINDING_SHARE = 0.2  # launch gaps + outside-program time above this share of the step: a finding
 ITEM_COLUMNS = ["step", "device", "kind", "start_s", "duration_s", "row"]
 MAX_DRAWN_STEPS = 6  # steps drawn in the HTML timeline: the median, the slowest, then the first ones
 MAX_DRAWN_DEVICES = 4  # devices drawn per step
@@ -291,30 +289,6 @@ def slowest_vs_median(rows: pd.DataFrame) -> str:
 
 def _ms(s: float) -> str:
     return f"{s * 1e3:.3f} ms"
-
-
-def breakdown_findings(rows: pd.DataFrame) -> list[str]:
-    """Findings when the device waits on the host, or idles, for a large share of the step."""
-    mean = mean_row(rows)
-    if not mean or not mean["step_time_s"] > 0:
-        return []
-    out = []
-    t = mean["step_time_s"]
-    hb = mean["host_bound_s"]
-    if hb > HOST_BOUND_FINDING_SHARE * t:
-        kinds = {k: float(rows[f"host_bound_{k}_share"].mean()) for k in HOST_KINDS
-                 if rows[f"host_bound_{k}_share"].notna().any()}
-        busiest = ", ".join(f"{k} {v:.0%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v > 0.05)
-        out.append(f"the device waits for the host {_ms(hb)} per step ({hb / t:.0%} of the step; host threads busy "
-                   f"with {busiest or 'untraced work'}): keep the host ahead (asynchronous dispatch: no "
-                   "blocking call such as .item() or block_until_ready in the loop; less Python per step, e.g. "
-                   "jit more of it, nnx.cached_partial / a plain jax.jit for NNX; prefetch input)")
-    idle = mean["launch_gap_s"] + mean["outside_program_s"]
-    if idle > IDLE_FINDING_SHARE * t:
-        out.append(f"the device idles {_ms(idle)} per step ({idle / t:.0%}) with no host work in the way: "
-                   f"{_ms(mean['launch_gap_s'])} of launch gaps inside programs, {_ms(mean['outside_program_s'])} "
-                   "between programs (many small programs or ops: fuse them, or put the step in one jit)")
-    return out
 
 
 def breakdown_delta(base: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:

@@ -18,7 +18,7 @@ import click
 
 from parsers.errors import TraceroofError
 
-FORMATS = ("terminal", "markdown", "json", "csv", "html")
+FORMATS = ("terminal", "markdown", "json", "csv", "html", "summary")
 
 
 def _fail(message: str) -> None:

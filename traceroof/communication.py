@@ -1,4 +1,5 @@
-"""Collectives over the op rows: the per-collective table (expected vs measured, bus bandwidth, exposed time, arrival skew) and the findings on exposed communication and stragglers."""
+"""Collectives over the op rows: the per-collective table (expected vs measured, bus bandwidth, exposed time,
+arrival skew); the findings on them are rules of :mod:`traceroof.findings.rules_system`."""
 
 from __future__ import annotations
 
@@ -8,12 +9,7 @@ import pandas as pd
 from parsers.hlo import HloModule
 from parsers.hlo_text import async_pairs
 from traceroof.collectives import bus_bandwidth
-from traceroof.results import Summary
 
-
-EXPOSED_SHARE_MIN = 0.02  # collectives exposed for more than this share of the step are named
-STRAGGLER_LAST_SHARE_MIN = 0.5  # a device last at more than this share of collective executions ...
-STRAGGLER_WAIT_SHARE_MIN = 0.01  # ... while the others wait more than this share of the step
 
 
 def _latency_bound(estimates: dict, n: int) -> np.ndarray:
@@ -71,40 +67,3 @@ def collectives_table(counted: pd.DataFrame, collectives: list, estimates: dict,
     out = pd.DataFrame(rows, columns=cols)
     return out.sort_values(["exposed_per_step_s", "hlo_op"], ascending=[False, True], kind="stable") \
         .reset_index(drop=True)
-
-
-def communication_findings(table: pd.DataFrame, skew: pd.DataFrame, s: Summary, steps: int,
-                           virtual_devices: bool = False) -> list[str]:
-    """The largest exposed collectives with what would hide them, and the device that makes others wait.
-
-    ``virtual_devices``: the devices are threads of one host (XLA:CPU's ``--xla_force_host_platform_device_count``):
-    a collective's time is mostly device threads waiting for each other on a few cores, so no interconnect
-    advice is given, only that reading."""
-    out = []
-    if len(table) and s.step_time_mean_s > 0:
-        top = table[table["exposed_per_step_s"] > EXPOSED_SHARE_MIN * s.step_time_mean_s].head(3)
-        for r in top.itertuples(index=False):
-            if virtual_devices:
-                skew_s = r.arrival_skew_s if np.isfinite(r.arrival_skew_s) else 0.0
-                out.append(f"{r.hlo_op} ({r.kind}, {r.bytes_out / 1e6:.3g} MB, group {r.group_size}) takes "
-                           f"{r.exposed_per_step_s * 1e3:.3f} ms per step on virtual CPU devices (threads of one "
-                           f"host; arrival skew {skew_s * 1e3:.3f} ms): mostly devices waiting for each other on "
-                           "shared cores, not data movement; profile on the real accelerators to judge it")
-                continue
-            advice = {"all-gather": "prefetch it a layer ahead (FSDP overlap) or let XLA schedule it async",
-                      "reduce-scatter": "overlap it with the next layer's backward (async collective)",
-                      "all-reduce": "split it into reduce-scatter + all-gather that overlap compute, or shard "
-                                    "the operand so it shrinks",
-                      "all-to-all": "overlap dispatch with expert compute (chunk the all-to-all)"}.get(
-                r.kind, "make it asynchronous so compute can overlap it")
-            out.append(f"{r.hlo_op} ({r.kind}, {r.bytes_out / 1e6:.3g} MB, group {r.group_size}) is exposed "
-                       f"{r.exposed_per_step_s * 1e3:.3f} ms per step ({r.exposed_share:.0%} of its window): "
-                       f"{advice}")
-    if len(skew) and steps:
-        last = skew["last_device"].value_counts()
-        dev, n = last.index[0], int(last.iloc[0])
-        wait = skew["wait_s"].sum() / steps
-        if n / len(skew) > STRAGGLER_LAST_SHARE_MIN and wait > STRAGGLER_WAIT_SHARE_MIN * s.step_time_mean_s:
-            out.append(f"{dev} arrives last at {n / len(skew):.0%} of collective executions; the other devices "
-                       f"wait {wait * 1e3:.3f} ms per step in total for it (straggler)")
-    return out

@@ -11,10 +11,10 @@ from traceroof.chips import Chip, detect_chip, get_chip
 from traceroof.collectives import default_topology, expected_time, parse_topology
 from traceroof.communication import _latency_bound, collectives_table
 from traceroof.discovery import Inputs
-from traceroof.findings import layout_findings, step_findings
+from traceroof.findings import FindingInputs, with_findings
 from traceroof.join import JoinReport
 from traceroof.layers import rollup
-from traceroof.opstats import execution_stats, outlier_findings, top_ops
+from traceroof.opstats import execution_stats, top_ops
 from traceroof.results import Analysis, Summary
 from traceroof.roofline import apply_roofline, main_matmul_peak
 from traceroof.utilization import flop_utilization, utilization_notes
@@ -97,7 +97,6 @@ def analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int
     layers = rollup(ops, per, step_mean)
     coll_table = collectives_table(ops[ops["counted"]], collectives, estimates, per, pd.DataFrame(), 0)
     stats = execution_stats(counted)
-    return Analysis(summary, ops, layers, top_ops(counted, per, top, stats), pd.DataFrame(), depth,
-                    tuple(step_findings(summary, counted, per, target.kind) + outlier_findings(stats)
-                          + layout_findings(counted, per)),
-                    coll_table, topo.describe() + " (chips of the program's replica groups)", per)
+    a = Analysis(summary, ops, layers, top_ops(counted, per, top, stats), pd.DataFrame(), depth, (), coll_table,
+                 topo.describe() + " (chips of the program's replica groups)", per)
+    return with_findings(a, FindingInputs(a, counted, target, stats))

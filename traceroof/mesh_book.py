@@ -148,7 +148,7 @@ class ParallelismReport:
     rows: tuple[AxisRow, ...]
     what_if: tuple[WhatIf, ...] = ()
     notes: tuple[str, ...] = ()
-    findings: tuple[str, ...] = field(default_factory=tuple)
+    findings: tuple[tuple[str, str, str], ...] = field(default_factory=tuple)  # (axis, seen, remedy) per bound axis
 
 
 def _pick_module(modules: list[HloModule], coll_table: pd.DataFrame) -> tuple[HloModule, Mesh] | None:
@@ -339,20 +339,22 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n <= 1 << 16 else [1 << k for k in range(17) if n % (1 << k) == 0]
 
 
-def _finding(r: AxisRow, sizes: ModelSizes, chip: Chip) -> str:
-    """The book's remedy for a communication-bound axis."""
+def _finding(r: AxisRow, sizes: ModelSizes, chip: Chip) -> tuple[str, str, str]:
+    """(axis, what was seen, the book's remedy) for a communication-bound axis (the ``comm-bound-axis``
+    finding of :mod:`traceroof.findings`)."""
     head = (f"mesh axis {r.axis} ({r.strategy}, {r.size}-way) is communication-bound on {chip.name} by the book's "
             f"arithmetic: T_comms {r.t_comm_s * 1e6:.3g} µs > T_math {r.t_math_s * 1e6:.3g} µs per layer")
     if r.strategy in ("data", "fsdp", "sequence"):
-        return (f"{head}; {r.batch_per_device:,.0f} tokens per device are below the critical "
+        return (r.axis, f"{head}; {r.batch_per_device:,.0f} tokens per device are below the critical "
                 f"{r.critical_batch_per_device:,.0f} (C/W over {r.link_axes} {r.link} axis(es), How to Scale Your "
-                f"Model §5): raise the per-device batch, use fewer {r.strategy} ways and add tensor parallelism "
+                "Model §5)", f"raise the per-device batch, use fewer {r.strategy} ways and add tensor parallelism "
                 "(FSDP + TP needs only B/N > 4α²/(M_X·M_Y·F)), or spread the axis over more ICI axes")
     if r.strategy == "tensor":
-        return (f"{head}; {r.size}-way tensor parallelism exceeds M·F/α = {r.max_ways:.3g} ways for F = {sizes.d_ff} "
-                "(§5 Tensor Parallelism): use fewer tensor ways and more FSDP, keep the tensor axis inside a node / on "
-                "more ICI axes, or it pays off only with a larger d_ff")
+        return (r.axis, f"{head}; {r.size}-way tensor parallelism exceeds M·F/α = {r.max_ways:.3g} ways for F = "
+                f"{sizes.d_ff} (§5 Tensor Parallelism)", "use fewer tensor ways and more FSDP, keep the tensor axis "
+                "inside a node / on more ICI axes, or it pays off only with a larger d_ff")
     if r.strategy == "expert":
-        return (f"{head}; {r.size}-way expert parallelism exceeds ≈ 4·M·F/α = {r.max_ways:.3g} ways (derived from §3's "
-                "all-to-all cost): fewer expert ways per all-to-all, or overlap dispatch with expert compute")
-    return f"{head}: overlap the transfers with compute or move the axis to a faster link"
+        return (r.axis, f"{head}; {r.size}-way expert parallelism exceeds ≈ 4·M·F/α = {r.max_ways:.3g} ways "
+                "(derived from §3's all-to-all cost)", "fewer expert ways per all-to-all, or overlap dispatch with "
+                "expert compute")
+    return r.axis, head, "overlap the transfers with compute or move the axis to a faster link"

@@ -161,24 +161,6 @@ def top_ops(counted: pd.DataFrame, per: float, n: int, stats: pd.DataFrame | Non
     return agg[cols].head(n).reset_index(drop=True)
 
 
-def outlier_findings(stats: pd.DataFrame) -> list[str]:
-    """One line naming the ops with outlier executions (see :func:`execution_stats`), worst excess first: their
-    time is not typical of the op (noise, contention or first-run effects), and the top-ops ranking uses medians."""
-    flagged = stats[stats["outlier_executions"] > 0]
-    if flagged.empty:
-        return []
-    flagged = flagged.assign(_excess=flagged["max_s"] - flagged["median_s"]).sort_values(
-        ["_excess"], ascending=False, kind="stable")
-    names = ", ".join(f"{op} ({int(r.outlier_executions)} of {r.samples:g} runs, up to {r.max_s * 1e3:.3f} ms vs "
-                      f"median {r.median_s * 1e3:.3f} ms)"
-                      for (_, _, op), r in zip(flagged.index[:4], flagged.itertuples(index=False)))
-    more = f" and {len(flagged) - 4} more" if len(flagged) > 4 else ""
-    return [f"{len(flagged)} op(s) have executions more than {OUTLIER_RATIO:g}x their median time: {names}{more}: "
-            "noise, contention or first-run effects, not the op's typical cost (top ops are ranked by median)"]
-
-
-
-
 OP_KEY = ["layer", "phase", "scope", "opcode", "category", "dtype", "shape", "operand_shapes", "collective_group"]
 
 

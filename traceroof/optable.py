@@ -21,7 +21,7 @@ from parsers.hlo import Instruction
 from traceroof.codes import group_codes
 from traceroof.collectives import classify
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
-from traceroof.findings import is_retiling
+from parsers.hlo import is_retiling
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
 from traceroof.join import JoinReport, match_modules
 from traceroof.profile import Profile

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import pandas as pd
 
 from traceroof.join import JoinReport
 from traceroof.optable import per_op
 from traceroof.opstats import op_stats
+
+if TYPE_CHECKING:
+    from traceroof.findings import Finding
 
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
@@ -75,7 +79,7 @@ class Analysis:
     top_ops: pd.DataFrame
     steps: pd.DataFrame
     depth: int = 2
-    findings: tuple[str, ...] = field(default_factory=tuple)
+    findings: tuple[Finding, ...] = field(default_factory=tuple)  # ranked (traceroof.findings)
     collectives: pd.DataFrame = field(default_factory=pd.DataFrame)
     topology: str = ""
     per_step_divisor: float = 1.0  # op-table totals / this = per step, per device (steps used x devices)

@@ -24,7 +24,7 @@ from parsers.xspace import DURATION_LIMIT_PS
 from traceroof.chips import Chip, Figure, per_device_chip
 from traceroof.collectives import classify
 from traceroof.cost import CostModel, _sizes
-from traceroof.findings import is_retiling
+from parsers.hlo import is_retiling
 from traceroof.layers import layer_of, parse_scope
 from traceroof.events import as_id
 

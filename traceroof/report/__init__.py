@@ -6,8 +6,9 @@ from traceroof.analysis import Analysis
 
 
 def render(a: Analysis, fmt: str, table: str = "layers", wide: bool = False) -> str:
-    """Render an analysis as ``terminal``, ``markdown``, ``json``, ``csv`` (``table`` picks the CSV table) or
-    ``html`` (self-contained page with charts). The terminal report fits 120 columns unless ``wide``."""
+    """Render an analysis as ``terminal``, ``markdown``, ``json``, ``csv`` (``table`` picks the CSV table),
+    ``html`` (self-contained page with charts) or ``summary`` (a Markdown digest of at most 60 lines). The
+    terminal report fits 120 columns unless ``wide``."""
     from traceroof.report.data import render_csv, render_json
     from traceroof.report.text import render_markdown, render_terminal
 
@@ -19,6 +20,10 @@ def render(a: Analysis, fmt: str, table: str = "layers", wide: bool = False) -> 
         return render_json(a)
     if fmt == "csv":
         return render_csv(a, table)
+    if fmt == "summary":
+        from traceroof.report.summary import render_summary
+
+        return render_summary(a)
     if fmt == "html":
         from traceroof.report.html import render_html
 

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.findings import as_record
 from traceroof.report.safe import csv_cell, json_text
 
 TABLES = ("layers", "top-ops", "collectives", "op-stats", "ops")
@@ -57,7 +58,8 @@ def records(df: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "collectives", "op-stats")) -> str:
-    """JSON: ``summary`` (units in key names), the chosen tables as lists of records, ``findings``. With
+    """JSON: ``summary`` (units in key names), the chosen tables as lists of records, ``findings`` (one object
+    per finding: code, severity, title, lost_per_step_s, evidence, advice, source, source_lines, ops). With
     ``op-stats`` the report is a complete ``traceroof diff`` baseline."""
     summary = clean_value(dataclasses.asdict(a.summary))
     doc: dict[str, Any] = {"summary": summary, "depth": a.depth, "topology": a.topology}
@@ -66,7 +68,7 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     doc["step_breakdown"] = records(a.step_breakdown)  # traceroof.breakdown: per step and device
     from traceroof.report.parallelism import parallelism_json
     doc["parallelism"], doc["mesh_what_if"] = parallelism_json(a)
-    doc["findings"] = list(a.findings)
+    doc["findings"] = [clean_value(as_record(f)) for f in a.findings]
     if a.memory is not None:
         doc["memory"] = clean_value(a.memory.to_json())
     return json_text(json.dumps(doc, indent=2, ensure_ascii=False)) + "\n"

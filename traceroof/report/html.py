@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.report.findings import finding_ops_table, findings_html, op_anchors
 from traceroof.report.safe import printable
 from traceroof.report.timeline import axis_labels, timeline_figure, timeline_html
 from traceroof.report.text import collectives_table, fmt_si, fmt_time, header_lines, layers_table, top_table
@@ -68,8 +69,10 @@ def esc(value: object) -> str:
     return html.escape(printable(value), quote=True)
 
 
-def table_html(shown: pd.DataFrame, raw: pd.DataFrame | None = None, table_id: str = "") -> str:
-    """A sortable table: cells show ``shown``; sorting uses ``raw``'s values (numbers) where given."""
+def table_html(shown: pd.DataFrame, raw: pd.DataFrame | None = None, table_id: str = "",
+               row_ids: dict[int, str] | None = None) -> str:
+    """A sortable table: cells show ``shown``; sorting uses ``raw``'s values (numbers) where given; ``row_ids``
+    gives rows (by position) an id that findings link to."""
     if shown.empty:
         return "<p><em>none</em></p>"
     head = "".join(f'<th class="{"text" if c in _TEXT_COLUMNS else ""}">{esc(c)}</th>' for c in shown.columns)
@@ -82,7 +85,8 @@ def table_html(shown: pd.DataFrame, raw: pd.DataFrame | None = None, table_id: s
             if isinstance(sort, float) and math.isnan(sort):
                 sort = ""
             cells.append(f'<td class="{"text" if c in _TEXT_COLUMNS else ""}" data-v="{esc(sort)}">{esc(v)}</td>')
-        rows.append("<tr>" + "".join(cells) + "</tr>")
+        rid = (row_ids or {}).get(i)
+        rows.append((f'<tr id="{esc(rid)}">' if rid else "<tr>") + "".join(cells) + "</tr>")
     ident = f' id="{esc(table_id)}"' if table_id else ""
     return (f'<table class="sortable"{ident}><thead><tr>{head}</tr></thead><tbody>' + "".join(rows)
             + "</tbody></table>")
@@ -204,22 +208,39 @@ def render_html(a: Analysis) -> str:
     layers_raw = a.layers[["layer", "phase", "time_per_step_s", "share_of_step", "flops_per_step",
                            "hbm_bytes_per_step", "expected_per_step_s", "efficiency", "bound", "lost_per_step_s",
                            "exposed_comm_per_step_s", "worst_op"]]
-    body = [
-        "<h2>Summary</h2>", head,
+    anchors = op_anchors(a)  # findings link to their ops' rows: top ops, collectives, else a table of their own
+    placed: set[str] = set()
+
+    def ids(names: pd.Series) -> dict[int, str]:
+        out = {i: anchors[n] for i, n in enumerate(names.astype(str)) if n in anchors and n not in placed}
+        placed.update(n for n in names.astype(str) if n in anchors)
+        return out
+
+    top_ids = ids(a.top_ops["hlo_op"]) if len(a.top_ops) else {}
+    coll_ids = ids(a.collectives["hlo_op"]) if len(a.collectives) else {}
+    rest = [n for n in anchors if n not in placed]
+    body = ["<h2>Summary</h2>", head]
+    if a.findings:
+        body += [f"<h2>Findings ({len(a.findings)}, most time lost per step first)</h2>",
+                 findings_html(a, anchors, esc)]
+    body += [
         "<h2>Roofline</h2>", '<div id="roofline" class="chart"></div>',
         "<h2>Time per layer</h2>", '<div id="layer-bars" class="chart"></div>',
         timeline_html(a), breakdown_html(a.step_breakdown),
         f"<h2>Per layer (named-scope depth {a.depth}; per step, per device)</h2>",
         table_html(layers_table(a), layers_raw, "layers-table"),
-        f"<h2>Top {len(a.top_ops)} ops by median lost time</h2>", table_html(top_table(a), None, "top-ops-table"),
+        f"<h2>Top {len(a.top_ops)} ops by median lost time</h2>",
+        table_html(top_table(a), None, "top-ops-table", top_ids),
     ]
     if len(a.collectives):
-        body += ["<h2>Collectives</h2>", table_html(collectives_table(a), None, "collectives-table")]
+        body += ["<h2>Collectives</h2>", table_html(collectives_table(a), None, "collectives-table", coll_ids)]
     body += memory_html(a.memory)
     from traceroof.report.parallelism import parallelism_html
     body += parallelism_html(a)
-    if a.findings:
-        body += ["<h2>Findings</h2>", "<ul>" + "".join(f"<li>{esc(f)}</li>" for f in a.findings) + "</ul>"]
+    if rest:
+        table = finding_ops_table(a, rest)
+        body += ["<h2>Other ops named by findings (per step, per device)</h2>",
+                 table_html(table, None, "finding-ops-table", {i: anchors[n] for i, n in enumerate(table["op"])})]
     if s.notes:
         body += ["<h2>Missing or partial input</h2>", "<ul>" + "".join(f"<li>{esc(n)}</li>" for n in s.notes)
                  + "</ul>"]

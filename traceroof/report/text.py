@@ -7,6 +7,7 @@ import math
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.report.findings import TOP, markdown_top, rest_lines, terminal_top
 from traceroof.report.safe import markdown, markdown_cell, printable
 from traceroof.report.memory import memory_markdown, memory_terminal
 
@@ -227,14 +228,16 @@ def md_table(df: pd.DataFrame) -> str:
 
 
 def render_terminal(a: Analysis, width: int | None = TERMINAL_WIDTH) -> str:
-    """Plain-text report for a terminal: header, per-layer table, top ops, findings and notes; within ``width``
-    columns (long lines wrapped, wide tables shortened and folded: :func:`text_table`), ``None`` for no limit."""
+    """Plain-text report for a terminal: header, top findings, per-layer table, step breakdown, top ops,
+    collectives, memory, parallelism, the other findings and notes; within ``width`` columns (long lines
+    wrapped, wide tables shortened and folded: :func:`text_table`), ``None`` for no limit."""
     from traceroof.report.breakdown import breakdown_text
 
     out = ["traceroof: per-layer roofline report", ""]
     pad = max(len(k) for k, _ in header_lines(a))
     for k, v in header_lines(a):
         out += wrap(printable(v), width, f"{k.ljust(pad)}  ", " " * (pad + 2))
+    out += [x for line in terminal_top(a) for x in wrap(line, width, "", " " * (len(line) - len(line.lstrip()) + 3))]
     out += ["", f"Per layer (named-scope depth {a.depth}; per step, per device)", text_table(layers_table(a), width)]
     out += breakdown_text(a.step_breakdown, width=width)
     out += ["", f"Top {len(a.top_ops)} ops by median lost time", text_table(top_table(a), width)]
@@ -243,8 +246,8 @@ def render_terminal(a: Analysis, width: int | None = TERMINAL_WIDTH) -> str:
     out += memory_terminal(a.memory, width)
     from traceroof.report.parallelism import parallelism_lines
     out += parallelism_lines(a, width=width)
-    if a.findings:
-        out += ["", "Findings"] + [x for f in a.findings for x in wrap(printable(f), width, "- ", "  ")]
+    if len(a.findings) > TOP:
+        out += ["", "More findings"] + [x for line in rest_lines(a, printable) for x in wrap(line, width, "", "  ")]
     if a.summary.notes:
         out += ["", "Missing or partial input"] + [x for n in a.summary.notes for x in wrap(printable(n), width,
                                                                                            "- ", "  ")]
@@ -257,6 +260,7 @@ def render_markdown(a: Analysis) -> str:
 
     out = ["# traceroof: per-layer roofline report", ""]
     out += [f"- **{k or ' '}**: {markdown(v.replace('|', '/'))}" for k, v in header_lines(a)]
+    out += markdown_top(a)
     out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", md_table(layers_table(a))]
     out += breakdown_text(a.step_breakdown, markdown=True)
     out += ["", f"## Top {len(a.top_ops)} ops by median lost time", "", md_table(top_table(a))]
@@ -265,8 +269,8 @@ def render_markdown(a: Analysis) -> str:
     out += memory_markdown(a.memory)
     from traceroof.report.parallelism import parallelism_lines
     out += parallelism_lines(a, md=True)
-    if a.findings:
-        out += ["", "## Findings", ""] + [f"- {markdown(f)}" for f in a.findings]
+    if len(a.findings) > TOP:
+        out += ["", "## More findings", ""] + rest_lines(a, markdown)
     if a.summary.notes:
         out += ["", "## Missing or partial input", ""] + [f"- {markdown(n)}" for n in a.summary.notes]
     return "\n".join(out) + "\n"

@@ -1,0 +1,233 @@
+"""The findings engine, rule by rule: each rule fires on a real program (a fixture, the real-framework corpus,
+a third-party profile, or a TPU-shaped HLO written here) and stays quiet on one where it must not; the ranking,
+the records in JSON, the top findings in the reports and ``--format summary``."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from functools import lru_cache
+
+
+from click.testing import CliRunner
+
+from traceroof import analyze
+from traceroof.analysis import Analysis
+from traceroof.findings import CODES, RULES
+from traceroof.report import render
+from tests.conftest import FIXTURES, HOST_CHIP, ROOT, third_party
+
+
+@lru_cache(maxsize=None)
+def fixture(name: str, chip: str = HOST_CHIP, warmup_steps: int = 1) -> Analysis:
+    if name.startswith("fw_"):
+        return analyze(FIXTURES / name / "readme" / "logdir", hlo=[FIXTURES / name / "hlo"], chip=chip,
+                       warmup_steps=warmup_steps)
+    return analyze(FIXTURES / name, chip=chip, warmup_steps=warmup_steps)
+
+
+def codes(a: Analysis) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for f in a.findings:
+        out.setdefault(f.code, []).append(f)
+    return out
+
+
+def tpu_program(tmp_path, width: int, custom_call: bool = False):
+    """A TPU-shaped program (tiled bf16 layouts, a [256, width] x [width, width] matmul fusion, optionally a
+    Pallas-style custom-call) and a 3-step trace of it, analyzed on TPU v5e."""
+    w = width
+    t = "{1,0:T(8,128)(2,1)}"
+    call = (f'  %cc = bf16[256,{w}]{t} custom-call(%fusion.1), custom_call_target="tpu_custom_call", '
+            f'metadata={{op_name="jit(step)/mlp/pallas_call" stack_frame_id=2}}\n') if custom_call else ""
+    root = "%cc" if custom_call else "%fusion.1"
+    hlo = f"""HloModule jit_step, is_scheduled=true, entry_computation_layout={{(bf16[256,{w}]{t}, bf16[{w},{w}]{t})->bf16[256,{w}]{t}}}
+
+FileNames
+1 "/home/user/model.py"
+2 "/usr/lib/python3.11/site-packages/jax/_src/numpy/lax_numpy.py"
+
+FunctionNames
+1 "mlp"
+2 "matmul"
+
+FileLocations
+1 {{file_name_id=1 function_name_id=1 line=42 end_line=42 column=8 end_column=33}}
+2 {{file_name_id=2 function_name_id=2 line=900 end_line=900 column=1 end_column=9}}
+
+StackFrames
+1 {{file_location_id=1 parent_frame_id=0}}
+2 {{file_location_id=2 parent_frame_id=1}}
+
+%fused_dot (p0: bf16[256,{w}], p1: bf16[{w},{w}]) -> bf16[256,{w}] {{
+  %p0 = bf16[256,{w}]{t} parameter(0)
+  %p1 = bf16[{w},{w}]{t} parameter(1)
+  ROOT %dot.1 = bf16[256,{w}]{t} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{op_name="jit(step)/mlp/dot_general" stack_frame_id=2}}
+}}
+
+ENTRY %main (x: bf16[256,{w}], w: bf16[{w},{w}]) -> bf16[256,{w}] {{
+  %x = bf16[256,{w}]{t} parameter(0)
+  %w = bf16[{w},{w}]{t} parameter(1)
+  %fusion.1 = bf16[256,{w}]{t} fusion(%x, %w), kind=kOutput, calls=%fused_dot, metadata={{op_name="jit(step)/mlp/dot_general" stack_frame_id=2}}
+{call}  ROOT %out = bf16[256,{w}]{t} copy({root})
+}}
+"""
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name", "args": {"name": "python"}},
+              {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "tf_XLAPjRtCpuClient/1"}}]
+    for s in range(3):
+        events.append({"ph": "X", "pid": 1, "tid": 1, "ts": 100.0 * s, "dur": 90.0, "name": "train",
+                       "args": {"step_num": str(s)}})
+        for i, op in enumerate(["fusion.1"] + (["cc"] if custom_call else [])):
+            events.append({"ph": "X", "pid": 1, "tid": 2, "ts": 100.0 * s + 5 + 30 * i, "dur": 25.0, "name": op,
+                           "args": {"device_ordinal": "0", "hlo_module": "jit_step", "hlo_op": op}})
+    (tmp_path / "step.hlo.txt").write_text(hlo)
+    (tmp_path / "run.trace.json").write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
+    return analyze(tmp_path / "run.trace.json", hlo=tmp_path / "step.hlo.txt", chip="v5e", warmup_steps=0)
+
+
+# -- one test per rule: where it fires, where it must not ------------------------------------------------------
+
+def test_dtype_upcast_on_the_cpu_bf16_model():
+    (f,) = codes(fixture("bf16_mlp"))["dtype-upcast"]
+    assert "bf16 inputs up to f32" in f.title and "XLA:CPU has no bf16 matrix unit" in f.advice
+    assert {"wrapped_convert", "wrapped_convert.1", "wrapped_convert.3"} <= set(f.ops)  # the converts feeding dots
+    assert any(o.startswith("ynn_fusion") for o in f.ops)
+    assert f.lost_per_step_s > 0 and all(re.search(r"generate_bf16\.py:4[0-9]$", s) for s in f.source_lines)
+    assert "dtype-upcast" not in codes(fixture("transformer"))  # an f32 model converts nothing
+
+
+def test_mxu_alignment_on_100_wide_dims_not_on_128(tmp_path):
+    (tmp_path / "w100").mkdir()
+    (tmp_path / "w128").mkdir()
+    a = tpu_program(tmp_path / "w100", 100)
+    (f,) = codes(a)["mxu-alignment"]
+    assert f.ops == ("fusion.1",) and "128x128 MXU" in f.title and "multiples of 128" in f.advice
+    assert any("256 x 100 x 100 computed as 256 x 128 x 128 (39%" in e for e in f.evidence)
+    assert f.source_lines == ("/home/user/model.py:42",)  # the user's frame, not jax's
+    b = tpu_program(tmp_path / "w128", 128)
+    assert "mxu-alignment" not in codes(b)
+    assert "mxu-alignment" not in codes(fixture("diff_base", "v5e"))  # 256-row batches, 256/512 dims
+    assert "mxu-alignment" not in codes(fixture("bf16_mlp"))  # a CPU has no MXU
+
+
+def test_tile_padding_on_tiled_layouts(tmp_path):
+    a = tpu_program(tmp_path, 100)
+    (f,) = codes(a)["tile-padding"]
+    assert "tile padding" in f.title and "fusion.1" in f.ops
+    assert "tile-padding" not in codes(fixture("transformer"))  # CPU layouts have no tiles
+
+
+def test_small_matmul_under_the_ridge():
+    (f,) = codes(fixture("fw_flax_cnn"))["small-matmul"]
+    assert "memory-bound" in f.title and "ynn_fusion.3" in f.ops  # the Dense head: 8 x 256 x 10
+    assert any("f32[8,256], f32[256,10]" in e for e in f.evidence)
+    assert "small-matmul" not in codes(fixture("diff_base"))
+
+
+def test_memory_bound_chain():
+    (f,) = codes(fixture("fw_flax_cnn"))["memory-bound-chain"]
+    assert " -> " in f.evidence[0] and f.lost_per_step_s > 0 and f.source_lines
+    layout = set(codes(fixture("fw_flax_cnn"))["layout-copy"][0].ops)
+    assert not layout & set(f.ops)  # layout-only copies are layout-copy's, not counted twice
+    assert "memory-bound-chain" not in codes(fixture("scan_mlp"))
+
+
+def test_layout_copy():
+    (f,) = codes(fixture("transformer"))["layout-copy"]
+    assert all(o.startswith(("copy_", "transpose_")) for o in f.ops) and "einsum" in f.advice
+    assert "layout-copy" not in codes(fixture("diff_base"))
+
+
+def test_exposed_collective_and_straggler():
+    found = codes(fixture("sharded_mlp"))
+    assert len(found["exposed-collective"]) == 3
+    assert "collective-straggler" not in found  # 8 threads of one host: no device is last most of the time
+    assert "exposed-collective" not in codes(fixture("transformer"))
+
+
+def test_host_bound_and_device_idle_from_the_step_breakdown():
+    """A blocking NNX loop: the device waits while the Python thread works (host-bound). The MI300X attention
+    profile: ops cover 12% of the step, but no host thread was busy in the gaps: the device idles between its
+    own launches (device-idle), not host-bound."""
+    nnx = FIXTURES / "fw_nnx_transformer"
+    (f,) = codes(analyze(nnx / "blocking" / "logdir", hlo=[nnx / "hlo"], chip=HOST_CHIP))["host-bound"]
+    assert "waits on the host" in f.title and "python" in f.title and f.severity == "high"
+    found = codes(analyze(third_party("tracelens_mi300x/jax08_attention.xplane.pb")))
+    (idle,) = found["device-idle"]
+    assert "(88%)" in idle.title and "launch gaps" in idle.title and idle.severity == "high"
+    assert "host-bound" not in found
+    assert "host-bound" not in codes(fixture("transformer")) and "device-idle" not in codes(fixture("transformer"))
+
+
+def test_remat_cost():
+    (f,) = codes(fixture("fw_scan_remat"))["remat-cost"]
+    assert "remat" in f.title and "checkpoint_policies" in f.advice and "more activations" in f.evidence[1]
+    assert "remat-cost" not in codes(fixture("transformer"))
+
+
+def test_opaque_custom_call(tmp_path):
+    (f,) = codes(tpu_program(tmp_path, 128, custom_call=True))["opaque-custom-call"]
+    assert f.ops == ("cc",) and f.severity == "info" and math.isnan(f.lost_per_step_s)
+    assert "opaque-custom-call" not in codes(fixture("transformer"))
+
+
+def test_opaque_custom_call_on_a_real_tpu_export():
+    a = analyze(third_party("xprof_tpu_v5_goldens"), depth=4)
+    assert codes(a)["opaque-custom-call"][0].severity == "info"
+
+
+def test_outlier_executions():
+    (f,) = codes(fixture("fw_keras_cnn"))["outlier-executions"]
+    assert "conv_general_dilated.6" in f.ops[:4] and f.lost_per_step_s > 0
+    assert "outlier-executions" not in codes(fixture("scan_mlp"))
+
+
+def test_faster_than_roofline():
+    (f,) = codes(fixture("transformer"))["faster-than-roofline"]
+    assert "CPU caches" in f.title and f.severity == "info"
+    assert "faster-than-roofline" not in codes(fixture("diff_base"))
+
+
+# -- engine and reports ---------------------------------------------------------------------------------------
+
+def test_findings_are_ranked_by_lost_time_and_documented():
+    for name in ("sharded_mlp", "fw_flax_cnn", "bf16_mlp"):
+        lost = [f.lost_per_step_s for f in fixture(name).findings]
+        timed = [x for x in lost if math.isfinite(x)]
+        assert timed == sorted(timed, reverse=True) and lost[:len(timed)] == timed, name
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert set(CODES) == set(RULES)
+    for code in RULES:
+        assert re.fullmatch(r"[a-z]+(-[a-z]+)*", code) and f"`{code}`" in readme, code
+
+
+def test_reports_put_the_top_findings_first_and_json_has_all():
+    a = fixture("fw_flax_cnn")
+    text = render(a, "terminal")
+    top = text.index("Top findings")
+    assert top < text.index("Per layer") and "your code: " in text[top:text.index("Per layer")]
+    md = render(a, "markdown")
+    assert md.index("## Top findings") < md.index("## Per layer")
+    doc = json.loads(render(a, "json"))
+    assert [f["code"] for f in doc["findings"]] == [f.code for f in a.findings]
+    assert set(doc["findings"][0]) == {"code", "severity", "title", "lost_per_step_s", "evidence", "advice",
+                                       "source", "source_lines", "ops"}
+
+
+def test_html_links_findings_to_their_ops():
+    page = render(fixture("fw_flax_cnn"), "html")
+    links = set(re.findall(r'href="#(op-\d+)"', page))
+    rows = set(re.findall(r'<tr id="(op-\d+)"', page))
+    assert links and links <= rows
+
+
+def test_format_summary_is_a_short_digest():
+    from traceroof.cli import main
+
+    r = CliRunner().invoke(main, ["analyze", str(FIXTURES / "bf16_mlp"), "--chip", HOST_CHIP, "--format", "summary"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert len(lines) <= 60 and lines[0].startswith("# traceroof summary")
+    assert "dtype-upcast" in r.output and "generate_bf16.py:" in r.output and "MFU" in r.output

@@ -1,0 +1,178 @@
+"""Rules on memory traffic: tile padding (``tile-padding``), copies that only change a layout
+(``layout-copy``), unfused memory-bound chains (``memory-bound-chain``) and recomputation (``remat-cost``).
+
+TPU layouts store arrays in tiles (``T(8,128)(2,1)`` ...), so a tiled dimension is rounded up to the tile size
+(``docs/reference/hlo-text.md`` §6.2; How to Scale Your Model §9.2.2): small or odd dims pay for padding, and
+copies that only change the layout ("retiling") move bytes for no math (§9.2.2 fn 5).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from parsers.hlo import Instruction, is_retiling
+from traceroof.findings.hlo_graph import LAYOUT_ONLY, ModuleIndex
+from traceroof.findings.record import Finding, FindingInputs, fmt_bytes, fmt_s, make
+
+BOOK = "How to Scale Your Model (Austin et al., 2025)"
+PADDING_SOURCE = f"{BOOK} §9.2.2 (tiled layouts); docs/reference/hlo-text.md §6.2 (TPU tile padding)"
+LAYOUT_SOURCE = (f"{BOOK} §9.2.2 (layouts and retiling copies); XProf static HLO detectors (layout-changing "
+                 "copies)")
+CHAIN_SOURCE = (f"{BOOK} §9 (reading XLA's fusions in the HLO); XProf HLO op stats (unfused element-wise work)")
+REMAT_SOURCE = (f"{BOOK} §4.3.2 (block remat costs about one extra forward pass); JAX docs, gradient "
+                "checkpointing (jax.checkpoint policies)")
+
+PADDING_THRESHOLD = 0.25  # flag ops whose padded bytes exceed logical bytes by more than this fraction
+LAYOUT_SHARE_MIN = 0.005  # layout-copy fires when those copies take this share of the step
+CHAIN_SHARE_MIN = 0.02  # memory-bound-chain fires when the intermediates' round trips cost this share of the step
+REMAT_SHARE_MIN = 0.01  # remat-cost fires when recomputation takes this share of the step
+MEMORY_BOUND_CATEGORIES = ("elementwise", "reduction", "data movement")
+
+
+def _bandwidth(x: FindingInputs) -> float:
+    bw = x.chip.hbm_bandwidth_bytes_per_s if x.chip is not None else x.analysis.summary.hbm_bandwidth_bytes_per_s
+    return float(bw) if bw else float("nan")
+
+
+def tile_padding(x: FindingInputs) -> list[Finding]:
+    """Ops moving more than ``PADDING_THRESHOLD`` more bytes than their logical size because tiled dims are
+    rounded up. Lost: the extra bytes at HBM bandwidth, at most the ops' time."""
+    c = x.counted
+    if "padded_bytes" not in c or c.empty:
+        return []
+    d = c[c["logical_bytes"] > 0]
+    g = d.groupby(["module", "hlo_op"], observed=True)[["padded_bytes", "logical_bytes", "measured_s"]].sum()
+    inflated = g[g["padded_bytes"] > (1 + PADDING_THRESHOLD) * g["logical_bytes"]]
+    if inflated.empty:
+        return []
+    extra = (inflated["padded_bytes"] - inflated["logical_bytes"]).sort_values(ascending=False)
+    lost = float((extra / _bandwidth(x)).clip(upper=inflated["measured_s"]).sum()) / x.per
+    worst = [f"{op}: +{inflated.loc[(m, op), 'padded_bytes'] / inflated.loc[(m, op), 'logical_bytes'] - 1:.0%} bytes"
+             for m, op in extra.index[:3]]
+    rows = d[d["hlo_op"].astype(str).isin({str(op) for _, op in inflated.index})]
+    title = (f"{len(inflated)} op(s) move over {PADDING_THRESHOLD:.0%} more bytes because of tile padding "
+             f"({fmt_bytes(extra.sum() / x.per)} extra per step)")
+    advice = "pad or reshape those dims to tile multiples (8 x 128; 256 on v6e), or fold small dims into larger ones"
+    return [make(x, "tile-padding", title, lost if lost == lost else float("nan"), advice, PADDING_SOURCE, worst,
+                 rows)]
+
+
+def _layout_only(ix: ModuleIndex, inst: Instruction) -> bool:
+    """A transpose, a copy that changes the layout, or a fusion of only such data movement."""
+    if inst.opcode == "transpose":
+        return True
+    if inst.opcode == "copy":
+        src = ix.operand_shape(inst, 0)
+        return is_retiling(inst, src) or (src is not None and src.layout is not None and inst.shape.layout is not None
+                                          and src.layout.minor_to_major != inst.shape.layout.minor_to_major)
+    if inst.opcode == "fusion":
+        inner = ix.fused(inst)
+        return bool(inner) and all(i.opcode in LAYOUT_ONLY for i in inner) and any(
+            i.opcode == "transpose" or (i.opcode == "copy" and _layout_only(ix, i)) for i in inner)
+    return False
+
+
+def layout_copy(x: FindingInputs) -> list[Finding]:
+    """Transposes and copies that only change a layout (no math). Lost: their whole time."""
+    c = x.counted[x.counted["joined"] & (x.counted["measured_s"] > 0)]
+    keep = c["retiling"].to_numpy(bool).copy() if "retiling" in c else pd.Series(False, index=c.index).to_numpy()
+    for n, r in enumerate(c.itertuples(index=False)):
+        if not keep[n] and str(r.category) == "data movement":
+            got = x.programs.instruction(r.module, r.program_id, r.hlo_op)
+            keep[n] = _layout_only(*got) if got else str(r.opcode) == "transpose"
+    rows = c[keep]
+    lost = float(rows["measured_s"].sum()) / x.per
+    if rows.empty or not (lost >= LAYOUT_SHARE_MIN * x.step_s):
+        return []
+    retiling = int(rows["retiling"].sum()) if "retiling" in rows else 0
+    title = (f"{rows['hlo_op'].nunique()} transpose/copy op(s) only change layouts"
+             + (f" ({retiling} retiling copies)" if retiling else ""))
+    evidence = [f"{r.hlo_op}: {r.operand_shapes} -> {r.shape}" for r in
+                rows.sort_values("measured_s", ascending=False).head(3).itertuples(index=False)]
+    advice = ("order einsum/reshape dims the way the next op reads them (e.g. keep the heads axis where the "
+              "attention matmul wants it instead of transposing q/k/v), and let jit pick argument layouts "
+              "(jax.jit(..., in_shardings/out_shardings with Layout AUTO)) so XLA can drop the copies")
+    return [make(x, "layout-copy", title, lost, advice, LAYOUT_SOURCE, evidence, rows)]
+
+
+def memory_bound_chain(x: FindingInputs) -> list[Finding]:
+    """Memory-bound ops (elementwise, reductions, data movement) that feed the next such op as its only use:
+    XLA left them unfused, so the intermediate goes to memory and back. Lost per edge: 2 x the intermediate's
+    bytes at HBM bandwidth, at most the producer's time."""
+    bw = _bandwidth(x)
+    c = x.counted
+    cand = c[c["joined"] & (c["bound"].astype(str) == "memory") & (c["measured_s"] > 0)
+             & c["category"].astype(str).isin(MEMORY_BOUND_CATEGORIES)]
+    if cand.empty or not x.modules or not bw == bw:
+        return []
+    by_name = {(str(r.module), str(r.hlo_op)): n for n, r in enumerate(cand.itertuples(index=False))}
+    parent = list(range(len(cand)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    edge_lost = [0.0] * len(cand)
+    for (module, name), n in by_name.items():
+        r = cand.iloc[n]
+        got = x.programs.instruction(r["module"], r["program_id"], name)
+        if got is None or _layout_only(*got):  # layout-only copies are layout-copy's
+            continue
+        ix, inst = got
+        users = ix.users(ix.computation_of(name)).get(name, [])
+        if len(users) != 1 or (module, users[0].name) not in by_name or _layout_only(ix, users[0]):
+            continue
+        parent[root(n)] = root(by_name[(module, users[0].name)])
+        bytes_out = sum(s.byte_size() for s in inst.shape.leaves())
+        edge_lost[n] = min(2 * bytes_out * float(r["executions"]) / bw, float(r["measured_s"])) / x.per
+    groups: dict[int, list[int]] = {}
+    for n in range(len(cand)):
+        groups.setdefault(root(n), []).append(n)
+    chains = sorted((g for g in groups.values() if len(g) > 1), key=lambda g: -sum(edge_lost[i] for i in g))
+    lost = sum(edge_lost)
+    if not chains or not (lost >= CHAIN_SHARE_MIN * x.step_s):
+        return []
+    evidence, shown = [], []
+    for g in chains[:3]:
+        names = cand.iloc[sorted(g, key=lambda i: int(cand.iloc[i]["start_ps"]))]["hlo_op"].astype(str).tolist()
+        shown += g
+        evidence.append(f"{' -> '.join(names[:5])}{' ...' if len(names) > 5 else ''} ({len(names)} ops, "
+                        f"{fmt_s(sum(edge_lost[i] for i in g))} per step in round trips)")
+    title = (f"{len(chains)} chain(s) of memory-bound ops pass intermediates through memory "
+             f"({sum(len(g) for g in chains)} ops)")
+    advice = ("let XLA fuse each chain: keep it inside one jit with no reshape/transpose, sharding constraint or "
+              "custom call between the steps, or write it as one kernel (Pallas on TPU/GPU); XLA:CPU fuses less "
+              "than the accelerators, so confirm on the target")
+    rows = cand.iloc[sorted({i for g in chains for i in g})]
+    return [make(x, "memory-bound-chain", title, lost, advice, CHAIN_SOURCE, evidence, rows,
+                 ops=tuple(cand.iloc[shown]["hlo_op"].astype(str))[:12])]
+
+
+def remat_cost(x: FindingInputs) -> list[Finding]:
+    """The forward recomputed in the backward pass (phase ``remat``; XProf's remat flag): its share of the step,
+    and the activations that keeping instead of recomputing would hold (the recomputed ops' outputs, an upper
+    bound). Lost: the recomputation's time."""
+    c = x.counted
+    mask = c["phase"].astype(str) == "remat"
+    if "remat" in c:
+        mask |= c["remat"].fillna(False).astype(bool)
+    rows = c[mask & (c["measured_s"] > 0)]
+    t = float(rows["measured_s"].sum()) / x.per
+    if rows.empty or not (t >= REMAT_SHARE_MIN * x.step_s):
+        return []
+    held = 0.0
+    for r in rows.itertuples(index=False):
+        got = x.programs.instruction(r.module, r.program_id, r.hlo_op) if x.modules else None
+        if got is not None:
+            held += sum(s.byte_size() for s in got[1].shape.leaves()) * float(r.executions) / x.per
+    flops = float(rows["flops"].sum()) / x.per
+    evidence = [f"{len(rows)} recomputed op(s), {flops:.3g} FLOPs per step",
+                f"keeping their outputs instead: up to {fmt_bytes(held)} more activations per step and device"
+                if held else ""]
+    title = f"recomputing the forward pass (remat) takes {fmt_s(t)} per step"
+    advice = ("if HBM has room, save more and recompute less: jax.checkpoint(f, policy=jax.checkpoint_policies."
+              "dots_with_no_batch_dims_saveable) keeps the matmul outputs, save_only_these_names keeps what you "
+              "tag with checkpoint_name; or remat fewer layers (nn.remat / nn.scan policy)")
+    return [make(x, "remat-cost", title, t, advice, REMAT_SOURCE, evidence, rows)]

@@ -1,0 +1,227 @@
+"""Rules on the step as a whole: exposed collectives and stragglers (``exposed-collective``,
+``collective-straggler``), the host holding the device back (``host-bound``), parallelism axes bound by
+communication (``comm-bound-axis``) and ops whose executions vary widely (``outlier-executions``).
+
+``host-bound`` reads the step breakdown (``Analysis.step_breakdown``: ``step``, ``device``, ``step_time_s``,
+``compute_s``, ``exposed_comm_s``, ``launch_gap_s``, ``host_bound_s``, ``outside_program_s``) and
+``comm-bound-axis`` the parallelism analysis (``Analysis.parallelism``: ``axis``, ``size``, ``strategy``,
+``batch_per_device``, ``critical_batch_per_device``, ``t_math_s``, ``t_comm_s``, ``bound``, ``evidence``) when
+the analysis has them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+
+from traceroof.findings.record import Finding, FindingInputs, fmt_bytes, fmt_s, make, share
+from traceroof.opstats import OUTLIER_RATIO
+
+BOOK = "How to Scale Your Model (Austin et al., 2025)"
+COLLECTIVE_SOURCE = (f"{BOOK} §1 (overlapping communication with compute: T = max(T_math, T_comms)) and §5 "
+                     "(FSDP prefetch, reduce-scatter overlap); XLA latency-hiding scheduler flags")
+STRAGGLER_SOURCE = "traceroof arrival skew (collectives wait for the last device to arrive)"
+HOST_SOURCE = ("XProf overview page and trace viewer guidance (input-bound / host-bound steps); JAX docs, "
+               "asynchronous dispatch")
+AXIS_SOURCE = (f"{BOOK} §5 (data / FSDP parallelism is compute-bound only while batch per device exceeds the "
+               "critical batch C/W; tensor parallelism while the model dim per shard stays large) and §12 (GPUs)")
+OUTLIER_SOURCE = "traceroof execution statistics (median and p90 of single executions)"
+
+EXPOSED_SHARE_MIN = 0.02  # collectives exposed for more than this share of the step are named
+STRAGGLER_LAST_SHARE_MIN = 0.5  # a device last at more than this share of collective executions ...
+STRAGGLER_WAIT_SHARE_MIN = 0.01  # ... while the others wait more than this share of the step
+HOST_BOUND_SHARE_MIN = 0.05  # host-bound fires when the device waits on the host this share of the step
+BUSY_SHARE_MIN = 0.5  # without a step breakdown: ops covering less of the step than this
+ASYNC_FLAGS = {"tpu": "XLA_FLAGS=--xla_tpu_enable_async_collective_fusion=true "
+                      "--xla_tpu_overlap_compute_collective_tc=true",
+               "gpu": "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true (and "
+                      "--xla_gpu_enable_pipelined_all_gather / _reduce_scatter / _all_reduce)"}
+KIND_ADVICE = {"all-gather": "prefetch it a layer ahead (FSDP overlap) or let XLA schedule it async",
+               "reduce-scatter": "overlap it with the next layer's backward (async collective)",
+               "all-reduce": "split it into reduce-scatter + all-gather that overlap compute, or shard the "
+                             "operand so it shrinks",
+               "all-to-all": "overlap dispatch with expert compute (chunk the all-to-all)"}
+
+
+def exposed_collective(x: FindingInputs) -> list[Finding]:
+    """The (up to 3) collectives exposed for more than ``EXPOSED_SHARE_MIN`` of the step, one finding each, with
+    what would hide them. Virtual CPU devices (threads of one host) get no interconnect advice: their
+    collectives are threads waiting for each other. Lost: the exposed time."""
+    t = x.analysis.collectives
+    if t is None or t.empty or not x.step_s > 0:
+        return []
+    out = []
+    for r in t[t["exposed_per_step_s"] > EXPOSED_SHARE_MIN * x.step_s].head(3).itertuples(index=False):
+        rows = x.counted[x.counted["hlo_op"].astype(str) == r.hlo_op]
+        what = f"{r.hlo_op} ({r.kind}, {fmt_bytes(r.bytes_out)}, group {r.group_size})"
+        evidence = [f"exposed {fmt_s(r.exposed_per_step_s)} per step, {r.exposed_share:.0%} of its window"
+                    if np.isfinite(r.exposed_share) else f"exposed {fmt_s(r.exposed_per_step_s)} per step",
+                    f"expected {fmt_s(r.expected_per_step_s)} on {r.link or 'the links'}"
+                    if np.isfinite(r.expected_per_step_s) else ""]
+        if x.virtual_devices:
+            skew = r.arrival_skew_s if np.isfinite(r.arrival_skew_s) else 0.0
+            title = f"{what} takes {fmt_s(r.exposed_per_step_s)} per step on virtual CPU devices"
+            advice = (f"mostly devices waiting for each other on shared cores (arrival skew {fmt_s(skew)}), not "
+                      "data movement: profile on the real accelerators to judge it")
+        else:
+            title = f"{what} is exposed {fmt_s(r.exposed_per_step_s)} per step ({share(r.exposed_per_step_s, x.step_s)})"
+            flags = ASYNC_FLAGS.get(x.chip.kind if x.chip is not None else "", "")
+            advice = KIND_ADVICE.get(r.kind, "make it asynchronous so compute can overlap it") + (
+                f"; scheduler flags to try: {flags}" if flags else "")
+        out.append(make(x, "exposed-collective", title, float(r.exposed_per_step_s), advice, COLLECTIVE_SOURCE,
+                        evidence, rows, ops=(r.hlo_op,)))
+    return out
+
+
+def collective_straggler(x: FindingInputs) -> list[Finding]:
+    """A device that arrives last at most collective executions while the others wait. Lost: their wait."""
+    skew = x.skew
+    if skew is None or skew.empty or not x.steps:
+        return []
+    last = skew["last_device"].value_counts()
+    dev, n = last.index[0], int(last.iloc[0])
+    wait = float(skew["wait_s"].sum()) / x.steps
+    if not (n / len(skew) > STRAGGLER_LAST_SHARE_MIN and wait > STRAGGLER_WAIT_SHARE_MIN * x.step_s):
+        return []
+    title = (f"{dev} arrives last at {n / len(skew):.0%} of collective executions; the other devices wait "
+             f"{fmt_s(wait)} per step in total for it (straggler)")
+    advice = ("find what that device does before the collective (uneven shards, host input on its host, a slower "
+              "chip or thermal throttling) and balance it")
+    ops = tuple(skew["hlo_op"].astype(str).value_counts().index[:5]) if "hlo_op" in skew else ()
+    return [make(x, "collective-straggler", title, wait, advice, STRAGGLER_SOURCE, [], None, ops=ops)]
+
+
+def host_bound(x: FindingInputs) -> list[Finding]:
+    """The device idle while the host works: from the step breakdown (mean ``host_bound_s`` per step and
+    device), else from the share of the step no op covers. Lost: that idle time."""
+    b = x.table("step_breakdown")
+    advice = ("feed the device ahead of time (prefetch the next batch to the device, e.g. "
+              "jax.device_put of batch n+1 while step n runs, a prefetching data loader), keep Python work and "
+              "device-to-host reads (float(loss), .item(), jax.device_get, block_until_ready) out of the loop, "
+              "and put more of the step under one jit (lax.scan over micro-steps)")
+    if b is not None:
+        need = {"step_time_s", "host_bound_s"}
+        if not need <= set(b.columns):
+            return []
+        step = float(b["step_time_s"].mean())
+        lost = float(b["host_bound_s"].mean())
+        if not (step > 0 and lost >= HOST_BOUND_SHARE_MIN * step):
+            return []
+        extra = [f"{c.removesuffix('_s').replace('_', ' ')} {fmt_s(float(b[c].mean()))}"
+                 for c in ("compute_s", "exposed_comm_s", "launch_gap_s", "outside_program_s") if c in b]
+        kinds = {c.removeprefix("host_bound_").removesuffix("_share"): float(b[c].mean())
+                 for c in b.columns if c.startswith("host_bound_") and c.endswith("_share") and b[c].notna().any()}
+        busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v > 0.05)
+        title = (f"the device waits on the host {fmt_s(lost)} per step ({lost / step:.1%} of the step; host threads "
+                 f"busy with {busy or 'untraced work'})")
+        return [make(x, "host-bound", title, lost, advice, HOST_SOURCE,
+                     [f"mean over {len(b)} step x device rows: step {fmt_s(step)}, " + ", ".join(extra)])]
+    s = x.analysis.summary
+    if not (s.step_time_mean_s > 0 and s.op_time_per_step_s > 0):
+        return []
+    busy = s.op_time_per_step_s / s.step_time_mean_s
+    if busy >= BUSY_SHARE_MIN:
+        return []
+    lost = s.step_time_mean_s - s.op_time_per_step_s
+    title = f"ops cover {busy:.0%} of the step time: the rest is host overhead, input or idle gaps"
+    return [make(x, "host-bound", title, lost, advice, HOST_SOURCE,
+                 [f"op time {fmt_s(s.op_time_per_step_s)} of a {fmt_s(s.step_time_mean_s)} step (no step "
+                  "breakdown: gaps are not split into host, launch and outside-program time)"])]
+
+
+IDLE_SHARE_MIN = 0.2  # device-idle fires when launch gaps + time outside programs exceed this share of the step
+IDLE_SOURCE = ("XProf overview page (device idle time); JAX docs, asynchronous dispatch and jax.jit of whole "
+               "steps")
+
+
+def device_idle(x: FindingInputs) -> list[Finding]:
+    """The device idle with no host work in the way: launch gaps inside programs and time outside any program
+    (step breakdown). Lost: that idle time."""
+    b = x.table("step_breakdown")
+    if b is None or not {"step_time_s", "launch_gap_s", "outside_program_s"} <= set(b.columns):
+        return []
+    step, gaps, outside = (float(b[c].mean()) for c in ("step_time_s", "launch_gap_s", "outside_program_s"))
+    idle = gaps + outside
+    if not (step > 0 and idle > IDLE_SHARE_MIN * step):
+        return []
+    title = (f"the device idles {fmt_s(idle)} per step ({idle / step:.0%}) with no host work in the way: "
+             f"{fmt_s(gaps)} of launch gaps inside programs, {fmt_s(outside)} between programs")
+    advice = ("fewer, larger launches: put the whole step under one jax.jit, fuse small ops (fewer tiny "
+              "programs such as a separate metrics jit), or use lax.scan over micro-steps")
+    return [make(x, "device-idle", title, idle, advice, IDLE_SOURCE,
+                 [f"mean over {len(b)} step x device rows: step {fmt_s(step)}"])]
+
+
+def comm_bound_axis(x: FindingInputs) -> list[Finding]:
+    """Parallelism axes whose communication outlasts their math (the parallelism analysis' ``bound`` column,
+    or ``t_comm_s`` > ``t_math_s``), with the book's remedy for the axis' strategy. Lost: the communication
+    time beyond the math it could hide under."""
+    p = x.table("parallelism")
+    report = getattr(x.analysis, "parallelism", None)
+    if p is None and getattr(report, "rows", None):  # traceroof.mesh_book.ParallelismReport
+        remedy = {axis: (title, advice) for axis, title, advice in report.findings}
+        p = pd.DataFrame([{**dataclasses.asdict(r), "lost_s": r.measured_exposed_s,
+                           "title": remedy.get(r.axis, ("", ""))[0], "advice": remedy.get(r.axis, ("", ""))[1]}
+                          for r in report.rows if r.axis in remedy])
+    if p is None or p.empty or not {"axis", "t_math_s", "t_comm_s"} <= set(p.columns):
+        return []
+    out = []
+    for r in p.to_dict("records"):
+        t_math, t_comm = float(r.get("t_math_s", np.nan)), float(r.get("t_comm_s", np.nan))
+        bound = str(r.get("bound", ""))
+        if not (bound.startswith("comm") or (np.isfinite(t_comm) and np.isfinite(t_math) and t_comm > t_math)):
+            continue
+        strategy = str(r.get("strategy", "")).lower()
+        b, crit = r.get("batch_per_device", np.nan), r.get("critical_batch_per_device", np.nan)
+        if any(k in strategy for k in ("fsdp", "data", "dp", "zero")):
+            advice = (f"raise the batch per device above the critical batch (now {b:.4g}, needs about {crit:.4g}), "
+                      "or shard fewer ways on this axis and more on a model axis; keep the axis on the fastest "
+                      "links (ICI / NVLink rather than DCN)")
+        elif any(k in strategy for k in ("tensor", "model", "tp", "megatron")):
+            advice = ("use fewer tensor-parallel ways on this axis (the model dim per shard is too small for the "
+                      "links) and more data / FSDP parallelism, or keep the axis inside the fastest link domain")
+        elif "expert" in strategy or "ep" == strategy:
+            advice = ("reduce the all-to-all volume: fewer experts per token (top-k), a lower capacity factor, or "
+                      "expert parallelism over fewer, closer devices")
+        elif "pipe" in strategy:
+            advice = "use more microbatches per step so pipeline transfers overlap compute"
+        else:
+            advice = "overlap this axis' collectives with compute or move it to faster links"
+        lost = max(t_comm - (t_math if np.isfinite(t_math) else 0.0), 0.0)
+        ev = [f"T_math {fmt_s(t_math)}, T_comm {fmt_s(t_comm)} per layer",
+              f"batch per device {b:.4g}, critical {crit:.4g}" if np.isfinite(b) and np.isfinite(crit) else "",
+              str(r.get("evidence", "") or "")]
+        title = f"axis {r['axis']} ({strategy or 'unknown strategy'}, size {r.get('size', '?')}) is communication-bound"
+        if r.get("title"):  # the parallelism report's own: the book's remedy; worth the axis' measured exposed time
+            title, advice = str(r["title"]), str(r["advice"])
+            lost = float(r["lost_s"]) if np.isfinite(r.get("lost_s", np.nan)) else float("nan")
+            ev[0] += "; the time lost is the axis' measured exposed communication per step"
+        out.append(make(x, "comm-bound-axis", title, lost, advice, AXIS_SOURCE, ev))
+    return out
+
+
+def outlier_executions(x: FindingInputs) -> list[Finding]:
+    """Ops with executions slower than ``OUTLIER_RATIO`` x their median (noise, contention, first-run effects).
+    Lost: their time above median x executions."""
+    st = x.stats
+    if st is None or st.empty:
+        return []
+    flagged = st[st["outlier_executions"] > 0]
+    if flagged.empty:
+        return []
+    flagged = flagged.assign(_excess=flagged["max_s"] - flagged["median_s"]).sort_values(
+        ["_excess"], ascending=False, kind="stable")
+    names = {str(op) for _, _, op in flagged.index}
+    c = x.counted
+    rows = c[c["hlo_op"].astype(str).isin(names)]
+    med = flagged.reset_index().assign(hlo_op=lambda d: d["hlo_op"].astype(str)).groupby("hlo_op")["median_s"].first()
+    excess = rows["measured_s"] - rows["hlo_op"].astype(str).map(med).astype(float) * rows["executions"]
+    lost = float(excess.clip(lower=0).sum()) / x.per
+    evidence = [f"{op}: {int(r.outlier_executions)} of {r.samples:g} runs, up to {fmt_s(r.max_s)} vs median "
+                f"{fmt_s(r.median_s)}" for (_, _, op), r in zip(flagged.index[:4], flagged.itertuples(index=False))]
+    title = f"{len(flagged)} op(s) have executions more than {OUTLIER_RATIO:g}x their median time"
+    advice = ("not the ops' typical cost (top ops are ranked by median): profile more steps after a warm-up, on "
+              "an otherwise idle machine, and exclude compile/first-run steps (--warmup-steps)")
+    ops = tuple(str(op) for _, _, op in flagged.index[:12])
+    return [make(x, "outlier-executions", title, lost, advice, OUTLIER_SOURCE, evidence, rows, ops=ops)]
