@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import FormatError, InputError
-from traceroof.memory import memory_delta, memory_from_json
+from traceroof.memory_diff import memory_delta, memory_from_json
 from traceroof.analysis import Analysis, analyze
 from traceroof.breakdown import BREAKDOWN_COLUMNS
 from traceroof.opstats import OP_KEY

@@ -8,16 +8,7 @@ Sources, best first:
   space (color 0), which is the total of XLA's memory-usage report and what the runtime reserves for one
   execution: entry parameters, outputs, constants, and the preallocated temporaries packed by XLA's heap
   simulator.
-* **traceroof's live ranges** when the dump has no buffer assignment (an HloProto from the profile, hand-written
-  HLO): a sequential model over the entry computation in its scheduled (text) order. Every instruction that
-  produces data gets a buffer of its shape's bytes (tuple leaves summed), live from its definition to its last
-  use in the entry computation; entry parameters and constants live for the whole program, as do the root's
-  operands from their definition on. ``bitcast``, ``get-tuple-element`` and ``tuple`` add no data (they alias
-  their operands; a tuple adds its pointer table), a ``while`` reuses its operand's buffer, and an output aliased
-  to a parameter by ``input_output_alias`` reuses that parameter's buffer. A ``while``/``call``/``conditional``
-  adds, while it runs, the peak of its called computations' own buffers (recursively, body parameters
-  excluded). The model does not share a dying operand's buffer with its user, nor pack buffers into a heap, so it
-  is an estimate; tests compare it with XLA's figure where both exist.
+* **traceroof's live ranges** when the dump has no buffer assignment: :mod:`traceroof.liveranges`.
 
 Categories (they add up to the peak): ``parameters`` (model weights among the entry parameters),
 ``optimizer_state`` (entry parameters only optimizer ops read: Adam's moments, the step count), ``inputs`` (the
@@ -53,13 +44,12 @@ from parsers.buffer_assignment import (BufferAssignment, LiveRange, read_buffer_
                                        read_memory_usage_report, report_files)
 from parsers.dump_folder import dump_file_kind
 from parsers.errors import TraceroofError
-from parsers.hlo import Computation, HloModule, Instruction, Shape
+from parsers.hlo import Computation, HloModule, Instruction
+from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
 from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "gradients", "activations", "outputs", "other")
 TOP_BUFFERS = 8
-_NO_DATA = {"bitcast", "get-tuple-element", "tuple", "after-all", "add-dependency", "opt-barrier"}
-_CALLS = {"while", "call", "conditional"}
 _MODEL_PHASES = {"forward", "backward", "remat"}
 _OPT_NAME = re.compile(r"opt_state|optimizer|\.(mu|nu|count)\b|momentum|exp_avg", re.I)
 _PARAM_NAME = re.compile(r"param|weight|kernel|bias|scale|embedding", re.I)
@@ -254,138 +244,6 @@ def _value_category(inst: Instruction | None, scopes: ModuleScopes, param_shapes
 # traceroof's sequential live-range model
 # --------------------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class _Live:
-    peak_bytes: int
-    peak_time: int
-    live: tuple[tuple[str, int], ...]  # (instruction, bytes) live at the peak
-
-
-def _data_bytes(shape: Shape) -> int:
-    return sum(s.byte_size() for s in shape.leaves())
-
-
-def _own_bytes(inst: Instruction) -> int:
-    """Bytes an instruction's own buffer holds: none for aliases, the pointer table of a tuple."""
-    if inst.opcode in _NO_DATA:
-        return inst.shape.byte_size() if inst.opcode == "tuple" else 0
-    if inst.opcode == "while":
-        return 0
-    return _data_bytes(inst.shape)
-
-
-_SHARE_OPS = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "select", "convert", "exponential",
-              "tanh", "negate", "dynamic-update-slice", "scatter"}
-
-
-def _may_share(module: HloModule, inst: Instruction) -> bool:
-    """True for ops XLA lets write into an operand's buffer (elementwise ops, loop fusions, in-place updates:
-    ``HloDataflowAnalysis::CanShareOperandBufferWithUser``)."""
-    if inst.opcode == "fusion":
-        return inst.fusion_kind == "kLoop" or any(
-            (c := module.computations.get(n)) is not None and c.root is not None
-            and c.root.opcode in ("dynamic-update-slice", "scatter") for n in inst.called)
-    return inst.opcode in _SHARE_OPS
-
-
-def _computation_peak(module: HloModule, comp: Computation, depth: int = 0) -> int:
-    """Peak of a called computation's own buffers (its parameters are the caller's)."""
-    if depth > 16:
-        return 0
-    live = _sequential(module, comp, depth, whole_program=set(), entry=False)
-    return live.peak_bytes
-
-
-def _sequential(module: HloModule, comp: Computation, depth: int, whole_program: set[str], entry: bool) -> _Live:
-    order = comp.instructions
-    pos = {i.name: t for t, i in enumerate(order)}
-    last = {i.name: t for t, i in enumerate(order)}
-    for t, inst in enumerate(order):
-        for op in inst.operands:
-            if op in last:
-                last[op] = max(last[op], t)
-    end = len(order)
-    roots = set(comp.root.operands if comp.root is not None and comp.root.opcode == "tuple" else
-                ([comp.root.name] if comp.root is not None else []))
-    # aliases: a bitcast / gte / while keeps its operand's buffer alive as long as it is used
-    owner: dict[str, str] = {}
-    for inst in order:
-        if inst.opcode in ("bitcast", "get-tuple-element", "while") and inst.operands:
-            owner[inst.name] = owner.get(inst.operands[0], inst.operands[0])
-    for inst in reversed(order):  # a tuple keeps its elements alive while it is used
-        if inst.opcode == "tuple":
-            for op in inst.operands:
-                if op in last:
-                    last[op] = max(last[op], last[inst.name])
-    for name in list(last):
-        o = owner.get(name)
-        if o is not None and o in last:
-            last[o] = max(last[o], last[name])
-    for r in roots:
-        last[owner.get(r, r)] = end
-    for t, inst in enumerate(order):  # an op that may write into a same-sized operand dying here reuses its buffer
-        if not _may_share(module, inst):
-            continue
-        for op in inst.operands:
-            o = owner.get(op, op)
-            src = comp.by_name.get(o)
-            if (src is not None and last.get(o) == t and pos.get(o, t) < t and src.opcode not in ("parameter", "constant")
-                    and _own_bytes(src) == _own_bytes(inst)):
-                last[o] = t - 1
-                break
-    delta = [0] * (end + 1)
-    extra = [0] * (end + 1)
-    sizes: dict[str, int] = {}
-    for inst in order:
-        t = pos[inst.name]
-        if inst.opcode == "parameter":
-            if not entry:
-                continue
-            size, start, stop = _own_bytes(inst), 0, end
-        elif inst.opcode == "constant":
-            size, start, stop = _own_bytes(inst), 0, end
-        elif inst.name in whole_program:
-            continue  # an output aliased to a parameter: the parameter's buffer
-        else:
-            size, start, stop = _own_bytes(inst), t, last[inst.name]
-            if not entry and _may_share(module, inst) and any(  # updates a loop-carried buffer in place
-                    (src := comp.by_name.get(owner.get(op, op))) is not None and src.opcode == "parameter"
-                    and _data_bytes(comp.by_name[op].shape) == size for op in inst.operands if op in comp.by_name):
-                size = 0
-        if inst.opcode in _CALLS:
-            extra[t] = sum(_computation_peak(module, module.computations[c], depth + 1)
-                           for c in inst.called if c in module.computations)
-        if size:
-            sizes[inst.name] = size
-            delta[start] += size
-            delta[min(stop, end - 1) + 1 if stop < end else end] -= size
-    best, best_t, cur = 0, 0, 0
-    for t in range(end):
-        cur += delta[t]
-        if cur + extra[t] > best:
-            best, best_t = cur + extra[t], t
-    live = []
-    for inst in order:
-        s = sizes.get(inst.name)
-        if not s:
-            continue
-        start = 0 if inst.opcode in ("parameter", "constant") else pos[inst.name]
-        stop = end if inst.opcode in ("parameter", "constant") else last[inst.name]
-        if start <= best_t <= stop:
-            live.append((inst.name, s))
-    return _Live(best, best_t, tuple(live))
-
-
-def live_range_peak(module: HloModule) -> _Live:
-    """traceroof's sequential live-range estimate of the entry computation (see the module docstring)."""
-    entry = module.entry
-    aliased = set()
-    if entry.root is not None and entry.root.opcode == "tuple":
-        outs = entry.root.operands
-        aliased = {outs[i] for i in _alias_outputs(module) if i < len(outs)}
-    return _sequential(module, entry, 0, aliased, entry=True)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # one program
 # --------------------------------------------------------------------------------------------------------------
@@ -410,7 +268,7 @@ def _saved_activations(module: HloModule, scopes: ModuleScopes) -> int:
                 readers.extend(users.get(u.name, ()))
             backward = scopes.get(u.name).phase == "backward"
         if backward:
-            total += _own_bytes(inst) if inst.opcode != "while" else _data_bytes(inst.shape)
+            total += own_bytes(inst) if inst.opcode != "while" else data_bytes(inst.shape)
     return total
 
 
@@ -655,57 +513,3 @@ def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None) -> Memo
 # --------------------------------------------------------------------------------------------------------------
 # diff: memory deltas
 # --------------------------------------------------------------------------------------------------------------
-
-def memory_from_json(path: object, memory: object) -> dict | None:
-    """The ``memory`` object of a saved JSON report, checked: ``peak_bytes_per_device`` and each category a
-    finite number >= 0 (or null). ``None`` when the report has none.
-
-    :raises FormatError: naming the file and the key."""
-    import math
-
-    from parsers.errors import FormatError
-
-    if memory is None:
-        return None
-    if not isinstance(memory, dict) or not isinstance(memory.get("categories", {}), dict):
-        raise FormatError(f"{path}: memory is not an object with categories; write the report with "
-                          "`traceroof analyze ... --format json -o base.json`")
-    figures = [("peak_bytes_per_device", memory.get("peak_bytes_per_device"))]
-    figures += [(f"categories.{k}", v) for k, v in memory.get("categories", {}).items()]
-    for key, v in figures:
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                              or v < 0):
-            raise FormatError(f"{path}: memory.{key} is {v!r}; expected a finite number of bytes >= 0")
-    return memory
-
-
-def memory_delta(base: Mapping | None, new: Mapping | None) -> dict | None:
-    """Peak memory per device and each category, base -> new, with the change in bytes and percent (``None``
-    unless both sides have a peak)."""
-    if not base or not new or base.get("peak_bytes_per_device") is None or new.get("peak_bytes_per_device") is None:
-        return None
-
-    def row(b: float, n: float) -> dict:
-        return {"base_bytes": b, "new_bytes": n, "delta_bytes": n - b,
-                "delta_pct": (n - b) / b * 100 if b else None}
-
-    cats = {c: row(float((base.get("categories") or {}).get(c) or 0), float((new.get("categories") or {}).get(c) or 0))
-            for c in CATEGORIES if (base.get("categories") or {}).get(c) or (new.get("categories") or {}).get(c)}
-    return {"peak_bytes_per_device": row(float(base["peak_bytes_per_device"]), float(new["peak_bytes_per_device"])),
-            "source": {"base": base.get("source"), "new": new.get("source")}, "categories": cats,
-            "headroom_bytes": {"base": base.get("headroom_bytes"), "new": new.get("headroom_bytes")}}
-
-
-def memory_delta_line(delta: Mapping | None) -> str:
-    """One line for a diff's summary: the peak's change and the categories that moved it most."""
-    if not delta:
-        return ""
-    from traceroof.report.memory import fmt_bytes
-
-    p = delta["peak_bytes_per_device"]
-    pct = f" ({p['delta_pct']:+.1f}%)" if p["delta_pct"] is not None else ""
-    movers = sorted(delta["categories"].items(), key=lambda kv: -abs(kv[1]["delta_bytes"]))
-    parts = [f"{c.replace('_', ' ')} {'+' if d['delta_bytes'] >= 0 else '-'}{fmt_bytes(abs(d['delta_bytes']))}"
-             for c, d in movers[:3] if d["delta_bytes"]]
-    return (f"peak memory per device {fmt_bytes(p['base_bytes'])} -> {fmt_bytes(p['new_bytes'])}{pct}"
-            + (f": {', '.join(parts)}" if parts else ""))

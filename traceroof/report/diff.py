@@ -9,7 +9,7 @@ import pandas as pd
 from traceroof.breakdown import breakdown_delta
 from traceroof.diff import DiffResult
 from traceroof.report.breakdown import breakdown_diff_text
-from traceroof.memory import memory_delta_line
+from traceroof.report.memory import memory_delta_line
 from traceroof.report.data import clean_value, records
 from traceroof.report.safe import json_text, markdown as markdown_text, printable
 from traceroof.report.text import md_table, text_table, fmt_pct, fmt_si, fmt_time

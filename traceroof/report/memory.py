@@ -4,6 +4,8 @@ the book's model and why it differs, the largest buffers live at the peak, and a
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import pandas as pd
 
 from traceroof.memory import CATEGORIES, MemoryView, ProgramMemory
@@ -99,3 +101,16 @@ def memory_html(view: MemoryView | None) -> list[str]:
     dl = "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in _lines(view)) + "</dl>"
     return ["<h2>Memory (per device)</h2>", dl, "<h3>Largest buffers live at the peak</h3>",
             table_html(buffers_table(view.peak), None, "memory-buffers-table")]
+
+
+def memory_delta_line(delta: Mapping | None) -> str:
+    """One line for a diff's summary: the peak's change and the categories that moved it most."""
+    if not delta:
+        return ""
+    p = delta["peak_bytes_per_device"]
+    pct = f" ({p['delta_pct']:+.1f}%)" if p["delta_pct"] is not None else ""
+    movers = sorted(delta["categories"].items(), key=lambda kv: -abs(kv[1]["delta_bytes"]))
+    parts = [f"{c.replace('_', ' ')} {'+' if d['delta_bytes'] >= 0 else '-'}{fmt_bytes(abs(d['delta_bytes']))}"
+             for c, d in movers[:3] if d["delta_bytes"]]
+    return (f"peak memory per device {fmt_bytes(p['base_bytes'])} -> {fmt_bytes(p['new_bytes'])}{pct}"
+            + (f": {', '.join(parts)}" if parts else ""))
