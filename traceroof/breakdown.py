@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceroof.hostactivity import HOST_KINDS, inside, merge_intervals
+from traceroof.hostactivity import HOST_KINDS, inside, merge_intervals, subtract_intervals
 from traceroof.optable import Timeline
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
@@ -53,15 +53,6 @@ def _intersect(a: Intervals, b: Intervals) -> Intervals:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     lo, hi = pts[:-1], pts[1:]
     keep = inside(a, lo) & inside(b, lo)
-    return merge_intervals(lo[keep], hi[keep])
-
-
-def _minus(a: Intervals, b: Intervals) -> Intervals:
-    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
-    if len(pts) < 2:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    lo, hi = pts[:-1], pts[1:]
-    keep = inside(a, lo) & ~inside(b, lo)
     return merge_intervals(lo[keep], hi[keep])
 
 
@@ -199,7 +190,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
         waiting = _waiting_for_launch(ex, programs)
         a = act[act["host"] == host_of.get(d, "")]
         host = merge_intervals(a["start_ps"].to_numpy(np.int64), a["end_ps"].to_numpy(np.int64))
-        idle_host = _minus(_intersect(waiting, host), busy)  # waiting lies outside every program
+        idle_host = subtract_intervals(_intersect(waiting, host), busy)  # waiting lies outside every program
         c_ps = covered_ps(compute, lo, hi)
         busy_ps = covered_ps(busy, lo, hi)
         prog_ps = covered_ps(programs, lo, hi)
@@ -223,9 +214,9 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
             if int(st) not in draw:
                 continue
             win = (np.array([w0]), np.array([w1]))
-            sets = {"exposed communication": _minus(busy, compute), "launch gap": _minus(programs, busy),
+            sets = {"exposed communication": subtract_intervals(busy, compute), "launch gap": subtract_intervals(programs, busy),
                     "host-bound": idle_host}
-            sets["outside any program"] = _minus(win, _union(busy, programs, idle_host))
+            sets["outside any program"] = subtract_intervals(win, _union(busy, programs, idle_host))
             sel = np.flatnonzero((e > w0) & (s < w1))
             parts = [pd.DataFrame({"kind": "op", "start_ps": np.maximum(s[sel], w0), "end_ps": np.minimum(e[sel], w1),
                                    "row": r[m][sel]})]
