@@ -56,6 +56,7 @@ _SPEC: dict[str, list[tuple]] = {
         ("use_global_device_ids", 71, "b", False),
         ("collective_device_list", 87, "M", False, "CollectiveDeviceListProto"),
         ("iota_collective_device_list", 92, "M", False, "IotaReplicaGroupListProto"),
+        ("mesh_axes_replica_group_list", 93, "M", False, "MeshAxesReplicaGroupListProto"),
     ],
     "ShapeProto": [("element_type", 2, "i", False), ("dimensions", 3, "i", True),
                    ("tuple_shapes", 4, "M", True, "ShapeProto"), ("layout", 5, "M", False, "LayoutProto"),
@@ -84,6 +85,12 @@ _SPEC: dict[str, list[tuple]] = {
     "SourceTarget": [("source", 1, "i", False), ("target", 2, "i", False)],
     "IotaReplicaGroupListProto": [("num_replica_groups", 1, "i", False), ("num_devices_per_group", 2, "i", False),
                                   ("iota_reshape_dims", 3, "i", True), ("iota_transpose_perm", 4, "i32", True)],
+    # xla_data.proto: the mesh-axes form of replica groups (XLA text: mesh['a'=4,'b'=2] {'a'})
+    "MeshAxesReplicaGroupListProto": [("mesh", 1, "M", False, "MeshProto"), ("axes", 2, "M", True, "AxisRefProto")],
+    "MeshProto": [("axes", 1, "M", True, "MeshAxis"), ("device_ids", 2, "i", True)],
+    "MeshAxis": [("name", 1, "s", False), ("size", 2, "i", False)],
+    "AxisRefProto": [("mesh_axis_index", 1, "i", False), ("sub_axis_info", 2, "M", False, "SubAxis")],
+    "SubAxis": [("pre_size", 1, "i", False), ("size", 2, "i", False)],
     "CollectiveDeviceListProto": [("replica_groups", 1, "M", True, "ReplicaGroup"),
                                   ("iota_replica_group_list", 2, "M", False, "IotaReplicaGroupListProto")],
     "StackFrameIndexProto": [("file_names", 1, "s", True), ("function_names", 2, "s", True),
@@ -174,6 +181,9 @@ def _window(w: Any) -> str:
 
 
 def _replica_groups(p: Any) -> str | None:
+    """The instruction's replica groups as XLA prints them (explicit, iota or mesh-axes form), None when none."""
+    if p.HasField("mesh_axes_replica_group_list"):
+        return _mesh_axes_groups(p.mesh_axes_replica_group_list)
     iota = p.iota_collective_device_list if p.HasField("iota_collective_device_list") else (
         p.collective_device_list.iota_replica_group_list
         if p.HasField("collective_device_list") and p.collective_device_list.HasField("iota_replica_group_list")
@@ -189,6 +199,32 @@ def _replica_groups(p: Any) -> str | None:
     if groups:
         return "{" + ",".join(_ints(g.replica_ids) for g in groups) + "}"
     return None
+
+
+def _mesh_axes_groups(m: Any) -> str | None:
+    """A ``MeshAxesReplicaGroupListProto`` as XLA's text ``mesh['a'=4,'b'=2] {'a'}`` (a sub-axis as
+    ``'a':(pre)size``; openxla/xla ``xla/hlo/ir/replica_group.cc`` ``MeshAxesReplicaGroupList::ToString``); with a
+    mesh ``device_ids`` other than 0..n-1, the explicit groups of those devices. None when malformed."""
+    from parsers.hlo_text import parse_replica_groups
+
+    axes = list(m.mesh.axes)
+    if not axes or any("'" in a.name or a.size <= 0 for a in axes):
+        return None
+    chosen = []
+    for ref in m.axes:
+        if not 0 <= ref.mesh_axis_index < len(axes):
+            return None
+        name = axes[ref.mesh_axis_index].name
+        sub = ref.sub_axis_info
+        chosen.append(f"'{name}':({sub.pre_size}){sub.size}" if ref.HasField("sub_axis_info") else f"'{name}'")
+    text = "mesh[" + ",".join(f"'{a.name}'={a.size}" for a in axes) + "] {" + ",".join(chosen) + "}"
+    ids = list(m.mesh.device_ids)
+    if not ids or ids == list(range(len(ids))):
+        return text
+    groups = parse_replica_groups(text)
+    if any(d >= len(ids) for g in groups for d in g):
+        return None
+    return "{" + ",".join("{" + ",".join(str(ids[d]) for d in g) + "}" for g in groups) + "}"
 
 
 def _attrs(p: Any, comp_names: dict[int, str]) -> tuple[dict[str, str], tuple[str, ...]]:

@@ -297,3 +297,57 @@ def test_collectives_on_virtual_cpu_devices_get_no_interconnect_advice():
     real = exposed_collective(FindingInputs(replace(a, findings=()), a.ops.iloc[:0], get_chip("tpu_v5e")))
     assert any("split it into reduce-scatter + all-gather" in f.advice for f in real), real
     assert all("xla_tpu_enable_async_collective_fusion" in f.advice for f in real)
+
+
+def _all_reduce_proto(mesh_ids: list[int] | None = None) -> bytes:
+    """An HloProto of p = f32[8] parameter; all-reduce(p) over axis 'b' of mesh['a'=4,'b'=2], in the
+    ``mesh_axes_replica_group_list`` form jax 0.10's embedded HloProtos carry (field 93), not a group list."""
+    from parsers.hlo_proto import _CLASSES
+
+    proto = _CLASSES["HloProto"]()
+    mod = proto.hlo_module
+    mod.name, mod.entry_computation_name, mod.entry_computation_id = "jit_step", "main", 1
+    comp = mod.computations.add(name="main", id=1, root_id=2)
+    p = comp.instructions.add(name="p", opcode="parameter", id=1, parameter_number=0)
+    p.shape.element_type, p.shape.dimensions[:] = 11, [8]
+    ar = comp.instructions.add(name="all-reduce", opcode="all-reduce", id=2, operand_ids=[1], channel_id=1,
+                               use_global_device_ids=True)
+    ar.shape.element_type, ar.shape.dimensions[:] = 11, [8]
+    groups = ar.mesh_axes_replica_group_list
+    groups.mesh.axes.add(name="a", size=4)
+    groups.mesh.axes.add(name="b", size=2)
+    groups.mesh.device_ids[:] = mesh_ids or []
+    groups.axes.add(mesh_axis_index=1)
+    return proto.SerializeToString()
+
+
+def test_mesh_axes_replica_groups_of_an_embedded_hlo_proto():
+    """jit over a mesh: the profile's HloProto writes replica groups as mesh axes; they read as XLA prints
+    them (the groups of devices along 'b'), and a permuted mesh as the explicit groups of its devices."""
+    from parsers.hlo_proto import module_from_proto
+    from parsers.hlo_text import parse_replica_groups
+
+    m = module_from_proto(_all_reduce_proto())
+    text = m.entry.by_name["all-reduce"].attrs["replica_groups"]
+    assert text == "mesh['a'=4,'b'=2] {'b'}"
+    assert parse_replica_groups(text) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    m = module_from_proto(_all_reduce_proto([7, 6, 5, 4, 3, 2, 1, 0]))
+    assert m.entry.by_name["all-reduce"].attrs["replica_groups"] == "{{7,6},{5,4},{3,2},{1,0}}"
+
+
+def test_collectives_without_groups_span_the_devices_that_ran_the_program():
+    """``replica_groups={}`` means every device; an HloProto has no num_partitions, so the count comes from the
+    devices that ran the program (the op table passes it), not 1."""
+    m = parse_hlo_text("HloModule m\n\nENTRY e {\n  p = f32[8]{0} parameter(0)\n"
+                       "  ROOT ar = f32[8]{0} all-reduce(p), channel_id=1, replica_groups={}, to_apply=add\n}\n")[0]
+    inst = m.entry.by_name["ar"]
+    assert classify(CostModel(m), inst).group_size == 1
+    assert classify(CostModel(m), inst, 8).group_size == 8
+
+
+def test_jit_over_a_mesh_profile_has_its_collective_groups():
+    """par_dp8 (jax.jit over an 8-device mesh): the HloProto in the profile writes groups as mesh axes; the
+    collectives table had group 1 and no links before they were read."""
+    a = analyze("fixtures/par_dp8", chip="v5p", topology="2x2x2")
+    ar = a.collectives[a.collectives["kind"] == "all-reduce"]
+    assert len(ar) and (ar["group_size"] == 8).all() and (ar["link"] != "").all()

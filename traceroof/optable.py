@@ -19,7 +19,7 @@ import pandas as pd
 
 from parsers.hlo import Instruction
 from traceroof.codes import group_codes
-from traceroof.collectives import classify
+from traceroof.collectives import classify, module_devices
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from parsers.hlo import is_retiling
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
@@ -85,12 +85,13 @@ _BLANK = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "
           "called": (), "retiling": False, "collective": None, "dot_precision": ""}
 
 
-def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: ScopeInfo | None = None
-           ) -> dict[str, object]:
-    """An instruction's op-table attributes: costs of one execution (:meth:`CostModel.cost`), category, scope."""
+def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: ScopeInfo | None = None,
+           devices: int | None = None) -> dict[str, object]:
+    """An instruction's op-table attributes: costs of one execution (:meth:`CostModel.cost`), category, scope.
+    ``devices``: how many devices ran the program (what ``replica_groups={}`` or no groups spans)."""
     cost = model.cost(inst)
     category, dtype = categorize(model, inst)
-    coll = classify(model, inst)
+    coll = classify(model, inst, devices)
     if coll is not None:
         category = "collective"
     scope, phase = (info.scope, info.phase) if info is not None else parse_scope(inst.metadata.op_name,
@@ -146,6 +147,7 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     op_names = list(rows["hlo_op"].cat.categories)
     models: dict[int, CostModel] = {}
     module_scopes: dict[int, ModuleScopes] = {}
+    devices_of: dict[int, int] = {}
     attrs: list[dict[str, object] | None] = []
     comps_with_events: set[tuple[int, str]] = set()
     for key in uniques:
@@ -162,7 +164,10 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
         comps_with_events.add((mi, comp.name))
         if mi not in module_scopes:
             module_scopes[mi] = assign_scopes(modules[mi], optimizer_pattern)
-        attrs.append(_attrs(model, inst, optimizer_pattern, module_scopes[mi].get(inst.name)))
+            # an HloProto from the profile has no num_partitions: the devices that ran it count instead
+            ran_on = int(rows["device"][mod_idx == mi].nunique())
+            devices_of[mi] = max(module_devices(modules[mi]), ran_on)
+        attrs.append(_attrs(model, inst, optimizer_pattern, module_scopes[mi].get(inst.name), devices_of[mi]))
     joined_u = np.array([a is not None for a in attrs] or [False])
     table = pd.DataFrame([a if a is not None else _BLANK for a in attrs], columns=_ATTR_COLUMNS)
     # control ops (while/call/conditional): not counted when their bodies' ops show up as events
