@@ -231,3 +231,18 @@ def test_format_summary_is_a_short_digest():
     lines = r.output.splitlines()
     assert len(lines) <= 60 and lines[0].startswith("# traceroof summary")
     assert "dtype-upcast" in r.output and "generate_bf16.py:" in r.output and "MFU" in r.output
+
+
+def test_shares_are_of_the_step_the_breakdown_measures():
+    """A blocking loop: the header's device step leaves the host's time out; findings judge shares against the
+    breakdown's step (host time included), so the host-bound finding's share stays under 100 % of the step."""
+    from traceroof.findings.record import step_time_s
+    from traceroof.report.findings import lost_text
+
+    nnx = FIXTURES / "fw_nnx_transformer"
+    a = analyze(nnx / "blocking" / "logdir", hlo=[nnx / "hlo"], chip=HOST_CHIP)
+    step = step_time_s(a)
+    assert step == a.step_breakdown["step_time_s"].mean() > 1.5 * a.summary.step_time_mean_s
+    (hb,) = [f for f in a.findings if f.code == "host-bound"]
+    share = float(lost_text(hb, step).split("(")[1].split("%")[0])
+    assert 0 < share < 100 and f"{share:.1f}%" in hb.title

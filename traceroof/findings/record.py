@@ -80,8 +80,8 @@ class FindingInputs:
 
     @property
     def step_s(self) -> float:
-        """Mean step time (s); NaN when unknown."""
-        return float(self.analysis.summary.step_time_mean_s)
+        """Mean step time (s) findings are judged against: :func:`step_time_s`."""
+        return step_time_s(self.analysis)
 
     def table(self, name: str) -> pd.DataFrame | None:
         """An optional analysis table (``step_breakdown``, ``parallelism``): None until it exists or when empty."""
@@ -90,6 +90,19 @@ class FindingInputs:
 
 
 Rule = Callable[[FindingInputs], list[Finding]]
+
+
+def step_time_s(analysis: Analysis) -> float:
+    """The step a finding's share is of: the step breakdown's mean step (each step from the previous one's end,
+    host time between them included) when the analysis has one, else the header's step time. In a loop that
+    blocks on the host the two differ (the header's device step leaves the host's time out), and a finding
+    about host time must not exceed 100 % of the step. NaN when unknown."""
+    b = getattr(analysis, "step_breakdown", None)
+    if isinstance(b, pd.DataFrame) and len(b) and "step_time_s" in b:
+        mean = float(b["step_time_s"].mean())
+        if math.isfinite(mean) and mean > 0:
+            return mean
+    return float(analysis.summary.step_time_mean_s)
 
 
 def severity(lost_s: float, step_s: float) -> str:

@@ -11,6 +11,7 @@ import pandas as pd
 
 from traceroof.analysis import Analysis
 from traceroof.findings import Finding
+from traceroof.findings.record import step_time_s
 from traceroof.report.safe import markdown, printable
 
 TOP = 5  # findings shown in full at the top of terminal and Markdown reports
@@ -41,7 +42,7 @@ def terminal_top(a: Analysis) -> list[str]:
     """Lines of the top findings, for the head of the terminal report ([] when none)."""
     if not a.findings:
         return []
-    step = a.summary.step_time_mean_s
+    step = step_time_s(a)
     out = ["", f"Top findings ({min(TOP, len(a.findings))} of {len(a.findings)}, most time lost per step first)"]
     for i, f in enumerate(a.findings[:TOP], start=1):
         first, *rest = _detail(f, step, printable)
@@ -54,7 +55,7 @@ def markdown_top(a: Analysis) -> list[str]:
     """Lines of the top findings in Markdown ([] when none)."""
     if not a.findings:
         return []
-    step = a.summary.step_time_mean_s
+    step = step_time_s(a)
     out = ["", f"## Top findings ({min(TOP, len(a.findings))} of {len(a.findings)}, most time lost per step first)",
            ""]
     for i, f in enumerate(a.findings[:TOP], start=1):
@@ -66,7 +67,7 @@ def markdown_top(a: Analysis) -> list[str]:
 
 def rest_lines(a: Analysis, safe: Callable[[object], str]) -> list[str]:
     """One line per finding after the top ones."""
-    step = a.summary.step_time_mean_s
+    step = step_time_s(a)
     return [f"- [{safe(f.severity)}] {safe(f.code)}: {safe(f.title)}; {lost_text(f, step)}" for f in a.findings[TOP:]]
 
 
@@ -98,7 +99,7 @@ def finding_ops_table(a: Analysis, names: list[str]) -> pd.DataFrame:
 
 def findings_html(a: Analysis, anchors: dict[str, str], esc: Callable[[object], str]) -> str:
     """The findings as an ordered list, each op a link to its row (``anchors``: op -> row id)."""
-    step = a.summary.step_time_mean_s
+    step = step_time_s(a)
     items = []
     for f in a.findings:
         first, *rest = _detail(f, step, lambda v: str(v))
