@@ -157,6 +157,10 @@ def test_host_bound_and_device_idle_from_the_step_breakdown():
     found = codes(analyze(third_party("tracelens_mi300x/jax08_attention.xplane.pb")))
     (idle,) = found["device-idle"]
     assert "(88%)" in idle.title and "launch gaps" in idle.title and idle.severity == "high"
+    assert "command_buffer" in idle.advice  # launch gaps dominate: fewer, larger ops, not "one jit"
+    # 8 virtual CPU devices on 2 cores: idle is thread scheduling, stated, and worth no time
+    (virtual,) = codes(fixture("par_dp8"))["device-idle"]
+    assert "virtual CPU devices" in virtual.title and virtual.severity == "info" and "jax.jit" not in virtual.advice
     assert "host-bound" not in found
     assert "host-bound" not in codes(fixture("transformer")) and "device-idle" not in codes(fixture("transformer"))
 

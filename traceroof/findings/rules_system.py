@@ -147,10 +147,24 @@ def device_idle(x: FindingInputs) -> list[Finding]:
         return []
     title = (f"the device idles {fmt_s(idle)} per step ({idle / step:.0%}) with no host work in the way: "
              f"{fmt_s(gaps)} of launch gaps inside programs, {fmt_s(outside)} between programs")
-    advice = ("fewer, larger launches: put the whole step under one jax.jit, fuse small ops (fewer tiny "
-              "programs such as a separate metrics jit), or use lax.scan over micro-steps")
-    return [make(x, "device-idle", title, idle, advice, IDLE_SOURCE,
-                 [f"mean over {len(b)} step x device rows: step {fmt_s(step)}"])]
+    programs = int(x.counted["module"].nunique()) if "module" in x.counted else 1
+    if x.virtual_devices:
+        title += " on virtual CPU devices"
+        advice = ("virtual CPU devices are threads sharing the host's cores: their idle time is mostly thread "
+                  "scheduling, not the program; profile on the real accelerators before acting on it")
+    elif gaps >= outside:
+        advice = ("many short ops leave the device waiting for each launch: fewer, larger ops (a bigger batch "
+                  "per step, fusion-friendly code without reshapes between elementwise ops; on GPU, command "
+                  "buffers / CUDA graphs: XLA_FLAGS=--xla_gpu_enable_command_buffer)")
+    elif programs > 1:
+        advice = (f"the step runs {programs} programs with the device idle between them: put the step's work "
+                  "under one jax.jit (no separate jits for metrics or updates), or lax.scan over micro-steps")
+    else:
+        advice = ("the device waits between executions of the step's program: keep the host ahead (no blocking "
+                  "reads of results in the loop) and dispatch the next step before reading this one's results")
+    worth = float("nan") if x.virtual_devices else idle  # scheduling of threads: no time to win in the program
+    return [make(x, "device-idle", title, worth, advice, IDLE_SOURCE,
+                 [f"mean over {len(b)} step x device rows: step {fmt_s(step)}; {programs} program(s) per step"])]
 
 
 def comm_bound_axis(x: FindingInputs) -> list[Finding]:
