@@ -153,7 +153,8 @@ def source_lines(rows: pd.DataFrame, programs: Programs | None = None, limit: in
     src = rows["source"].astype(str) if "source" in rows else pd.Series("", index=rows.index)
     if programs is not None and {"module", "program_id"} <= set(rows.columns):
         lines = []
-        for r, fallback in zip(rows.itertuples(index=False), src):
+        ident = rows[["module", "program_id", "hlo_op"]].itertuples(index=False)  # 3 columns: itertuples is slow
+        for r, fallback in zip(ident, src):                                      # on the op table's ~60
             got = programs.instruction(r.module, r.program_id, r.hlo_op)
             lines.append((got[0].user_line(got[1]) if got else "") or fallback)
         src = pd.Series(lines, index=rows.index, dtype=object)

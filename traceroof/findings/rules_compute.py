@@ -48,7 +48,7 @@ def dtype_upcast(x: FindingInputs) -> list[Finding]:
     if mm.empty or not x.modules:
         return []
     hits, converters, narrow, shapes = [], set(), set(), []
-    for i, r in zip(mm.index, mm.itertuples(index=False)):
+    for i, r in zip(mm.index, mm[["module", "program_id", "hlo_op", "operand_shapes"]].itertuples(index=False)):
         got = x.programs.instruction(r.module, r.program_id, r.hlo_op)
         dot = got[0].dot_of(got[1]) if got else None
         lhs = got[0].operand_shape(dot, 0) if dot is not None and dot.operands else None
@@ -113,7 +113,8 @@ def mxu_alignment(x: FindingInputs) -> list[Finding]:
     if mm.empty or not x.modules or x.chip is None or x.chip.kind not in MXU_SOURCE:
         return []
     hits, lost, wasted_flops, evidence = [], 0.0, 0.0, []
-    for i, r in zip(mm.index, mm.itertuples(index=False)):
+    cols = ["module", "program_id", "hlo_op", "dtype", "compute_s", "measured_s", "flops"]
+    for i, r in zip(mm.index, mm[cols].itertuples(index=False)):
         tiles = _mxu_tiles(x, str(r.dtype))
         got = x.programs.instruction(r.module, r.program_id, r.hlo_op)
         dot = got[0].dot_of(got[1]) if got else None

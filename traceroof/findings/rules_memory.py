@@ -76,7 +76,7 @@ def layout_copy(x: FindingInputs) -> list[Finding]:
     """Transposes and copies that only change a layout (no math). Lost: their whole time."""
     c = x.counted[x.counted["joined"] & (x.counted["measured_s"] > 0)]
     keep = c["retiling"].to_numpy(bool).copy() if "retiling" in c else pd.Series(False, index=c.index).to_numpy()
-    for n, r in enumerate(c.itertuples(index=False)):
+    for n, r in enumerate(c[["category", "module", "program_id", "hlo_op", "opcode"]].itertuples(index=False)):
         if not keep[n] and str(r.category) == "data movement":
             got = x.programs.instruction(r.module, r.program_id, r.hlo_op)
             keep[n] = _layout_only(*got) if got else str(r.opcode) == "transpose"
@@ -105,7 +105,7 @@ def memory_bound_chain(x: FindingInputs) -> list[Finding]:
              & c["category"].astype(str).isin(MEMORY_BOUND_CATEGORIES)]
     if cand.empty or not x.modules or not bw == bw:
         return []
-    by_name = {(str(r.module), str(r.hlo_op)): n for n, r in enumerate(cand.itertuples(index=False))}
+    by_name = {(str(m), str(op)): n for n, (m, op) in enumerate(zip(cand["module"], cand["hlo_op"]))}
     parent = list(range(len(cand)))
 
     def root(i: int) -> int:
@@ -163,7 +163,7 @@ def remat_cost(x: FindingInputs) -> list[Finding]:
     if rows.empty or not (t >= REMAT_SHARE_MIN * x.step_s):
         return []
     held = 0.0
-    for r in rows.itertuples(index=False):
+    for r in rows[["module", "program_id", "hlo_op", "executions"]].itertuples(index=False):
         got = x.programs.instruction(r.module, r.program_id, r.hlo_op) if x.modules else None
         if got is not None:
             held += sum(s.byte_size() for s in got[1].shape.leaves()) * float(r.executions) / x.per

@@ -148,7 +148,8 @@ def device_idle(x: FindingInputs) -> list[Finding]:
     title = (f"the device idles {fmt_s(idle)} per step ({idle / step:.0%}) with no host work in the way: "
              f"{fmt_s(gaps)} of launch gaps inside programs, {fmt_s(outside)} between programs")
     programs = int(x.counted["module"].nunique()) if "module" in x.counted else 1
-    if x.virtual_devices:
+    shared = x.virtual_devices and x.analysis.summary.devices > 1  # several device threads on one host's cores
+    if shared:
         title += " on virtual CPU devices"
         advice = ("virtual CPU devices are threads sharing the host's cores: their idle time is mostly thread "
                   "scheduling, not the program; profile on the real accelerators before acting on it")
@@ -162,7 +163,7 @@ def device_idle(x: FindingInputs) -> list[Finding]:
     else:
         advice = ("the device waits between executions of the step's program: keep the host ahead (no blocking "
                   "reads of results in the loop) and dispatch the next step before reading this one's results")
-    worth = float("nan") if x.virtual_devices else idle  # scheduling of threads: no time to win in the program
+    worth = float("nan") if shared else idle  # scheduling of threads: no time to win in the program
     return [make(x, "device-idle", title, worth, advice, IDLE_SOURCE,
                  [f"mean over {len(b)} step x device rows: step {fmt_s(step)}; {programs} program(s) per step"])]
 
