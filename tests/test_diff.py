@@ -151,3 +151,14 @@ def test_other_operands_with_another_name_and_no_unique_place_stay_unmatched(sid
     assert sorted(r.unmatched["hlo_ops"]) == ["gone_fusion", "new_fusion.1", "new_fusion.2"]
     one = diff(b, type(base)(**{**base.__dict__, "op_stats": pd.concat([rest, new_a], ignore_index=True)}))
     assert one.unmatched.empty and one.ops["matched_by"].str.contains("operands changed").sum() == 1
+
+
+def test_wider_mlp_matches_every_resized_op(sides):
+    """d_ff doubled: every op is still there, resized. The down-projections keep their result shape (operands
+    changed); the two backward dots of a block share their place and differ in shape, told apart by name."""
+    r = diff(sides["diff_base"], sides["diff_wide"])
+    assert r.unmatched.empty
+    how = r.ops.set_index("hlo_ops_new")["matched_by"]
+    assert how["dot.2"] == how["dot.3"] == "name (shapes changed)"
+    assert how["ynn_fusion.3"] == "shape (operands changed)"
+    assert (r.ops["hlo_ops_base"] == r.ops["hlo_ops_new"])[r.ops["matched_by"].str.startswith("name")].all()

@@ -5,9 +5,10 @@ result shapes, collective kind and group), never by HLO name alone, which change
 left is matched in more passes where the looser key is unique on both sides: without the scope (a renamed scope);
 without the operand shapes (the same result in the same place reading other inputs, e.g. a backward fusion that
 reads a saved activation through a fused dynamic-slice of the scan's stacked buffer where the rematerialised
-program read the recomputed value), then the same with the HLO name as tie-breaker; without the shapes (a resized
-op in the same place). The rest are reported as added or removed. The step-time change is called noise when it is
-within two standard errors of the difference of the two step-time means (per-step spread of both profiles).
+program read the recomputed value); without the shapes (a resized op in the same place). These two passes take
+the HLO name as tie-breaker where the looser key alone is not unique. The rest are reported as added or removed.
+The step-time change is called noise when it is within two standard errors of the difference of the two
+step-time means (per-step spread of both profiles).
 """
 
 from __future__ import annotations
@@ -212,12 +213,13 @@ def diff(base: Side, new: Side) -> DiffResult:
     both = both.assign(matched_by="identity")
     # later passes, on what is left and unique on both sides: the scope was renamed (same op and shapes); the
     # operands changed (same result shape and place: a consumer that reads a saved activation through a fused
-    # dynamic-slice of the scan's stacked buffer where it read the rematerialised value), first where unique,
-    # then where the HLO name agrees too; the shapes changed (same scope, phase, opcode, category, dtype)
+    # dynamic-slice of the scan's stacked buffer where it read the rematerialised value); the shapes changed (same
+    # scope, phase, opcode, category, dtype). The last two first where unique, then where the HLO name agrees too
     for dropped, how, by_name in ((("layer", "scope"), "shape (scope renamed)", False),
-                                  (("operand_shapes",), "result shape (operands changed)", False),
-                                  (("operand_shapes",), "name and result shape (operands changed)", True),
-                                  (("shape", "operand_shapes"), "scope (shapes changed)", False)):
+                                  (("operand_shapes",), "shape (operands changed)", False),
+                                  (("operand_shapes",), "name (operands changed)", True),
+                                  (("shape", "operand_shapes"), "scope (shapes changed)", False),
+                                  (("shape", "operand_shapes"), "name (shapes changed)", True)):
         loose = [c for c in key if c not in dropped] + (["hlo_ops"] if by_name else [])
         ub = only_b[~only_b.duplicated(loose, keep=False)]
         un = only_n[~only_n.duplicated(loose, keep=False)]
