@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 
 from traceroof import analyze
@@ -113,3 +114,51 @@ def test_collectives_match_on_kind_and_group():
     assert {"all-gather/4x2", "all-to-all/2x4"} <= groups
     r = diff(side_from_analysis(a, "a"), side_from_analysis(a, "b"))
     assert r.unmatched.empty and r.step.delta_s == 0
+
+
+def test_remat_on_off_matches_the_same_op_reading_other_operands():
+    """With remat off, a backward fusion reads the saved activation through a fused dynamic-slice of the scan's
+    stacked buffer (operands f32[4,...], s32[]) where with remat on it read the recomputed value: same op, same
+    name, same result shape, other operand shapes. It is matched, not listed as both added and removed; the
+    rematerialised ops (phase remat) stay removed."""
+    on, off = ({"hlo": [FIXTURES / f"mem_remat_{n}" / "hlo"], "chip": HOST_CHIP} for n in ("on", "off"))
+    r = diff(load_side(FIXTURES / "mem_remat_on" / "logdir", **on),
+             load_side(FIXTURES / "mem_remat_off" / "logdir", **off))
+    moved = r.ops[r.ops["matched_by"].str.contains("operands changed")]
+    assert len(moved) >= 5
+    assert (moved["hlo_ops_base"] == moved["hlo_ops_new"]).all()
+    assert "multiply_add_fusion" in set(moved["hlo_ops_base"])  # unique only with its name as tie-breaker
+    where = ["hlo_ops", "phase", "scope", "shape"]
+    u = r.unmatched
+    both_sides = u[u["side"] == "added"][where].merge(u[u["side"] == "removed"][where])
+    assert both_sides.empty, both_sides
+    assert (u[u["phase"] == "remat"]["side"] == "removed").all() and (u["phase"] == "remat").any()
+
+
+def test_other_operands_with_another_name_and_no_unique_place_stay_unmatched(sides):
+    """Two new ops with the same result shape in the place of one removed op: without a name to tell them apart
+    neither is matched to it."""
+    base = sides["diff_base"]
+    ops = base.op_stats.copy()
+    row = ops[ops["category"] == "elementwise"].iloc[[0]]
+    rest = ops.drop(index=row.index)
+    gone = row.assign(operand_shapes="f32[1]", hlo_ops="gone_fusion")
+    new_a = row.assign(operand_shapes="f32[2]", hlo_ops="new_fusion.1")
+    new_b = row.assign(operand_shapes="f32[3]", hlo_ops="new_fusion.2")
+    b = type(base)(**{**base.__dict__, "op_stats": pd.concat([rest, gone], ignore_index=True)})
+    n = type(base)(**{**base.__dict__, "op_stats": pd.concat([rest, new_a, new_b], ignore_index=True)})
+    r = diff(b, n)
+    assert sorted(r.unmatched["hlo_ops"]) == ["gone_fusion", "new_fusion.1", "new_fusion.2"]
+    one = diff(b, type(base)(**{**base.__dict__, "op_stats": pd.concat([rest, new_a], ignore_index=True)}))
+    assert one.unmatched.empty and one.ops["matched_by"].str.contains("operands changed").sum() == 1
+
+
+def test_wider_mlp_matches_every_resized_op(sides):
+    """d_ff doubled: every op is still there, resized. The down-projections keep their result shape (operands
+    changed); the two backward dots of a block share their place and differ in shape, told apart by name."""
+    r = diff(sides["diff_base"], sides["diff_wide"])
+    assert r.unmatched.empty
+    how = r.ops.set_index("hlo_ops_new")["matched_by"]
+    assert how["dot.2"] == how["dot.3"] == "name (shapes changed)"
+    assert how["ynn_fusion.3"] == "shape (operands changed)"
+    assert (r.ops["hlo_ops_base"] == r.ops["hlo_ops_new"])[r.ops["matched_by"].str.startswith("name")].all()

@@ -343,3 +343,12 @@ def test_random_bits_are_executed_work_but_not_model_flops():
     assert model_flops == pytest.approx(ops["flops"].sum() - random_flops)
     assert model_flops >= 3 * 2 * B * D * D  # the matmuls (forward, and the backward's two) stay
     assert hfu > mfu and "random-bit generation" in source
+
+
+def test_model_flops_source_uses_the_reports_flop_units():
+    """The header's "MFU counts ..." source line says 2.15 GFLOP like the rest of the report, not 2.147e+09 FLOP."""
+    ops = pd.DataFrame({"phase": ["forward", "remat", "backward"], "flops": [3.0e9, 2.147e9, 6.0e9],
+                        "dtype": ["f32"] * 3})
+    _, source, _, _ = flop_utilization(ops, 1, 1.0, 1e12, 1)
+    assert source == "counted: executed FLOPs less 2.15 GFLOP of rematerialised forward"
+    assert "e+" not in flop_utilization(ops, 1, 1.0, 1e12, 8, model_flops_per_step=4.8e10)[1]

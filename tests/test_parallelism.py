@@ -240,3 +240,59 @@ def test_sequence_axis_gathers_tokens() -> None:
         mesh = recover_mesh(m)
         (s,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
         assert s.strategy == want, (dim, s)
+
+
+def _tpu_data_step(devices: int, d: int, f: int, tokens: int) -> str:
+    """A bf16 data-parallel MLP step: weights replicated, the batch split ``devices`` ways, both gradients
+    all-reduced over every device in the backward pass."""
+    meta = 'metadata={op_name="jit(step)/transpose(jvp(mlp))/dot_general"}'
+    fwd = 'metadata={op_name="jit(step)/jvp(mlp)/dot_general"}'
+    t = tokens // devices
+    return f"""HloModule step, num_partitions={devices}, input_output_alias={{ {{0}}: (0, {{}}, may-alias), {{1}}: (1, {{}}, may-alias) }}
+
+%add (a: bf16[], b: bf16[]) -> bf16[] {{
+  %a = bf16[] parameter(0)
+  %b = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%a, %b)
+}}
+
+ENTRY %main (wi: bf16[{d},{f}], wo: bf16[{f},{d}], x: bf16[{t},{d}]) -> (bf16[{d},{f}], bf16[{f},{d}]) {{
+  %wi = bf16[{d},{f}]{{1,0}} parameter(0), sharding={{replicated}}
+  %wo = bf16[{f},{d}]{{1,0}} parameter(1), sharding={{replicated}}
+  %x = bf16[{t},{d}]{{1,0}} parameter(2), sharding={{devices=[{devices},1]<=[{devices}]}}
+  %h = bf16[{t},{f}]{{1,0}} dot(%x, %wi), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {fwd}
+  %o = bf16[{t},{d}]{{1,0}} dot(%h, %wo), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, {fwd}
+  %gi = bf16[{d},{f}]{{1,0}} dot(%x, %h), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}, {meta}
+  %go = bf16[{f},{d}]{{1,0}} dot(%h, %o), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}, {meta}
+  %ri = bf16[{d},{f}]{{1,0}} all-reduce(%gi), channel_id=1, replica_groups=[1,{devices}]<=[{devices}], use_global_device_ids=true, to_apply=%add, {meta}
+  %ro = bf16[{f},{d}]{{1,0}} all-reduce(%go), channel_id=2, replica_groups=[1,{devices}]<=[{devices}], use_global_device_ids=true, to_apply=%add, {meta}
+  %ni = bf16[{d},{f}]{{1,0}} subtract(%wi, %ri)
+  %no = bf16[{f},{d}]{{1,0}} subtract(%wo, %ro)
+  ROOT %out = (bf16[{d},{f}]{{1,0}}, bf16[{f},{d}]{{1,0}}) tuple(%ni, %no)
+}}
+"""
+
+
+def test_each_row_names_its_pass_and_expected_comm_keeps_the_ring_factor() -> None:
+    """T_math/T_comm per layer are in the pass the book compares them in: backward for a data axis (8BDF, the
+    gradient all-reduce), forward for FSDP and tensor (4BDF); the report says which. The expected communication
+    per step of a data axis on a line (2x2x2 v5p: no wraparound) is L x T_comm/layer x (N-1)/N: the book drops
+    the ring's (N-1)/N, traceroof's collective model keeps it."""
+    from traceroof.analysis import analyze
+    from traceroof.report import render
+
+    v5p = get_chip("v5p")
+    d, f, n = 8192, 28_672, 8
+    m, = parse_hlo_text(_tpu_data_step(n, d, f, 4096 * n))
+    rep = book_on_mesh([m], v5p, parse_topology("2x2x2", v5p))
+    (row,) = rep.rows
+    assert (row.strategy, row.book_pass, rep.sizes.layers) == ("data", "backward", 1)
+    assert row.t_math_s == pytest.approx(8 * 4096 * d * f / v5p.peak_for("bf16")[0])
+    assert row.expected_comm_s == pytest.approx(rep.sizes.layers * row.t_comm_s * (n - 1) / n, rel=1e-6)
+    assert any("(N−1)/N" in note and "pass" in note for note in rep.notes)
+    a = analyze(FIXTURES / "par_fsdp4_tp2", chip="v5p", topology="2x2x2")
+    assert [r.book_pass for r in a.parallelism.rows] == ["forward", "forward"]
+    doc = json.loads(render(a, "json"))
+    assert [r["book_pass"] for r in doc["parallelism"]] == ["forward", "forward"]
+    header = next(line for line in render(a, "terminal", wide=True).splitlines() if "T_math/layer" in line)
+    assert header.split().index("pass") == header.split().index("T_math/layer") - 1

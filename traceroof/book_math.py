@@ -108,18 +108,26 @@ def optimal_fsdp(tokens: float, d_ff: int, chips: int, m_fsdp: int, m_tensor: in
 
 @dataclass(frozen=True)
 class LayerTimes:
-    """Per layer, per device: ``t_math_s`` (the pass the book models) and ``t_comm_s`` on the axis' link."""
+    """Per layer, per device, in one pass: ``t_math_s`` and ``t_comm_s`` on the axis' link, for ``book_pass``
+    (``backward`` or ``forward``: the pass where the book's §5 compares them, the one the axis' collectives are
+    priced in); ``formula`` the book's T_math vs T_comms."""
 
     t_math_s: float
     t_comm_s: float
     formula: str
+    book_pass: str = ""
 
 
 def layer_times(strategy: str, tokens_per_device: float, d_model: int, d_ff: int, tensor_ways: int,
                 chip_flops_per_s: float, link: Link | None, bytes_per_element: int = 2,
                 fsdp_ways: int = 1) -> LayerTimes | None:
     """The book's T_math and T_comms of one MLP layer for an axis of ``strategy`` (§5), per device, with
-    ``tokens_per_device`` = B/X and the weights already split ``tensor_ways`` (Y) by tensor parallelism:
+    ``tokens_per_device`` = B/X and the weights already split ``tensor_ways`` (Y) by tensor parallelism, in the
+    pass the book uses for each (``book_pass``): the backward pass for data parallelism (the gradient all-reduce
+    happens there; 2 matmuls x 2 x 2BDF = 8BDF), the forward pass for the others (4BDF); so two axes of one
+    layer can show T_math 2x apart. A collective is priced as the book does, at its large-N cost (an all-reduce of
+    V bytes = 2V/(W·M)), without the (N−1)/N of a ring of N (:func:`traceroof.collectives.expected_time` keeps it
+    on a line without wraparound):
 
     * data (backward, §5 "Data Parallelism"): T_math = 8·(B/X)·D·F/(Y·C), T_comms = 2 all-reduces of b·D·F/(Y·X_f)
       bytes = 4·b·D·F/(Y·X_f·W·M) (X_f: FSDP ways that already scattered them);
@@ -137,18 +145,18 @@ def layer_times(strategy: str, tokens_per_device: float, d_model: int, d_ff: int
     wm = link.bandwidth_bytes_per_s * link.axes if link else math.nan
     if strategy in ("data", "sequence"):
         return LayerTimes(8 * B * D * F / (Y * C), 4 * b * D * F / (Y * max(fsdp_ways, 1) * wm),
-                          "8BDF/(XYC) vs 4bDF/(Y·W·M)")
+                          "8BDF/(XYC) vs 4bDF/(Y·W·M)", "backward")
     if strategy == "fsdp":
-        return LayerTimes(4 * B * D * F / (Y * C), 2 * b * D * F / (Y * wm), "4BDF/(XYC) vs 2bDF/(Y·W·M)")
+        return LayerTimes(4 * B * D * F / (Y * C), 2 * b * D * F / (Y * wm), "4BDF/(XYC) vs 2bDF/(Y·W·M)", "forward")
     if strategy == "tensor":
-        return LayerTimes(4 * B * D * F / (Y * C), 2 * b * B * D / wm, "4BDF/(XYC) vs 2b(B/X)D/(W·M)")
+        return LayerTimes(4 * B * D * F / (Y * C), 2 * b * B * D / wm, "4BDF/(XYC) vs 2b(B/X)D/(W·M)", "forward")
     if strategy == "pipeline":
         w_one = link.bandwidth_bytes_per_s / 2 if link and link.name == "ICI" else (
             link.bandwidth_bytes_per_s if link else math.nan)
-        return LayerTimes(4 * B * D * F / (Y * C), b * B * D / w_one, "4BDF/(XYC) vs b(B/X)D/W_one-way")
+        return LayerTimes(4 * B * D * F / (Y * C), b * B * D / w_one, "4BDF/(XYC) vs b(B/X)D/W_one-way", "forward")
     if strategy == "expert":
         Z = max(fsdp_ways, 1)
-        return LayerTimes(4 * B * D * F / C, b * B * Z * D / (2 * wm), "4(B/X)DF/C vs b(B/X)ZD/(2W·M)")
+        return LayerTimes(4 * B * D * F / C, b * B * Z * D / (2 * wm), "4(B/X)DF/C vs b(B/X)ZD/(2W·M)", "forward")
     return None
 
 

@@ -1,10 +1,14 @@
 """``traceroof diff``: structural comparison of two profiles, with a noise-aware regression gate.
 
 Ops are matched by what they are (``OP_KEY``: layer and scope path, phase, opcode, category, dtype, operand and
-result shapes, collective kind and group), never by HLO name, which changes between compilations. What is left is matched in two more
-passes where the looser key is unique on both sides: without the scope (a renamed scope), then without the
-shapes (a resized op in the same place); the rest are reported as added or removed. The step-time change is called noise when it is within two standard errors of the difference
-of the two step-time means (per-step spread of both profiles).
+result shapes, collective kind and group), never by HLO name alone, which changes between compilations. What is
+left is matched in more passes where the looser key is unique on both sides: without the scope (a renamed scope);
+without the operand shapes (the same result in the same place reading other inputs, e.g. a backward fusion that
+reads a saved activation through a fused dynamic-slice of the scan's stacked buffer where the rematerialised
+program read the recomputed value); without the shapes (a resized op in the same place). These two passes take
+the HLO name as tie-breaker where the looser key alone is not unique. The rest are reported as added or removed.
+The step-time change is called noise when it is within two standard errors of the difference of the two
+step-time means (per-step spread of both profiles).
 """
 
 from __future__ import annotations
@@ -207,18 +211,25 @@ def diff(base: Side, new: Side) -> DiffResult:
     n = n.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
     both, only_b, only_n = _match(b, n, key)
     both = both.assign(matched_by="identity")
-    # later passes, on what is left and unique on both sides: the scope was renamed (same op and shapes), or
-    # the shapes changed (same scope, phase, opcode, category, dtype)
-    for dropped, how in ((("layer", "scope"), "shape (scope renamed)"),
-                         (("shape", "operand_shapes"), "scope (shapes changed)")):
-        loose = [c for c in key if c not in dropped]
+    # later passes, on what is left and unique on both sides: the scope was renamed (same op and shapes); the
+    # operands changed (same result shape and place: a consumer that reads a saved activation through a fused
+    # dynamic-slice of the scan's stacked buffer where it read the rematerialised value); the shapes changed (same
+    # scope, phase, opcode, category, dtype). The last two first where unique, then where the HLO name agrees too
+    for dropped, how, by_name in ((("layer", "scope"), "shape (scope renamed)", False),
+                                  (("operand_shapes",), "shape (operands changed)", False),
+                                  (("operand_shapes",), "name (operands changed)", True),
+                                  (("shape", "operand_shapes"), "scope (shapes changed)", False),
+                                  (("shape", "operand_shapes"), "name (shapes changed)", True)):
+        loose = [c for c in key if c not in dropped] + (["hlo_ops"] if by_name else [])
         ub = only_b[~only_b.duplicated(loose, keep=False)]
         un = only_n[~only_n.duplicated(loose, keep=False)]
         pairs, _, _ = _match(ub.drop(columns=list(dropped)), un.drop(columns=list(dropped)), loose)
         if pairs.empty:
             continue
         pairs = pairs.merge(ub.merge(pairs[loose], on=loose)[list(dropped) + loose], on=loose)
-        both = pd.concat([both, pairs.assign(matched_by=how)], ignore_index=True)
+        named = pairs.assign(hlo_ops_base=pairs["hlo_ops"], hlo_ops_new=pairs["hlo_ops"]) if by_name else pairs
+        both = pd.concat([both, named.drop(columns="hlo_ops", errors="ignore").assign(matched_by=how)],
+                         ignore_index=True)
         only_b = only_b.merge(pairs[loose], on=loose, how="left", indicator=True)
         only_b = only_b[only_b["_merge"] == "left_only"].drop(columns="_merge")
         only_n = only_n.merge(pairs[loose], on=loose, how="left", indicator=True)

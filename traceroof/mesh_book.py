@@ -90,11 +90,17 @@ def model_sizes(module: HloModule, params: list[StateParam], experts: bool = Fal
 @dataclass(frozen=True)
 class AxisRow:
     """One mesh axis: strategy and evidence; ``batch_per_device`` (tokens, B/X); the book's
-    ``critical_batch_per_device`` (data/FSDP/sequence axes) or ``max_ways`` (tensor/expert limit); per layer
-    ``t_math_s`` and ``t_comm_s`` with ``bound``; the ``link`` (W's name) and ``link_axes`` (M); per step the
-    ``expected_comm_s`` of the axis' own collectives on the chip and topology (:func:`expected_time`), the
-    ``measured_comm_s`` and ``measured_exposed_s`` from the profile (a collective over several axes counts on
-    each); ``formula`` the book's T_math vs T_comms."""
+    ``critical_batch_per_device`` (data/FSDP/sequence axes) or ``max_ways`` (tensor/expert limit); per layer,
+    in ``book_pass`` (``backward`` for data and sequence axes, ``forward`` for the others: the pass where §5
+    compares them, :func:`~traceroof.book_math.layer_times`), ``t_math_s`` and ``t_comm_s`` with ``bound``; the
+    ``link`` (W's name) and ``link_axes`` (M); per step the ``expected_comm_s`` of the axis' own collectives on
+    the chip and topology (:func:`expected_time`), the ``measured_comm_s`` and ``measured_exposed_s`` from the
+    profile (a collective over several axes counts on each); ``formula`` the book's T_math vs T_comms.
+
+    ``expected_comm_s`` is not L x ``t_comm_s``: it counts every pass and the program's own bytes, and prices each
+    collective with a ring's (N−1)/N on a line without wraparound and a per-hop latency floor, where the book
+    drops (N−1)/N. A data axis of N ways on a line whose gradients are the only traffic: expected = L x
+    ``t_comm_s`` x (N−1)/N (4 ways: 3/4 of L x ``t_comm_s``)."""
 
     axis: str
     size: int
@@ -112,6 +118,7 @@ class AxisRow:
     measured_comm_s: float
     measured_exposed_s: float
     formula: str
+    book_pass: str = ""
 
 
 @dataclass(frozen=True)
@@ -247,14 +254,19 @@ def _row(s: AxisStrategy, mesh: Mesh, module: HloModule, sizes: ModelSizes | Non
     return AxisRow(s.axis, s.size, s.strategy, s.evidence, sizes.tokens_per_device, crit, ways,
                    times.t_math_s if times else nan, times.t_comm_s if times else nan, bound,
                    link.name if link else "", link.axes if link else 0, expected, measured, exposed,
-                   times.formula if times else "")
+                   times.formula if times else "", times.book_pass if times else "")
 
 
 def _mesh_notes(sizes: ModelSizes, strategies: list[AxisStrategy], links: dict[str, Link | None], c_flops: float,
                 devices: int) -> list[str]:
     out = [f"model read from the HLO: D = {sizes.d_model}, F = {sizes.d_ff}, L = {sizes.layers} MLP layer(s), "
            f"{sizes.tokens:,.0f} tokens per step ({sizes.tokens_per_device:,.0f} per device), {sizes.dtype} "
-           f"(How to Scale Your Model §5 models each layer as In[B, D]·W_in[D, F]·W_out[F, D])"]
+           f"(How to Scale Your Model §5 models each layer as In[B, D]·W_in[D, F]·W_out[F, D])",
+           "T_math/layer and T_comm/layer: one layer in the pass named in column 'pass', where §5 compares them (backward "
+           "for data and sequence axes, where gradients are all-reduced: 8BDF; forward for the others: 4BDF), each "
+           "collective at the book's large-N cost; expected comm/step: the axis' own collectives, all layers and "
+           "passes, on this topology with a ring's (N−1)/N on a line and a per-hop latency floor (a data axis of N "
+           "ways on a line: L x T_comm/layer x (N−1)/N)"]
     fsdp = [s for s in strategies if s.strategy == "fsdp" and links.get(s.axis)]
     tensor = [s for s in strategies if s.strategy == "tensor" and links.get(s.axis)]
     if fsdp and tensor:
@@ -343,7 +355,8 @@ def _finding(r: AxisRow, sizes: ModelSizes, chip: Chip) -> tuple[str, str, str]:
     """(axis, what was seen, the book's remedy) for a communication-bound axis (the ``comm-bound-axis``
     finding of :mod:`traceroof.findings`)."""
     head = (f"mesh axis {r.axis} ({r.strategy}, {r.size}-way) is communication-bound on {chip.name} by the book's "
-            f"arithmetic: T_comms {r.t_comm_s * 1e6:.3g} µs > T_math {r.t_math_s * 1e6:.3g} µs per layer")
+            f"arithmetic: T_comms {r.t_comm_s * 1e6:.3g} µs > T_math {r.t_math_s * 1e6:.3g} µs per layer "
+            f"({r.book_pass} pass)")
     if r.strategy in ("data", "fsdp", "sequence"):
         return (r.axis, f"{head}; {r.batch_per_device:,.0f} tokens per device are below the critical "
                 f"{r.critical_batch_per_device:,.0f} (C/W over {r.link_axes} {r.link} axis(es), How to Scale Your "

@@ -68,10 +68,12 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
     §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
     """
+    from traceroof.report.text import fmt_si  # the report's FLOP units (imported here: the report imports us)
+
     executed = float(counted["flops"].sum()) / per if per else float("nan")
     if model_flops_per_step is not None:
         model = float(model_flops_per_step) / max(program_devices, 1)
-        source = (f"given: {float(model_flops_per_step):.4g} FLOP per step over {program_devices} device(s) "
+        source = (f"given: {fmt_si(float(model_flops_per_step), 'FLOP')} per step over {program_devices} device(s) "
                   "(--model-flops-per-step)")
     else:
         remat = counted["phase"].astype(str).to_numpy() == "remat"
@@ -80,10 +82,10 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
         rng = _random_bits(counted) & ~remat
         model = float(counted.loc[~remat & ~rng, "flops"].sum()) / per if per else float("nan")
         recomputed = float(counted.loc[remat, "flops"].sum()) / per if per else 0.0
-        source = f"counted: executed FLOPs less {recomputed:.4g} FLOP of rematerialised forward"
+        source = f"counted: executed FLOPs less {fmt_si(recomputed, 'FLOP')} of rematerialised forward"
         if rng.any():
             random = float(counted.loc[rng, "flops"].sum()) / per if per else 0.0
-            source += f" and {random:.4g} FLOP of random-bit generation (unsigned-integer ops)"
+            source += f" and {fmt_si(random, 'FLOP')} of random-bit generation (unsigned-integer ops)"
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
     return model, source, model / step_s / peak, executed / step_s / peak

@@ -13,7 +13,7 @@ from traceroof.report.data import clean_value
 from traceroof.report.safe import markdown, printable
 from traceroof.report.text import fmt_si, fmt_time, md_table, text_table
 
-TITLE = "Parallelism (strategy per mesh axis; How to Scale Your Model §5 per layer, per device)"
+TITLE = "Parallelism (strategy per mesh axis; How to Scale Your Model §5 per layer in one pass, per device)"
 
 
 def _num(x: float, digits: str = ",.0f") -> str:
@@ -26,7 +26,7 @@ def axes_table(a: Any) -> pd.DataFrame:
     return pd.DataFrame([{
         "axis": r.axis, "size": str(r.size), "strategy": r.strategy, "tokens/device": _num(r.batch_per_device),
         "critical tokens/device": _num(r.critical_batch_per_device),
-        "max ways": _num(r.max_ways, ".3g"), "T_math/layer": fmt_time(r.t_math_s),
+        "max ways": _num(r.max_ways, ".3g"), "pass": r.book_pass or "-", "T_math/layer": fmt_time(r.t_math_s),
         "T_comm/layer": fmt_time(r.t_comm_s), "bound": r.bound,
         "link": f"{r.link} x{r.link_axes}" if r.link else "-", "expected comm/step": fmt_time(r.expected_comm_s),
         "measured comm/step": fmt_time(r.measured_comm_s), "exposed/step": fmt_time(r.measured_exposed_s),
