@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from traceroof.units import fmt_si
+
 
 STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
 FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
@@ -68,7 +70,6 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
     §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
     """
-    from traceroof.report.text import fmt_si  # the report's FLOP units (imported here: the report imports us)
 
     executed = float(counted["flops"].sum()) / per if per else float("nan")
     if model_flops_per_step is not None:

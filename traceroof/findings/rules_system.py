@@ -204,7 +204,8 @@ def comm_bound_axis(x: FindingInputs) -> list[Finding]:
         else:
             advice = "overlap this axis' collectives with compute or move it to faster links"
         lost = max(t_comm - (t_math if np.isfinite(t_math) else 0.0), 0.0)
-        ev = [f"T_math {fmt_s(t_math)}, T_comm {fmt_s(t_comm)} per layer",
+        in_pass = f" ({r['book_pass']} pass)" if r.get("book_pass") else ""
+        ev = [f"T_math {fmt_s(t_math)}, T_comm {fmt_s(t_comm)} per layer{in_pass}",
               f"batch per device {b:.4g}, critical {crit:.4g}" if np.isfinite(b) and np.isfinite(crit) else "",
               str(r.get("evidence", "") or "")]
         title = f"axis {r['axis']} ({strategy or 'unknown strategy'}, size {r.get('size', '?')}) is communication-bound"

@@ -9,6 +9,7 @@ import pandas as pd
 from traceroof.analysis import Analysis
 from traceroof.report.findings import TOP, markdown_top, rest_lines, terminal_top
 from traceroof.report.safe import markdown, markdown_cell, printable
+from traceroof.units import fmt_si
 from traceroof.report.memory import memory_markdown, memory_terminal
 
 
@@ -24,16 +25,6 @@ def fmt_time(s: float) -> str:
     if a >= 1e-6:
         return f"{s * 1e6:.1f} µs"
     return f"{s * 1e9:.0f} ns"
-
-
-def fmt_si(x: float, unit: str) -> str:
-    """A quantity with a decimal SI prefix (``1.45 GFLOP``, ``23.2 GB/s``)."""
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "-"
-    for div, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(x) >= div:
-            return f"{x / div:.3g} {prefix}{unit}"
-    return f"{x:.3g} {unit}"
 
 
 def fmt_pct(x: float) -> str:
