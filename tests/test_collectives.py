@@ -351,3 +351,4 @@ def test_jit_over_a_mesh_profile_has_its_collective_groups():
     a = analyze("fixtures/par_dp8", chip="v5p", topology="2x2x2")
     ar = a.collectives[a.collectives["kind"] == "all-reduce"]
     assert len(ar) and (ar["group_size"] == 8).all() and (ar["link"] != "").all()
+    assert [(r.axis, r.size, r.strategy) for r in a.parallelism.rows] == [("axis0", 8, "data")]
