@@ -15,11 +15,12 @@ from parsers.buffer_assignment import (MemoryReportError, read_buffer_assignment
 from parsers.hlo_text import parse_hlo_file
 from traceroof.analysis import analyze
 from traceroof.diff import diff, side_from_analysis, side_from_json
-from traceroof.memory import CATEGORIES, allocator_peaks, program_memory
+from traceroof.memory import CATEGORIES, allocator_peaks, program_memory, value_categories
 from traceroof.report.data import render_json
 from traceroof.report.diff import render_diff_text
 from traceroof.report.html import render_html
 from traceroof.report.text import render_markdown, render_terminal
+from traceroof.scopes import assign_scopes
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DUMPS = sorted(f for f in FIXTURES.glob("*/hlo/*after_optimizations.txt") if report_files(f))
@@ -62,6 +63,22 @@ def test_live_range_estimate_against_xla_where_both_exist():
     assert off.source == "traceroof_live_ranges" and sum(off.categories.values()) == off.peak_bytes
 
 
+def test_the_estimate_follows_xlas_schedule_and_is_not_shown_as_a_check(remat):
+    """The profile's HloProto lists instructions in another order than the schedule: the estimate now takes
+    XLA's schedule from the live-range file, so the profile's module and the text dump agree (mem_remat_off:
+    10.23 MB from the proto's order before, 10.71 MB now; the user's remat.py: 53.5 MB -> 62.4 MB of 75 MB,
+    XLA's own live values 60.3 MB). What is left is XLA's packing, so the line says so and is no "check"."""
+    off = remat["off"].memory.peak
+    dump = next(d for d in DUMPS if "mem_remat_off" in str(d))
+    text = program_memory(parse_hlo_file(dump)[0], dump).live_range_peak_bytes
+    assert abs(off.live_range_peak_bytes - text) <= 8  # the proto carries no input_output_alias: two s32 counters
+    assert 0.9 <= off.live_range_peak_bytes / off.xla_live_range_peak_bytes <= 1.0
+    text = render_terminal(remat["off"])
+    checks = next(line for line in text.splitlines() if line.startswith("checks"))
+    assert "traceroof" not in checks
+    assert "traceroof's own estimate (live values only, no XLA heap packing" in text
+
+
 def test_remat_off_raises_peak_memory_as_xla_says(remat):
     on, off = (remat[k].memory for k in ("on", "off"))
     for name, view in (("on", on), ("off", off)):
@@ -70,7 +87,8 @@ def test_remat_off_raises_peak_memory_as_xla_says(remat):
         m = f["xla_memory_analysis"]  # compiled.memory_analysis(): arguments + outputs - aliased + temporaries
         xla = m["argument_size_in_bytes"] + m["output_size_in_bytes"] - m["alias_size_in_bytes"] + m["temp_size_in_bytes"]
         assert abs(view.peak_bytes_per_device - xla) <= 0.01 * xla
-        assert view.peak.categories["parameters"] == f["parameter_bytes"]
+        # at remat off's peak XLA keeps a 4 B loop counter in the head bias's buffer (the bias was copied out)
+        assert f["parameter_bytes"] - 4 * (name == "off") == view.peak.categories["parameters"]
         assert view.peak.categories["optimizer_state"] == 2 * f["parameter_bytes"] + 8  # Adam mu, nu, 2 counters
         assert view.peak.categories["outputs"] < 1024  # the state is donated: updated in place
     ratio = off.peak_bytes_per_device / on.peak_bytes_per_device
@@ -79,6 +97,112 @@ def test_remat_off_raises_peak_memory_as_xla_says(remat):
     # remat keeps only the scan carry per layer; without it the forward leaves several [batch, seq, d_ff] tensors
     assert off.peak.book.activations_bytes > 5 * on.peak.book.activations_bytes
     assert off.peak.categories["activations"] - on.peak.categories["activations"] > 5e6
+
+
+@pytest.mark.parametrize("dump", DUMPS, ids=lambda f: f"{f.parts[-3]}/{f.name.split('.')[1]}")
+def test_the_table_and_the_split_share_one_categorisation(dump):
+    """A buffer's category in the largest-buffers table is the one its bytes are counted under in the split:
+    the table's bytes per category never exceed the split's (before: tp_mlp's four 524 kB weight gradients
+    in the output buffers were "gradients" in the table while the split counted them as outputs)."""
+    pm = program_memory(parse_hlo_file(dump)[0], dump)
+    shown: dict[str, int] = {}
+    for b in pm.largest:
+        shown[b.category] = shown.get(b.category, 0) + b.size_bytes
+    assert all(n <= pm.categories[c] for c, n in shown.items()), (shown, pm.categories)
+
+
+# The user's hostbound.py step (w - 0.1 * grad, state not donated), its dump cut to plain ops; the buffer
+# assignment and live ranges are XLA's, as written for it. The gradient ``dot`` and the new weight share the
+# output buffer: at the peak the update writes the new weight over the gradient.
+HOSTBOUND_HLO = """HloModule jit_step, entry_computation_layout={(f32[512,512]{1,0}, f32[256,512]{1,0})->f32[512,512]{1,0}}
+
+ENTRY %main.1 (w.1: f32[512,512], x.1: f32[256,512]) -> f32[512,512] {
+  %w.1 = f32[512,512]{1,0} parameter(0), metadata={op_name="w"}
+  %x.1 = f32[256,512]{1,0} parameter(1), metadata={op_name="x"}
+  %ynn_fusion = f32[256,512]{1,0} dot(%x.1, %w.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/dot_general"}
+  %multiply_add_fusion = f32[256,512]{1,0} tanh(%ynn_fusion), metadata={op_name="jit(step)/transpose(jvp())/add_any"}
+  %dot = f32[512,512]{1,0} dot(%x.1, %multiply_add_fusion), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp())/transpose"}
+  ROOT %multiply_subtract_fusion = f32[512,512]{1,0} subtract(%w.1, %dot), metadata={op_name="jit(step)/sub"}
+}
+"""
+HOSTBOUND_BA = """BufferAssignment:
+allocation 0: size 1048576, output shape is |f32[512,512]|, maybe-live-out:
+ value: <22 ynn_fusion @0> (size=524288,offset=0): f32[256,512]{1,0}
+ value: <24 dot @0> (size=1048576,offset=0): f32[512,512]{1,0}
+ value: <25 multiply_subtract_fusion @0> (size=1048576,offset=0): f32[512,512]{1,0}
+allocation 1: size 1048576, parameter 0, shape |f32[512,512]| at ShapeIndex {}:
+ value: <20 w.1 @0> (size=1048576,offset=0): f32[512,512]{1,0}
+allocation 2: size 524288, parameter 1, shape |f32[256,512]| at ShapeIndex {}:
+ value: <21 x.1 @0> (size=524288,offset=0): f32[256,512]{1,0}
+allocation 3: size 524288, preallocated-temp:
+ value: <23 multiply_add_fusion @0> (size=524288,offset=0): f32[256,512]{1,0}
+"""
+HOSTBOUND_LIVE = """HloLiveRange (max 6):
+  InstructionSequence:
+    0:w.1
+    1:x.1
+    2:ynn_fusion
+    3:multiply_add_fusion
+    4:dot
+    5:multiply_subtract_fusion
+  BufferLiveRange:
+    w.1{}:0-6
+    x.1{}:0-6
+    ynn_fusion{}:2-3
+    multiply_add_fusion{}:3-4
+    dot{}:4-5
+    multiply_subtract_fusion{}:5-6
+  Live ranges at 5 (peak):
+    dot{}: 1048576 bytes (cumulative: 1048576 bytes)
+    multiply_subtract_fusion{}: 1048576 bytes (cumulative: 2097152 bytes)
+    w.1{}: 1048576 bytes (cumulative: 3145728 bytes)
+    x.1{}: 524288 bytes (cumulative: 3670016 bytes)
+"""
+
+
+def test_an_updated_weight_is_never_an_activation(tmp_path):
+    """hostbound.py: before, the table showed ``dot`` as gradients (no gradients in the split) and the new
+    weight as activations. The new weight is an output (not donated), counted once in its buffer; the
+    gradient it overwrites in place is not listed beside it."""
+    dump = tmp_path / "module_0012.jit_step.cpu_after_optimizations.txt"
+    dump.write_text(HOSTBOUND_HLO)
+    (tmp_path / f"{dump.stem}-buffer-assignment.txt").write_text(HOSTBOUND_BA)
+    (tmp_path / f"{dump.stem}-live-range.txt").write_text(HOSTBOUND_LIVE)
+    pm = program_memory(parse_hlo_file(dump)[0], dump)
+    assert [(b.name, b.category) for b in pm.largest] == [
+        ("multiply_subtract_fusion", "outputs"), ("w.1", "parameters"), ("x.1", "inputs")]
+    assert {c: n for c, n in pm.categories.items() if n} == {
+        "parameters": 1048576, "inputs": 524288, "outputs": 1048576, "activations": 524288}  # the temp block
+    # the saved activation: the forward dot's output, read by the backward (x is an input, w a weight)
+    assert pm.book.activations_bytes == 256 * 512 * 4
+    # the same categories from the fixtures: returned updates are outputs without donation, the updated
+    # parameters and optimizer state with it
+    for fixture, expected in (("fw_scan_remat", {"outputs"}), ("mem_remat_on", {"parameters", "optimizer_state"})):
+        module = parse_hlo_file(next(d for d in DUMPS if fixture in str(d) and "train_step" in d.name))[0]
+        category_of = value_categories(module, assign_scopes(module))
+        got = {category_of(n) for n in module.entry.root.operands}
+        assert got == expected, (fixture, got)
+
+
+def test_saved_activations_are_what_the_forward_leaves_for_the_backward():
+    """The book's activations term on the scan + remat fixtures (batch 16 x seq 16, d_model 64, d_ff 256, 4
+    layers, f32), counted by hand. With remat the forward scan keeps each layer's input, f32[4,16,16,64]
+    (262144 B), and leaves its final carry, f32[16,16,64] (65536 B), and the head's output, f32[256,64]
+    (65536 B), to the backward: 393216 B. Before, the forward ``while``'s whole tuple was counted, the weights
+    it carries included: 941060 B on mem_remat_on and 924676 B on fw_scan_remat, more than that program's
+    whole temporaries block (721264 B). Without remat the scan also stacks what the backward of LayerNorm,
+    Dense and gelu reads: 6 x f32[4,16,16,256] + 4 x f32[4,16,16,64] + LayerNorm statistics (16384 + 1024 B)
+    + the same carry and head output: 7488512 B. (The user's programs: remat.py REMAT=1 11.0 MB -> 2.62 MB =
+    4 layer inputs of 8x64x256 f32, 2.10 MB, + the final carry 0.52 MB; fsdp.py 6.13 MB -> 884736 B = 3 layers
+    x 32 tokens x (256 + 1024 + 1024) x 4 B, the gathered weights no longer counted.)"""
+    def saved(fixture):
+        dump = next(d for d in DUMPS if fixture in str(d) and "train_step" in d.name)
+        return program_memory(parse_hlo_file(dump)[0], dump).book.activations_bytes
+
+    carry_and_head = 16 * 16 * 64 * 4 + 256 * 64 * 4
+    assert saved("mem_remat_on") == saved("fw_scan_remat") == 4 * 16 * 16 * 64 * 4 + carry_and_head == 393216
+    assert saved("mem_remat_off") == (6 * 4 * 16 * 16 * 256 * 4 + 4 * 4 * 16 * 16 * 64 * 4 + 16384 + 1024
+                                      + carry_and_head) == 7488512
 
 
 def test_largest_buffers_carry_op_layer_and_shape(remat):

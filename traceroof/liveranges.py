@@ -1,17 +1,19 @@
-"""traceroof's live-range estimate of a program's peak memory, for dumps without XLA's buffer assignment (an
-HloProto from the profile, hand-written HLO): a sequential model over the entry computation in its scheduled
-(text) order. Every instruction that produces data gets a buffer of its shape's bytes (tuple leaves summed), live
-from its definition to its last use in the entry computation; entry parameters and constants live for the whole
-program, as do the root's operands from their definition on. ``bitcast``, ``get-tuple-element`` and ``tuple``
-add no data (they alias their operands; a tuple adds its pointer table), a ``while`` reuses its operand's buffer,
-and an output aliased to a parameter by ``input_output_alias`` reuses that parameter's buffer. A
+"""traceroof's live-range estimate of a program's peak memory, for dumps without XLA's buffer assignment (an HloProto
+from the profile, hand-written HLO): a sequential model over the entry computation in XLA's schedule (the live-range
+file's, when the dump has one; else the text order, which is the schedule in a dump but not in a profile's
+HloProto). Every instruction that produces data gets a buffer of its shape's bytes (tuple leaves summed), live from
+its definition to its last use in the entry computation; entry parameters and constants live for the whole program,
+as do the root's operands from their definition on. ``bitcast``, ``get-tuple-element`` and ``tuple`` add no data
+(they alias their operands; a tuple adds its pointer table), a ``while`` reuses its operand's buffer, and an output
+aliased to a parameter by ``input_output_alias`` reuses that parameter's buffer. A
 ``while``/``call``/``conditional`` adds, while it runs, the peak of its called computations' own buffers
-(recursively, body parameters excluded). The model does not pack buffers into a heap, so it is an estimate;
-tests compare it with XLA's figure where both exist (:mod:`traceroof.memory`)."""
+(recursively, body parameters excluded). The model does not pack buffers into a heap, so it is an estimate; tests
+compare it with XLA's figure where both exist (:mod:`traceroof.memory`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from parsers.hlo import Computation, HloModule, Instruction, Shape
 from traceroof.scopes import _alias_outputs
@@ -54,16 +56,17 @@ def _may_share(module: HloModule, inst: Instruction) -> bool:
     return inst.opcode in _SHARE_OPS
 
 
-def _computation_peak(module: HloModule, comp: Computation, depth: int = 0) -> int:
+def _computation_peak(module: HloModule, comp: Computation, depth: int = 0, schedule: Sequence[str] = ()) -> int:
     """Peak of a called computation's own buffers (its parameters are the caller's)."""
     if depth > 16:
         return 0
-    live = _sequential(module, comp, depth, whole_program=set(), entry=False)
+    live = _sequential(module, comp, depth, whole_program=set(), entry=False, schedule=schedule)
     return live.peak_bytes
 
 
-def _sequential(module: HloModule, comp: Computation, depth: int, whole_program: set[str], entry: bool) -> Live:
-    order = comp.instructions
+def _sequential(module: HloModule, comp: Computation, depth: int, whole_program: set[str], entry: bool,
+                schedule: Sequence[str] = ()) -> Live:
+    order = _scheduled(comp, schedule)
     pos = {i.name: t for t, i in enumerate(order)}
     last = {i.name: t for t, i in enumerate(order)}
     for t, inst in enumerate(order):
@@ -119,7 +122,7 @@ def _sequential(module: HloModule, comp: Computation, depth: int, whole_program:
                     and data_bytes(comp.by_name[op].shape) == size for op in inst.operands if op in comp.by_name):
                 size = 0
         if inst.opcode in CALLS:
-            extra[t] = sum(_computation_peak(module, module.computations[c], depth + 1)
+            extra[t] = sum(_computation_peak(module, module.computations[c], depth + 1, schedule)
                            for c in inst.called if c in module.computations)
         if size:
             sizes[inst.name] = size
@@ -142,11 +145,27 @@ def _sequential(module: HloModule, comp: Computation, depth: int, whole_program:
     return Live(best, best_t, tuple(live))
 
 
-def live_range_peak(module: HloModule) -> Live:
-    """traceroof's sequential live-range estimate of the entry computation (see the module docstring)."""
+def _scheduled(comp: Computation, schedule: Sequence[str]) -> list[Instruction]:
+    """``comp``'s instructions in ``schedule``'s order (instructions it does not name keep their place after the
+    last one it names before them), or in text order without one."""
+    if not schedule:
+        return list(comp.instructions)
+    pos = {n: t for t, n in enumerate(schedule)}
+    keys, last = [], -1.0
+    for i, inst in enumerate(comp.instructions):
+        last = pos.get(inst.name, last + 1e-6)
+        keys.append((last, i))
+    return [comp.instructions[i] for _, i in sorted(keys)]
+
+
+def live_range_peak(module: HloModule, schedule: Sequence[str] = ()) -> Live:
+    """traceroof's sequential live-range estimate of the entry computation (see the module docstring).
+
+    :param schedule: instruction names in execution order (XLA's live-range file lists it): an HloProto from a
+        profile keeps its instructions in another order than the schedule the text dump follows."""
     entry = module.entry
     aliased = set()
     if entry.root is not None and entry.root.opcode == "tuple":
         outs = entry.root.operands
         aliased = {outs[i] for i in _alias_outputs(module) if i < len(outs)}
-    return _sequential(module, entry, 0, aliased, entry=True)
+    return _sequential(module, entry, 0, aliased, entry=True, schedule=schedule)

@@ -10,19 +10,22 @@ Sources, best first:
   simulator.
 * **traceroof's live ranges** when the dump has no buffer assignment: :mod:`traceroof.liveranges`.
 
-Categories (they add up to the peak): ``parameters`` (model weights among the entry parameters),
-``optimizer_state`` (entry parameters only optimizer ops read: Adam's moments, the step count), ``inputs`` (the
-other entry parameters: the batch), ``gradients`` and ``activations`` (temporaries: values defined by backward
-ops with the shape of a parameter are gradients, the rest activations and scratch; XLA's packed temporary block
-is split in the proportion of those values live at XLA's peak), ``outputs`` (results not aliased to a parameter:
-new weights when the state is not donated, the loss) and ``other`` (constants, thread-local scratch). An entry
-parameter's category follows the phases (:mod:`traceroof.scopes`) of the instructions that read it.
+Categories (they add up to the peak; one categorisation, :func:`value_categories`, serves the split and the
+largest-buffers table): ``parameters`` (model weights among the entry parameters, and their updates returned in
+the donated buffers), ``optimizer_state`` (entry parameters only optimizer ops read: Adam's moments, the step
+count), ``inputs`` (the other entry parameters: the batch), ``gradients`` and ``activations`` (values defined by
+backward ops with the shape of a parameter are gradients, the rest activations and scratch), ``outputs``
+(returned values not aliased to a parameter: new weights when the state is not donated, the loss) and
+``other`` (constants, thread-local scratch). Each allocation counts the values it holds at XLA's live-range
+peak under their categories (XLA's packed temporary block in their proportion), the rest by its kind. An
+entry parameter's category follows the phases (:mod:`traceroof.scopes`) of the instructions that read it.
 
 The book's model (How to Scale Your Model, part 5 "How to Parallelize a Transformer for Training", §5.1.1: per
 device, parameters + optimizer state + gradients + activations; part 4 §4.3.2 on rematerialisation) is filled
 from this program: parameters and optimizer state as held (per device: the partitioned HLO's shapes already
 carry the sharding), gradients as one copy of the parameters, activations as the values the forward pass
-leaves for the backward pass (defined by forward or remat ops, read by backward ops). The difference from the
+leaves for the backward pass (defined by forward or remat ops, read by backward ops; not the weights, their
+all-gathers and slices, nor the weights a forward loop carries through). The difference from the
 peak is what the model leaves out: the batch, outputs written beside the donated state, backward temporaries
 beyond the saved activations, and gradients XLA never materialises all at once.
 
@@ -40,7 +43,7 @@ from typing import Iterable, Mapping
 
 import pandas as pd
 
-from parsers.buffer_assignment import (BufferAssignment, LiveRange, read_buffer_assignment, read_live_range,
+from parsers.buffer_assignment import (BufferAssignment, read_buffer_assignment, read_live_range,
                                        read_memory_usage_report, report_files)
 from parsers.dump_folder import dump_file_kind
 from parsers.errors import TraceroofError
@@ -231,44 +234,136 @@ def _param_shapes(module: HloModule, cats: Mapping[int, str]) -> set[tuple[str, 
             if cats.get(n) == "parameters" and not p.shape.is_tuple}
 
 
-def _value_category(inst: Instruction | None, scopes: ModuleScopes, param_shapes: set) -> str:
-    """``gradients`` for a backward value shaped like a parameter, else ``activations``."""
-    if inst is None:
+def _outputs(module: HloModule, cats: Mapping[int, str]) -> dict[str, str]:
+    """Entry values the program returns -> their category: an output aliased to a parameter
+    (``input_output_alias``: the donated state updated in place) takes that parameter's category, the others
+    (new weights when the state is not donated, the loss) are ``outputs``. Followed back through bitcasts and
+    copies, so the value computing the update is the output, not only its bitcast."""
+    entry = module.entry
+    root = entry.root
+    if root is None:
+        return {}
+    outs = list(root.operands) if root.opcode == "tuple" else [root.name]
+    alias = _alias_outputs(module)
+    out: dict[str, str] = {}
+    for i, name in enumerate(outs):
+        category = cats.get(alias[i], "parameters") if i in alias else "outputs"
+        while name not in out:
+            inst = entry.by_name.get(name)
+            if inst is None or inst.opcode in ("parameter", "constant"):
+                break
+            out[name] = category
+            if inst.opcode not in ("bitcast", "copy") or not inst.operands:
+                break
+            name = inst.operands[0]
+    return out
+
+
+def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str] | None = None):
+    """The one categorisation of values that the category split and the largest-buffers table share: a function
+    instruction name -> category. Entry parameters by :func:`parameter_categories`, constants ``other``,
+    returned values by :func:`_outputs` (an updated weight is ``parameters`` when donated, ``outputs`` when
+    written beside the old one), backward values shaped like a parameter ``gradients``, the rest
+    ``activations`` (activations and scratch, including values of called computations)."""
+    cats = parameter_categories(module, scopes) if cats is None else cats
+    pshapes = _param_shapes(module, cats)
+    outputs = _outputs(module, cats)
+    entry = module.entry
+
+    def category_of(name: str) -> str:
+        if name in outputs:
+            return outputs[name]
+        inst = module.instruction(name)
+        if inst is None:
+            return "activations"
+        if inst.opcode == "parameter" and name in entry.by_name:
+            return cats.get(inst.parameter_number, "inputs")
+        if inst.opcode == "constant":
+            return "other"
+        if scopes.get(name).phase == "backward" and (inst.shape.element_type, inst.shape.dims) in pshapes:
+            return "gradients"
         return "activations"
-    if scopes.get(inst.name).phase == "backward" and (inst.shape.element_type, inst.shape.dims) in param_shapes:
-        return "gradients"
-    return "activations"
 
+    return category_of
 
-# --------------------------------------------------------------------------------------------------------------
-# traceroof's sequential live-range model
-# --------------------------------------------------------------------------------------------------------------
 
 # --------------------------------------------------------------------------------------------------------------
 # one program
 # --------------------------------------------------------------------------------------------------------------
 
-def _saved_activations(module: HloModule, scopes: ModuleScopes) -> int:
-    """Bytes of entry values defined by forward / remat ops and read by backward ops (the book's activations)."""
+_PLUMBING = {"get-tuple-element", "bitcast", "tuple", "copy"}
+
+
+def _weight_values(module: HloModule, cats: Mapping[int, str]) -> set[str]:
+    """Entry values computed from the weights alone: parameters and optimizer state among the entry parameters,
+    constants, and every value all of whose operands are such (their all-gathers, slices, copies, casts)."""
+    out: set[str] = set()
+    for inst in module.entry.instructions:
+        if inst.opcode == "parameter":
+            if cats.get(inst.parameter_number) in ("parameters", "optimizer_state"):
+                out.add(inst.name)
+        elif all(op in out for op in inst.operands):  # constants and other ops without operands too
+            out.add(inst.name)
+    return out
+
+
+def _carried_unchanged(module: HloModule, loop: Instruction) -> set[int]:
+    """Tuple indices a ``while`` body passes through unchanged (``root[i] = get-tuple-element(param), index=i``,
+    through bitcasts and copies): loop-carried weights and inputs, not made by the loop."""
+    body = module.computations.get(loop.attrs.get("body", "").strip().lstrip("%"))
+    if body is None or body.root is None or body.root.opcode != "tuple":
+        return set()
+    out = set()
+    for i, op in enumerate(body.root.operands):
+        x = body.by_name.get(op)
+        while x is not None and x.opcode in ("bitcast", "copy") and x.operands:
+            x = body.by_name.get(x.operands[0])
+        src = body.by_name.get(x.operands[0]) if x is not None and x.operands else None
+        if (x is not None and x.opcode == "get-tuple-element" and x.attrs.get("index", "").strip() == str(i)
+                and src is not None and src.opcode == "parameter"):
+            out.add(i)
+    return out
+
+
+def _saved_activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str]) -> int:
+    """Bytes of the book's activations: entry values defined by forward / remat ops and read by backward ops
+    (through tuple / get-tuple-element / bitcast / copy plumbing), excluding weights (entry parameters and
+    values computed from the weights alone, :func:`_weight_values`). A tuple-shaped value (a ``while``'s
+    result) counts per element: the elements backward ops read, and of a ``while`` only those its body changes
+    (a scan's stacked residuals and final carry; not the weights it carries through)."""
     entry = module.entry
     users = _users(entry)
-    total = 0
-    for inst in entry.instructions:
-        if inst.opcode in ("parameter", "constant") or scopes.get(inst.name).phase not in ("forward", "remat"):
-            continue
-        readers = list(users.get(inst.name, ()))
+    weights = _weight_values(module, cats)
+
+    def read_by_backward(readers: list[Instruction]) -> bool:
         seen: set[str] = set()
-        backward = False
-        while readers and not backward:  # through gte / bitcast / tuple plumbing to the reading ops
+        while readers:
             u = readers.pop()
             if u.name in seen:
                 continue
             seen.add(u.name)
-            if u.opcode in ("get-tuple-element", "bitcast", "tuple", "copy"):
+            if scopes.get(u.name).phase == "backward":
+                return True
+            if u.opcode in _PLUMBING:
                 readers.extend(users.get(u.name, ()))
-            backward = scopes.get(u.name).phase == "backward"
-        if backward:
-            total += own_bytes(inst) if inst.opcode != "while" else data_bytes(inst.shape)
+        return False
+
+    total = 0
+    for inst in entry.instructions:
+        if (inst.opcode == "parameter" or inst.name in weights
+                or scopes.get(inst.name).phase not in ("forward", "remat")):
+            continue
+        readers = users.get(inst.name, [])
+        if not inst.shape.is_tuple:
+            total += own_bytes(inst) if read_by_backward(list(readers)) else 0
+            continue
+        unchanged = _carried_unchanged(module, inst) if inst.opcode == "while" else set()
+        for i, element in enumerate(inst.shape.tuple_shapes):
+            if i in unchanged:
+                continue
+            mine = [u for u in readers if u.opcode != "get-tuple-element" or u.attrs.get("index", "").strip() == str(i)]
+            if read_by_backward(mine):
+                total += data_bytes(element)
     return total
 
 
@@ -284,9 +379,10 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     scopes = scopes or assign_scopes(module)
     layers = layers or {}
     cats = parameter_categories(module, scopes)
-    pshapes = _param_shapes(module, cats)
-    ours = live_range_peak(module)
+    category_of = value_categories(module, scopes, cats)
     files = report_files(dump_file) if dump_file else {}
+    xla_live = read_live_range(files["live-range"]) if "live-range" in files else None
+    ours = live_range_peak(module, xla_live.schedule if xla_live else ())
     devices = _devices(module)
 
     def describe(value: str, size: int, category: str) -> Buffer:
@@ -302,31 +398,27 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
         return Buffer(value if index.strip("}") else name, inst.opcode if inst else "", layer, info.phase,
                       str(shape) if shape is not None else "", size, category)
 
-    def category_of(name: str) -> str:
-        inst = module.instruction(name)
-        if inst is not None and inst.opcode == "parameter" and name in module.entry.by_name:
-            return cats.get(inst.parameter_number, "inputs")
-        if inst is not None and inst.opcode == "constant":
-            return "other"
-        return _value_category(inst, scopes, pshapes)
-
-    saved = _saved_activations(module, scopes)
+    saved = _saved_activations(module, scopes, cats)
     if "buffer-assignment" in files:
         ba = read_buffer_assignment(files["buffer-assignment"])
         report = read_memory_usage_report(files["memory-usage-report"]) if "memory-usage-report" in files else None
-        xla_live = read_live_range(files["live-range"]) if "live-range" in files else None
-        split = _split_assignment(ba, cats, xla_live, category_of)
-        peak_values = xla_live.peak_values if xla_live else tuple((n, s) for n, s in ours.live)
-        largest = [describe(n, s, category_of(n.split("{")[0])) for n, s in peak_values]
-        largest = sorted(largest, key=lambda b: -b.size_bytes)[:TOP_BUFFERS]
+        if xla_live is not None:
+            live_at_peak = {n for n, _ in xla_live.peak_values}
+            order = {n: t for t, n in enumerate(xla_live.schedule)}
+        else:  # traceroof's live values, every element of a tuple-shaped one
+            names = {n for n, _ in ours.live}
+            live_at_peak = {_key(v) for a in ba.allocations for v in a.values if v.instruction in names}
+            order = {i.name: t for t, i in enumerate(module.entry.instructions)}
+        split, held = _peak_contents(ba, cats, live_at_peak, order, category_of)
+        largest = sorted((describe(n, s, c) for n, s, c in held), key=lambda b: -b.size_bytes)
         pm = ProgramMemory(module.name, module.program_id, devices, "xla_buffer_assignment", ba.total_bytes(), split,
-                           tuple(largest), BookModel(0, 0, 0, 0),
+                           tuple(largest[:TOP_BUFFERS]), BookModel(0, 0, 0, 0),
                            report.total_bytes() if report else None, ours.peak_bytes,
                            xla_live.peak_bytes if xla_live else None, tuple(str(f) for f in files.values()))
     else:
         split = dict.fromkeys(CATEGORIES, 0)
         for name, size in ours.live:
-            split[_live_category(module, name, cats, category_of)] += size
+            split[category_of(name)] += size
         split["activations"] += ours.peak_bytes - sum(split.values())  # called computations' scratch
         largest = sorted((describe(n, s, category_of(n)) for n, s in ours.live), key=lambda b: -b.size_bytes)
         pm = ProgramMemory(module.name, module.program_id, devices, "traceroof_live_ranges", ours.peak_bytes, split,
@@ -334,45 +426,56 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     return replace(pm, book=_book(pm, saved))
 
 
-def _live_category(module: HloModule, name: str, cats: Mapping[int, str], category_of) -> str:
-    entry = module.entry
-    root = entry.root
-    if root is not None and name in (root.operands if root.opcode == "tuple" else (root.name,)):
-        inst = entry.by_name.get(name)
-        if inst is not None and inst.opcode != "parameter":
-            return "outputs"
-    return category_of(name)
+def _key(v) -> str:
+    """An assigned value's name as XLA's live-range file writes it (``name{}``, ``name{1}``)."""
+    return f"{v.instruction}{v.shape_index or '{}'}"
 
 
-def _split_assignment(ba: BufferAssignment, cats: Mapping[int, str], xla_live: LiveRange | None,
-                      category_of) -> dict[str, int]:
-    """Allocation bytes by category (device memory space): parameters by their category, live-out allocations
-    as outputs, constants and thread-local as other, the temporary block split between gradients and
-    activations in the proportion of its values live at XLA's peak (all activations without a live-range)."""
+def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: set[str], order: Mapping[str, int],
+                   category_of) -> tuple[dict[str, int], list[tuple[str, int, str]]]:
+    """Allocation bytes by category (device memory space, color 0) and the values held at the peak, each with
+    the category its bytes are counted under: one categorisation for the split and the largest-buffers table.
+
+    The values an allocation holds at the peak count under their :func:`value_categories` category (a value
+    returned in a parameter's buffer under that parameter's: the donated state updated in place); where two
+    values overlap in an allocation at the peak (an op writing its result over its operand in place) the
+    later-defined one is held. XLA's packed temporaries block is split in proportion of its values at the
+    peak; the rest of any other allocation (all of it when it holds no live value) goes by its kind: an entry
+    parameter's by the parameter's category, output allocations to ``outputs``, the temporaries' block to
+    ``activations``, constants and thread-local scratch to ``other``."""
     split = dict.fromkeys(CATEGORIES, 0)
-    live_at_peak = {n: s for n, s in (xla_live.peak_values if xla_live else ())}
+    held: list[tuple[str, int, str]] = []
     for a in ba.allocations:
         if a.color != 0:
             continue
+        live = sorted((v for v in a.values if not v.phi and _key(v) in live_at_peak),
+                      key=lambda v: -order.get(v.instruction, -1))
+        kept: list = []
+        for v in live:
+            if all(v.offset_bytes + v.size_bytes <= k.offset_bytes or k.offset_bytes + k.size_bytes <= v.offset_bytes
+                   for k in kept):
+                kept.append(v)
         kind = a.kind
-        if kind == "parameter":
-            split[cats.get(a.parameter, "inputs")] += a.size_bytes
-        elif kind == "output":
-            split["outputs"] += a.size_bytes
-        elif kind in ("constant", "thread-local", "other"):
-            split["other"] += a.size_bytes
-        else:
-            grads = acts = 0
-            for v in a.values:
-                s = live_at_peak.get(f"{v.instruction}{v.shape_index or '{}'}", 0)
-                if category_of(v.instruction) == "gradients":
-                    grads += s
-                else:
-                    acts += s
-            g = round(a.size_bytes * grads / (grads + acts)) if grads + acts else 0
-            split["gradients"] += g
-            split["activations"] += a.size_bytes - g
-    return split
+        default = (cats.get(a.parameter, "inputs") if kind == "parameter" else "outputs" if kind == "output"
+                   else "activations" if kind == "temp" else "other")
+        by_category: dict[str, int] = {}
+        for v in kept:
+            c = category_of(v.instruction)
+            if c == "outputs" and kind == "parameter":  # returned in a parameter's buffer: the donated state
+                c = default
+            by_category[c] = by_category.get(c, 0) + v.size_bytes
+            held.append((_key(v), v.size_bytes, c))
+        if kind == "temp" and by_category:  # XLA's packed block: in proportion of the values live at the peak
+            total = sum(by_category.values())
+            biggest = max(by_category, key=by_category.get)
+            shares = {c: round(a.size_bytes * b / total) for c, b in by_category.items() if c != biggest}
+            shares[biggest] = a.size_bytes - sum(shares.values())
+        else:  # the values live at the peak, the rest by the allocation's kind
+            shares = dict(by_category)
+            shares[default] = shares.get(default, 0) + max(a.size_bytes - sum(by_category.values()), 0)
+        for c, b in shares.items():
+            split[c] += b
+    return split, held
 
 
 def _book(pm: ProgramMemory, saved_bytes: int) -> BookModel:
