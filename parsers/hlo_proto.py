@@ -37,6 +37,8 @@ _SPEC: dict[str, list[tuple]] = {
     "HloModuleProto": [("name", 1, "s", False), ("entry_computation_name", 2, "s", False),
                        ("computations", 3, "M", True, "HloComputationProto"), ("id", 5, "i", False),
                        ("entry_computation_id", 6, "i", False),
+                       ("schedule", 7, "M", False, "HloScheduleProto"),
+                       ("input_output_alias", 8, "M", False, "HloInputOutputAliasProto"),
                        ("stack_frame_index", 17, "M", False, "StackFrameIndexProto")],
     "HloComputationProto": [("name", 1, "s", False), ("instructions", 2, "M", True, "HloInstructionProto"),
                             ("id", 5, "i", False), ("root_id", 6, "i", False),
@@ -85,6 +87,13 @@ _SPEC: dict[str, list[tuple]] = {
     "SourceTarget": [("source", 1, "i", False), ("target", 2, "i", False)],
     "IotaReplicaGroupListProto": [("num_replica_groups", 1, "i", False), ("num_devices_per_group", 2, "i", False),
                                   ("iota_reshape_dims", 3, "i", True), ("iota_transpose_perm", 4, "i32", True)],
+    # hlo.proto: the schedule (map<computation id, InstructionSequence> as entries) and donated buffers
+    "HloScheduleProto": [("sequences", 1, "M", True, "ScheduleEntry")],
+    "ScheduleEntry": [("key", 1, "i", False), ("value", 2, "M", False, "InstructionSequence")],
+    "InstructionSequence": [("instruction_ids", 1, "i", True)],
+    "HloInputOutputAliasProto": [("entries", 1, "M", True, "AliasEntryProto")],
+    "AliasEntryProto": [("output_shape_index", 1, "i", True), ("parameter_number", 2, "i", False),
+                        ("parameter_shape_index", 3, "i", True), ("kind", 4, "i", False)],
     # xla_data.proto: the mesh-axes form of replica groups (XLA text: mesh['a'=4,'b'=2] {'a'})
     "MeshAxesReplicaGroupListProto": [("mesh", 1, "M", False, "MeshProto"), ("axes", 2, "M", True, "AxisRefProto")],
     "MeshProto": [("axes", 1, "M", True, "MeshAxis"), ("device_ids", 2, "i", True)],
@@ -336,6 +345,7 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
             loc.line if loc else 0, fr.parent_frame_id)
     comps: dict[str, Computation] = {}
     entry = mod.entry_computation_name or comp_names.get(mod.entry_computation_id, "")
+    schedule = {e.key: list(e.value.instruction_ids) for e in mod.schedule.sequences}
     for c in mod.computations:
         names: dict[int, str] = {}
         for i in c.instructions:
@@ -385,6 +395,10 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
                                   md.deduplicated_name, md.scheduling_name),
                 backend_config=bc, literal=literal, is_root=p.id == c.root_id,
             ))
+        order = schedule.get(c.id)
+        if order is not None and sorted(order) == sorted(names):  # XLA's schedule: the order the ops run in
+            by_id = {i.id: inst for i, inst in zip(c.instructions, insts)}
+            insts = [by_id[i] for i in order]
         comps[c.name] = Computation(c.name, insts, c.name == entry, c.execution_thread)
     if entry not in comps:
         entry = list(comps)[-1]
@@ -394,7 +408,17 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
         raise ValueError(why)
     m = re.search(r"\((\d+)\)", Path(source).name)
     pid = program_id if program_id is not None else (int(m.group(1)) if m else (mod.id or None))
-    return HloModule(mod.name, comps, entry, {}, frames, pid, source)
+    attrs = {"input_output_alias": _aliases(mod.input_output_alias)} if mod.input_output_alias.entries else {}
+    return HloModule(mod.name, comps, entry, attrs, frames, pid, source)
+
+
+def _aliases(p: Any) -> str:
+    """``input_output_alias`` as the HLO text header writes it: ``{ {0}: (0, {}, may-alias), ... }``."""
+    kinds = {1: "may-alias", 2: "must-alias"}
+    parts = [f"{{{','.join(str(i) for i in e.output_shape_index)}}}: ({e.parameter_number}, "
+             f"{{{','.join(str(i) for i in e.parameter_shape_index)}}}, {kinds.get(e.kind, 'may-alias')})"
+             for e in p.entries]
+    return "{ " + ", ".join(parts) + " }"
 
 
 def _int_list(text: str) -> list[int]:

@@ -192,3 +192,23 @@ ENTRY e {
     params = [m.entry.by_name[n].shape for n in ("x", "w", "b")]
     assert sum(s.byte_size() for s in params) == 656
     assert [s.padded_byte_size() for s in params] == [4096, 2048, 512]
+
+
+def test_embedded_hlo_proto_keeps_the_schedule_and_the_donated_buffers():
+    """The HloProto a profile embeds carries XLA's schedule and input_output_alias: the module read from it
+    runs its instructions in the dump's (scheduled) order and has the dump's aliases, so scopes inherited from
+    neighbours and the live-range memory estimate agree whichever of the two is read."""
+    import glob
+
+    from parsers.hlo_proto import module_from_proto
+    from parsers.xspace import read_xspace
+    from traceroof.hlo_source import embedded_hlo
+    from traceroof.scopes import _alias_outputs
+
+    (pb,) = glob.glob("fixtures/mem_remat_on/logdir/**/*.xplane.pb", recursive=True)
+    (dump,) = glob.glob("fixtures/mem_remat_on/hlo/*jit_train_step.cpu_after_optimizations.txt")
+    (text,) = [m for m in parse_hlo_file(dump) if m.name == "jit_train_step"]
+    (proto,) = [module_from_proto(data, "embedded") for _, name, data, _ in embedded_hlo(read_xspace(pb))
+                if name == "jit_train_step"]
+    assert [i.name for i in proto.entry.instructions] == [i.name for i in text.entry.instructions]
+    assert _alias_outputs(proto) == _alias_outputs(text) and len(_alias_outputs(text)) > 2

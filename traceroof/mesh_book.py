@@ -176,8 +176,8 @@ def _pick_module(modules: list[HloModule], coll_table: pd.DataFrame) -> tuple[Hl
 
 def _with_dump(module: HloModule, mesh: Mesh, dumps: frozenset[str] | set[str]) -> tuple[HloModule, Mesh]:
     """The module's own after-optimization dump when the profile's HloProto superseded it: the text keeps the
-    header (``num_partitions``, ``input_output_alias``) and the parameters' ``sharding`` that the proto lacks."""
-    if module.attrs.get("num_partitions") or module.attrs.get("input_output_alias"):
+    header (``num_partitions``) and the parameters' ``sharding`` that the proto lacks."""
+    if module.attrs.get("num_partitions"):
         return module, mesh
     tag = f"module_{module.program_id:04d}.{module.name}." if module.program_id is not None else f".{module.name}."
     for path in sorted(dumps):
