@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceroof.hostactivity import HOST_KINDS, inside, merge_intervals, subtract_intervals
+from traceroof.hostactivity import HOST_KINDS, breakpoints, inside, merge_intervals, subtract_intervals
 from traceroof.optable import Timeline
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
@@ -48,7 +48,7 @@ def _union(*sets: Intervals) -> Intervals:
 
 def _intersect(a: Intervals, b: Intervals) -> Intervals:
     """Intersection of two merged interval sets."""
-    pts = np.unique(np.concatenate([a[0], a[1], b[0], b[1]]))
+    pts = breakpoints(a, b)
     if len(pts) < 2:
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     lo, hi = pts[:-1], pts[1:]
@@ -167,7 +167,8 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     end = start + timeline.duration_ps
     rid = run_id if run_id is not None else np.full(len(r), np.nan)
     launch = launch_ps if launch_ps is not None else np.full(len(r), np.nan)
-    host_of = dict(zip(ops["device"].astype(str), ops["host"].astype(str)))
+    pairs_dh = ops[["device", "host"]].drop_duplicates()
+    host_of = dict(zip(pairs_dh["device"].astype(str), pairs_dh["host"].astype(str)))
     act = host_activity if host_activity is not None else pd.DataFrame(columns=["host", "kind", "start_ps",
                                                                                 "end_ps"])
     rows = []
@@ -302,7 +303,8 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     (:func:`timeline_items`)."""
     from traceroof.communication import _async_pairs
 
-    device_host = dict(zip(ops["device"].astype(str), ops["host"].astype(str)))
+    pairs_dh = ops[["device", "host"]].drop_duplicates()
+    device_host = dict(zip(pairs_dh["device"].astype(str), pairs_dh["host"].astype(str)))
     windows = step_windows(steps, device_host)
     windows = windows[windows["step"].isin(used)]
     ev = profile.events
