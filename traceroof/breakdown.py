@@ -211,13 +211,14 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
             "compute_s": c_ps * 1e-12, "exposed_comm_s": (busy_ps - c_ps) * 1e-12,
             "launch_gap_s": launch_gap * 1e-12, "host_bound_s": hb_ps * 1e-12,
             "outside_program_s": np.maximum(outside, 0) * 1e-12, **shares}))
-        for st, w0, w1 in zip(w["step"].to_numpy(np.int64), lo, hi):
-            if int(st) not in draw:
-                continue
+        drawn = [(st, w0, w1) for st, w0, w1 in zip(w["step"].to_numpy(np.int64), lo, hi) if int(st) in draw]
+        if drawn:  # the device's idle and exposed sets, once for all its drawn steps
+            device_sets = {"exposed communication": subtract_intervals(busy, compute),
+                           "launch gap": subtract_intervals(programs, busy), "host-bound": idle_host}
+            occupied = _union(busy, programs, idle_host)
+        for st, w0, w1 in drawn:
             win = (np.array([w0]), np.array([w1]))
-            sets = {"exposed communication": subtract_intervals(busy, compute), "launch gap": subtract_intervals(programs, busy),
-                    "host-bound": idle_host}
-            sets["outside any program"] = subtract_intervals(win, _union(busy, programs, idle_host))
+            sets = {**device_sets, "outside any program": subtract_intervals(win, occupied)}
             sel = np.flatnonzero((e > w0) & (s < w1))
             parts = [pd.DataFrame({"kind": "op", "start_ps": np.maximum(s[sel], w0), "end_ps": np.minimum(e[sel], w1),
                                    "row": r[m][sel]})]
