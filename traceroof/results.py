@@ -13,6 +13,8 @@ from traceroof.opstats import op_stats
 
 if TYPE_CHECKING:
     from traceroof.findings import Finding
+    from traceroof.memory import MemoryView
+    from traceroof.mesh_book import ParallelismReport
 
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
@@ -71,7 +73,8 @@ class Analysis:
     step: :func:`traceroof.optable.build_op_table`); ``layers`` the
     per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps;
     ``collectives`` one row per collective op (see :func:`collectives_table`); ``topology`` the topology used;
-    ``per_step_divisor`` turns op-table totals into per-step, per-device figures."""
+    ``per_step_divisor`` turns op-table totals into per-step, per-device figures; ``step_breakdown``,
+    ``memory`` and ``parallelism`` the step, memory and mesh views; ``findings`` ranked by time lost."""
 
     summary: Summary
     ops: pd.DataFrame
@@ -86,8 +89,8 @@ class Analysis:
     per_op_rows: pd.DataFrame | None = None  # per_op() of the counted rows of the used steps, when already made
     step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown, per step and device
     step_timeline: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown.timeline_items (HTML)
-    memory: object = None  # traceroof.memory.MemoryView of the programs that ran (None for XProf exports)
-    parallelism: object = None  # traceroof.mesh_book.ParallelismReport: strategy per mesh axis, the book's arithmetic
+    memory: MemoryView | None = None  # the programs that ran (traceroof.memory; None for XProf exports)
+    parallelism: ParallelismReport | None = None  # strategy per mesh axis, the book's arithmetic (mesh_book)
 
     @property
     def op_stats(self) -> pd.DataFrame:
