@@ -305,6 +305,18 @@ class Computation:
         self.by_name: dict[str, Instruction] = {i.name: i for i in self.instructions}
         roots = [i for i in self.instructions if i.is_root]
         self.root: Instruction | None = roots[-1] if roots else (self.instructions[-1] if self.instructions else None)
+        self._users: dict[str, list[Instruction]] | None = None
+
+    def users(self) -> dict[str, list[Instruction]]:
+        """Instruction name -> the instructions of this computation that read it (each user once, in text order);
+        built on first use."""
+        if self._users is None:
+            users: dict[str, list[Instruction]] = {}
+            for inst in self.instructions:
+                for op in dict.fromkeys(inst.operands):
+                    users.setdefault(op, []).append(inst)
+            self._users = users
+        return self._users
 
     def parameters(self) -> dict[int, Instruction]:
         """The computation's ``parameter`` instructions by parameter number."""

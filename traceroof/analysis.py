@@ -137,7 +137,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     if len(unattributed):
         share = unattributed["duration_ps"].sum() / max(join.time_total_ps, 1)
         kernels = ", ".join(sorted(unattributed["kernel"].astype(str).unique())[:3])
-        notes.append(f"{int(unattributed['events'].sum()):,} kernel events ({share:.1%} of kernel time) carry no hlo_op: "
+        n_kernels = int(unattributed["events"].sum())
+        notes.append(f"{n_kernels:,} kernel events ({share:.1%} of kernel time) carry no hlo_op: "
                      f"unattributed kernel time ({kernels})")
     missing = join.events_total - join.events_joined - int(unattributed["events"].sum())
     if profile.modules and missing > 0:

@@ -168,13 +168,6 @@ class CostModel:
         src = comp.by_name.get(inst.operands[i])
         return src.shape if src is not None else None
 
-    def _users(self, comp: Computation) -> dict[str, list[Instruction]]:
-        users: dict[str, list[Instruction]] = {}
-        for inst in comp.instructions:
-            for op in inst.operands:
-                users.setdefault(op, []).append(inst)
-        return users
-
     # -- loops ------------------------------------------------------------------------------------------
     def trip_count(self, inst: Instruction) -> tuple[int, str]:
         """Trip count of a ``while`` and its source: ``known_trip_count`` in backend_config, else a
@@ -517,7 +510,7 @@ class CostModel:
                 s = _leaf_sizes(leaf)
             for j in range(3):
                 total[j] += s[j]
-        users = self._users(comp)
+        users = comp.users()
         for c in comp.instructions:
             if c.opcode == "constant" and c.shape.elements > IMMEDIATE_CONSTANT_MAX_ELEMENTS:
                 s = _sizes(c.shape)

@@ -24,8 +24,8 @@ from traceroof.steps import assign_steps, device_step_spans, dominant_program_st
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
 # event columns that leave the host: what the op table and the timeline read
-EVENT_COLUMNS = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "run_id",
-                 "launch_ps", "step", "start_ps", "duration_ps", "framework_scope", "profile_flops", "profile_model_flops",
+EVENT_COLUMNS = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "run_id", "launch_ps",
+                 "step", "start_ps", "duration_ps", "framework_scope", "profile_flops", "profile_model_flops",
                  "profile_bytes_accessed")
 
 
@@ -152,8 +152,6 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
         facts[k] = facts.get(k, 0) + v
     steps = device_step_spans(step, hosts, when, start + events["duration_ps"].to_numpy(np.int64), steps)
     return events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0)), steps, annotation
-
-
 
 
 def step_notes(facts: dict[str, int]) -> list[str]:

@@ -98,8 +98,8 @@ def _sequential(module: HloModule, comp: Computation, depth: int, whole_program:
         for op in inst.operands:
             o = owner.get(op, op)
             src = comp.by_name.get(o)
-            if (src is not None and last.get(o) == t and pos.get(o, t) < t and src.opcode not in ("parameter", "constant")
-                    and own_bytes(src) == own_bytes(inst)):
+            if (src is not None and last.get(o) == t and pos.get(o, t) < t
+                    and src.opcode not in ("parameter", "constant") and own_bytes(src) == own_bytes(inst)):
                 last[o] = t - 1
                 break
     delta = [0] * (end + 1)

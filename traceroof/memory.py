@@ -47,7 +47,7 @@ from parsers.buffer_assignment import (BufferAssignment, read_buffer_assignment,
                                        read_memory_usage_report, report_files)
 from parsers.dump_folder import dump_file_kind
 from parsers.errors import TraceroofError
-from parsers.hlo import Computation, HloModule, Instruction
+from parsers.hlo import HloModule, Instruction
 from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
 from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes
 
@@ -187,21 +187,13 @@ class MemoryView:
 # entry parameters and values: categories
 # --------------------------------------------------------------------------------------------------------------
 
-def _users(comp: Computation) -> dict[str, list[Instruction]]:
-    users: dict[str, list[Instruction]] = {}
-    for inst in comp.instructions:
-        for op in inst.operands:
-            users.setdefault(op, []).append(inst)
-    return users
-
-
 def parameter_categories(module: HloModule, scopes: ModuleScopes) -> dict[int, str]:
     """Entry parameter number -> ``parameters`` / ``optimizer_state`` / ``inputs`` (see the module docstring):
     read only by optimizer ops -> optimizer state; read by model ops and by the optimizer (the update reads the
     old weight), aliased to an output, or named like a weight -> parameters; else inputs. A program without
     backward ops (inference) holds parameters and inputs only."""
     entry = module.entry
-    users = _users(entry)
+    users = entry.users()
     training = any(i.phase == "backward" for i in scopes.infos.values())
     aliased = set(_alias_outputs(module).values())
     out: dict[int, str] = {}
@@ -332,7 +324,7 @@ def _saved_activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[in
     result) counts per element: the elements backward ops read, and of a ``while`` only those its body changes
     (a scan's stacked residuals and final carry; not the weights it carries through)."""
     entry = module.entry
-    users = _users(entry)
+    users = entry.users()
     weights = _weight_values(module, cats)
 
     def read_by_backward(readers: list[Instruction]) -> bool:

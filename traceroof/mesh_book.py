@@ -262,8 +262,8 @@ def _mesh_notes(sizes: ModelSizes, strategies: list[AxisStrategy], links: dict[s
     out = [f"model read from the HLO: D = {sizes.d_model}, F = {sizes.d_ff}, L = {sizes.layers} MLP layer(s), "
            f"{sizes.tokens:,.0f} tokens per step ({sizes.tokens_per_device:,.0f} per device), {sizes.dtype} "
            f"(How to Scale Your Model §5 models each layer as In[B, D]·W_in[D, F]·W_out[F, D])",
-           "T_math/layer and T_comm/layer: one layer in the pass named in column 'pass', where §5 compares them (backward "
-           "for data and sequence axes, where gradients are all-reduced: 8BDF; forward for the others: 4BDF), each "
+           "T_math/layer and T_comm/layer: one layer in the pass named in column 'pass', where §5 compares them "
+           "(backward for data and sequence axes, where gradients are all-reduced: 8BDF; forward for the others: 4BDF), each "
            "collective at the book's large-N cost; expected comm/step: the axis' own collectives, all layers and "
            "passes, on this topology with a ring's (N−1)/N on a line and a per-hop latency floor (a data axis of N "
            "ways on a line: L x T_comm/layer x (N−1)/N)"]
@@ -348,7 +348,9 @@ def _wm(link: Link | None) -> float:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0] if n <= 1 << 16 else [1 << k for k in range(17) if n % (1 << k) == 0]
+    if n <= 1 << 16:
+        return [d for d in range(1, n + 1) if n % d == 0]
+    return [1 << k for k in range(17) if n % (1 << k) == 0]
 
 
 def _finding(r: AxisRow, sizes: ModelSizes, chip: Chip) -> tuple[str, str, str]:

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from parsers.hlo import Instruction
+from parsers.hlo import Instruction, is_retiling
 from traceroof.codes import group_codes
 from traceroof.collectives import classify, module_devices
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
-from parsers.hlo import is_retiling
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
 from traceroof.join import JoinReport, match_modules
 from traceroof.profile import Profile

@@ -65,9 +65,9 @@ def map_hosts(fn: Callable[[T], R], items: Sequence[T], *, jobs: int | None = No
     runs the map on that Dask cluster instead, which then decides the parallelism.
 
     Raises: InputError for ``jobs`` < 1 or given with ``dask_address``, for a worker process that died (the
-    message names the items it was running and says to run with fewer ``--jobs``) and for Dask trouble (extra not installed, scheduler not
-    answering within :data:`DASK_CONNECT_TIMEOUT_S`, no workers, workers that cannot import traceroof, a
-    worker killed). The first error ``fn`` raises is re-raised as is (a TraceroofError keeps its class and
+    message names the items it was running and says to run with fewer ``--jobs``) and for Dask trouble (extra
+    not installed, scheduler not answering within :data:`DASK_CONNECT_TIMEOUT_S`, no workers, workers that cannot
+    import traceroof, a worker killed). The first error ``fn`` raises is re-raised as is (a TraceroofError keeps its class and
     one-line message); the items not yet started are cancelled (those running finish first).
     """
     if jobs is not None and jobs < 1:

@@ -68,14 +68,6 @@ class StateParam:
     weight: bool
 
 
-def _users(comp: Computation) -> dict[str, list[Instruction]]:
-    out: dict[str, list[Instruction]] = {}
-    for inst in comp.instructions:
-        for op in inst.operands:
-            out.setdefault(op, []).append(inst)
-    return out
-
-
 def _calls_opcode(module: HloModule, inst: Instruction, opcodes: tuple[str, ...], depth: int = 0) -> bool:
     """``inst`` is one of ``opcodes`` or a fusion/call whose body holds one (nested up to 3 levels)."""
     if inst.opcode in opcodes:
@@ -116,7 +108,7 @@ def state_params(module: HloModule) -> list[StateParam]:
     params = entry.parameters()
     aliased = {int(x) for x in re.findall(r"\}\s*:\s*\(\s*(\d+)\s*,", module.attrs.get("input_output_alias", ""))}
     out_shapes = {(leaf.element_type, leaf.dims) for leaf in entry.root.shape.leaves()} if entry.root else set()
-    users = _users(entry)
+    users = entry.users()
     out = []
     for number, p in sorted(params.items()):
         if p.shape.is_tuple or not p.shape.dims:
@@ -184,7 +176,7 @@ def collect_evidence(module: HloModule, mesh: Mesh, params: list[StateParam]) ->
     for pc in mesh.collectives:
         comp = module.computations[pc.computation]
         inst = comp.by_name[pc.name]
-        users = users_of.setdefault(comp.name, _users(comp))
+        users = users_of.setdefault(comp.name, comp.users())
         kind = _evidence_kind(module, comp, users, inst, pc, shapes)
         nbytes = max(pc.collective.bytes_in, pc.collective.bytes_out) * pc.executions
         for axis in pc.axes:

@@ -260,14 +260,6 @@ def _info(module: HloModule, carrier: Instruction, frames: _Frames, how: str, op
     return ScopeInfo(scope, phase, module.source_line(carrier), how, in_grad), in_opt_lib
 
 
-def _users(comp: Computation) -> dict[str, list[Instruction]]:
-    users: dict[str, list[Instruction]] = {}
-    for inst in comp.instructions:
-        for op in dict.fromkeys(inst.operands):
-            users.setdefault(op, []).append(inst)
-    return users
-
-
 def _contractions(module: HloModule) -> set[str]:
     """Names of the dots and convolutions of ``module`` and of the fusions whose fused computation holds one."""
     holds = {name for name, comp in module.computations.items()
@@ -358,7 +350,7 @@ def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contra
             owners.setdefault(p, set()).add(i.scope)
     if not owners:
         return {}
-    users = _users(entry)
+    users = entry.users()
     out: dict[str, ScopeInfo] = {}
     for inst in entry.instructions:
         if inst.name in infos or inst.name not in contractions or inst.shape.is_tuple:
@@ -486,7 +478,7 @@ def _update_optimizer(module: HloModule, infos: dict[str, ScopeInfo]) -> set[str
             continue
         cand.add(n)
         stack.extend(inst.operands)
-    users = _users(entry)
+    users = entry.users()
     root = entry.root.name
     other_outputs = {o for o in outputs if o not in updates}
     work = list(cand)
@@ -520,7 +512,7 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
         for inst in comp.instructions:
             for c in inst.called:
                 callers.setdefault(c, inst)
-    users = {name: _users(comp) for name, comp in module.computations.items()}
+    users = {name: comp.users() for name, comp in module.computations.items()}
     contractions = _contractions(module)
     weight_grads = _weight_gradients(module.entry, infos, contractions)
     for _ in range(len(module.computations) + 1):
@@ -627,7 +619,7 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
             for part in (body, cond):
                 if part is None:
                     continue
-                users = _users(part)
+                users = part.users()
                 fixed: dict[str, ScopeInfo] = {}
                 for inst in part.instructions:
                     i = infos.get(inst.name)
@@ -648,7 +640,7 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
     reads in the body, its zeros initialisation before the loop and its reads after it get phase ``backward``
     and the scope of the gradient they accumulate (never ``forward`` or ``optimizer``)."""
     for comp in module.computations.values():
-        users = _users(comp)
+        users = comp.users()
         for w in comp.instructions:
             body = module.computations.get(w.attrs.get("body", "").lstrip("%")) if w.opcode == "while" else None
             if body is None or body.root is None or body.root.opcode != "tuple" or not w.operands:
@@ -733,7 +725,7 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     framed = {i.scope for i in infos.values() if i.how == "frames"}
     cands = sorted({"/".join(sc.split("/")[:k]) for sc in framed for k in range(1, sc.count("/") + 2)},
                    key=lambda c: (c.count("/"), c))
-    users = _users(entry)
+    users = entry.users()
     done: list[str] = []
     for p in cands:
         if any(_under(p, d) for d in done):

@@ -1,4 +1,5 @@
-"""Whole-step figures: step times (device vs host annotation), MFU and HFU, and notes on figures that cannot be right."""
+"""Whole-step figures: step times (device vs host annotation), MFU and HFU, and notes on figures that cannot be
+right."""
 
 from __future__ import annotations
 

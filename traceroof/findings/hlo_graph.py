@@ -35,7 +35,6 @@ class ModuleIndex:
     module: HloModule
     where: dict[str, tuple[Computation, Instruction]] = field(default_factory=dict)
     caller: dict[str, Instruction] = field(default_factory=dict)  # called computation -> fusion/call instruction
-    _users: dict[str, dict[str, list[Instruction]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for comp in self.module.computations.values():
@@ -54,14 +53,8 @@ class ModuleIndex:
         return hit[0] if hit else None
 
     def users(self, comp: Computation) -> dict[str, list[Instruction]]:
-        """Operand name -> the instructions of ``comp`` that read it."""
-        if comp.name not in self._users:
-            out: dict[str, list[Instruction]] = {}
-            for inst in comp.instructions:
-                for op in inst.operands:
-                    out.setdefault(op, []).append(inst)
-            self._users[comp.name] = out
-        return self._users[comp.name]
+        """Operand name -> the instructions of ``comp`` that read it (:meth:`Computation.users`)."""
+        return comp.users()
 
     def fused(self, inst: Instruction) -> list[Instruction]:
         """Instructions of the computations a fusion calls, nested fusions included (each computation once)."""

@@ -65,7 +65,8 @@ def exposed_collective(x: FindingInputs) -> list[Finding]:
             advice = (f"mostly devices waiting for each other on shared cores (arrival skew {fmt_s(skew)}), not "
                       "data movement: profile on the real accelerators to judge it")
         else:
-            title = f"{what} is exposed {fmt_s(r.exposed_per_step_s)} per step ({share(r.exposed_per_step_s, x.step_s)})"
+            exposed = r.exposed_per_step_s
+            title = f"{what} is exposed {fmt_s(exposed)} per step ({share(exposed, x.step_s)})"
             flags = ASYNC_FLAGS.get(x.chip.kind if x.chip is not None else "", "")
             advice = KIND_ADVICE.get(r.kind, "make it asynchronous so compute can overlap it") + (
                 f"; scheduler flags to try: {flags}" if flags else "")

@@ -92,7 +92,8 @@ def collectives_table(a: Analysis) -> pd.DataFrame:
     """The collectives table with formatted cells."""
     d = a.collectives
     return pd.DataFrame({
-        "op": d["hlo_op"], "kind": d["kind"], "form": d["form"], "bytes out": d["bytes_out"].map(lambda x: fmt_si(x, "B")),
+        "op": d["hlo_op"], "kind": d["kind"], "form": d["form"],
+        "bytes out": d["bytes_out"].map(lambda x: fmt_si(x, "B")),
         "group": d["group_size"].astype(str) + " x " + d["num_groups"].astype(str), "mode": d["mode"],
         "axes": d["axes"], "link": d["link"], "runs/step": d["executions_per_step"].map(lambda x: f"{x:g}"),
         "time/step": d["time_per_step_s"].map(fmt_time), "expected": d["expected_per_step_s"].map(fmt_time),
