@@ -250,3 +250,5 @@ def test_shares_are_of_the_step_the_breakdown_measures():
     (hb,) = [f for f in a.findings if f.code == "host-bound"]
     share = float(lost_text(hb, step).split("(")[1].split("%")[0])
     assert 0 < share < 100 and f"{share:.1f}%" in hb.title
+    from traceroof.report import render
+    assert f"({share:.1f}% of the step)" in render(a, "summary")  # the digest uses the same step

@@ -313,12 +313,13 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     run_id = ev["run_id"].to_numpy(dtype="float64", na_value=np.nan) if same and "run_id" in ev else None
     launch = ev["launch_ps"].to_numpy(dtype="float64", na_value=np.nan) if same and "launch_ps" in ev else None
     devices = sorted(set(windows["device"]))[:MAX_DRAWN_DEVICES]
+    pairs = _async_pairs(profile.modules)
     draw = _drawn_steps(windows)
     rows, items = _breakdown(ops, timeline, windows[windows["device"].isin(devices) | ~windows["step"].isin(draw)],
-                             run_id, launch, profile.host_activity, _async_pairs(profile.modules), draw)
+                             run_id, launch, profile.host_activity, pairs, draw)
     if len(set(windows["device"])) > len(devices):  # the devices not drawn: their rows only
         more, _ = _breakdown(ops, timeline, windows[~windows["device"].isin(devices) & windows["step"].isin(draw)],
-                             run_id, launch, profile.host_activity, _async_pairs(profile.modules))
+                             run_id, launch, profile.host_activity, pairs)
         rows = pd.concat([rows, more], ignore_index=True).sort_values(["step", "device"], kind="stable") \
             .reset_index(drop=True)
     return rows, timeline_items(items, ops)

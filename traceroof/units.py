@@ -1,4 +1,4 @@
-"""Quantities as text with decimal SI prefixes, for the notes the analysis writes and the reports alike (the
+"""Quantities as text (decimal SI prefixes, times with their unit), for the notes the analysis writes and the reports alike (the
 analysis must not import the renderers)."""
 
 from __future__ import annotations
@@ -14,3 +14,17 @@ def fmt_si(x: float, unit: str) -> str:
         if abs(x) >= div:
             return f"{x / div:.3g} {prefix}{unit}"
     return f"{x:.3g} {unit}"
+
+
+def fmt_time(s: float) -> str:
+    """Seconds as a short string with a unit (ns, µs, ms, s); '-' when missing or not finite."""
+    if s is None or not math.isfinite(s):
+        return "-"
+    a = abs(s)
+    if a >= 1:
+        return f"{s:.3f} s"
+    if a >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    if a >= 1e-6:
+        return f"{s * 1e6:.1f} µs"
+    return f"{s * 1e9:.0f} ns"

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import pandas as pd
 
 from traceroof.findings.hlo_graph import Programs
+from traceroof.units import fmt_si, fmt_time
 
 if TYPE_CHECKING:
     from parsers.hlo import HloModule
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 SEVERITIES = ("high", "medium", "low", "info")
 HIGH_SHARE = 0.10  # a finding costing this share of the step or more is "high"
 MEDIUM_SHARE = 0.02  # ... this share or more "medium"; below it "low"; no time figure: "info"
+BOOK = "How to Scale Your Model (Austin et al., 2025)"  # the source most rules cite, by section
 MAX_SOURCE_LINES = 5
 MAX_OPS = 12
 
@@ -78,7 +80,7 @@ class FindingInputs:
         """Totals over the op rows ÷ this = per step, per device."""
         return max(float(self.analysis.per_step_divisor), 1e-12)
 
-    @property
+    @cached_property
     def step_s(self) -> float:
         """Mean step time (s) findings are judged against: :func:`step_time_s`."""
         return step_time_s(self.analysis)
@@ -118,21 +120,12 @@ def share(lost_s: float, step_s: float) -> str:
     return f"{lost_s / step_s:.1%} of the step" if step_s > 0 and math.isfinite(lost_s) else ""
 
 
-def fmt_s(s: float) -> str:
-    """Seconds with a unit (ns, µs, ms, s)."""
-    if s is None or not math.isfinite(s):
-        return "-"
-    a = abs(s)
-    return (f"{s:.3f} s" if a >= 1 else f"{s * 1e3:.3f} ms" if a >= 1e-3 else f"{s * 1e6:.1f} µs" if a >= 1e-6
-            else f"{s * 1e9:.0f} ns")
+fmt_s = fmt_time  # seconds with their unit (traceroof.units)
 
 
 def fmt_bytes(b: float) -> str:
-    """Bytes with a decimal prefix."""
-    for div, p in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(b) >= div:
-            return f"{b / div:.3g} {p}B"
-    return f"{b:.3g} B"
+    """Bytes with a decimal prefix (:func:`traceroof.units.fmt_si`)."""
+    return fmt_si(b, "B")
 
 
 def ops_by_time(rows: pd.DataFrame, limit: int = MAX_OPS) -> tuple[str, ...]:

@@ -11,10 +11,9 @@ import pandas as pd
 
 from parsers.hlo import ELEMENT_BITS
 from traceroof.findings.hlo_graph import is_narrow, dot_dims
-from traceroof.findings.record import Finding, FindingInputs, fmt_bytes, fmt_s, make, share
+from traceroof.findings.record import BOOK, Finding, FindingInputs, fmt_bytes, fmt_s, make, share
 from traceroof.utilization import FASTER_THAN_ROOF_RATIO
 
-BOOK = "How to Scale Your Model (Austin et al., 2025)"
 UPCAST_SOURCE = (f"{BOOK} §2 (the MXU multiplies bf16 inputs and accumulates in f32) and §1 (peak FLOP/s per "
                  "dtype); JAX docs, jax.lax.dot_general preferred_element_type")
 MXU_SOURCE = {"tpu": f"{BOOK} §2 (MXU 128x128 on v4/v5e/v5p, 256x256 on v6e: pad weight dims to multiples)",

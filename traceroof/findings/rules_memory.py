@@ -12,9 +12,8 @@ import pandas as pd
 
 from parsers.hlo import Instruction, is_retiling
 from traceroof.findings.hlo_graph import LAYOUT_ONLY, ModuleIndex
-from traceroof.findings.record import Finding, FindingInputs, fmt_bytes, fmt_s, make
+from traceroof.findings.record import BOOK, MAX_OPS, Finding, FindingInputs, fmt_bytes, fmt_s, make
 
-BOOK = "How to Scale Your Model (Austin et al., 2025)"
 PADDING_SOURCE = f"{BOOK} §9.2.2 (tiled layouts); docs/reference/hlo-text.md §6.2 (TPU tile padding)"
 LAYOUT_SOURCE = (f"{BOOK} §9.2.2 (layouts and retiling copies); XProf static HLO detectors (layout-changing "
                  "copies)")
@@ -147,7 +146,7 @@ def memory_bound_chain(x: FindingInputs) -> list[Finding]:
               "than the accelerators, so confirm on the target")
     rows = cand.iloc[sorted({i for g in chains for i in g})]
     return [make(x, "memory-bound-chain", title, lost, advice, CHAIN_SOURCE, evidence, rows,
-                 ops=tuple(cand.iloc[shown]["hlo_op"].astype(str))[:12])]
+                 ops=tuple(cand.iloc[shown]["hlo_op"].astype(str))[:MAX_OPS])]
 
 
 def remat_cost(x: FindingInputs) -> list[Finding]:

@@ -15,10 +15,9 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
-from traceroof.findings.record import Finding, FindingInputs, fmt_bytes, fmt_s, make, share
+from traceroof.findings.record import BOOK, MAX_OPS, Finding, FindingInputs, fmt_bytes, fmt_s, make, share
 from traceroof.opstats import OUTLIER_RATIO
 
-BOOK = "How to Scale Your Model (Austin et al., 2025)"
 COLLECTIVE_SOURCE = (f"{BOOK} §1 (overlapping communication with compute: T = max(T_math, T_comms)) and §5 "
                      "(FSDP prefetch, reduce-scatter overlap); XLA latency-hiding scheduler flags")
 STRAGGLER_SOURCE = "traceroof arrival skew (collectives wait for the last device to arrive)"
@@ -240,5 +239,5 @@ def outlier_executions(x: FindingInputs) -> list[Finding]:
     title = f"{len(flagged)} op(s) have executions more than {OUTLIER_RATIO:g}x their median time"
     advice = ("not the ops' typical cost (top ops are ranked by median): profile more steps after a warm-up, on "
               "an otherwise idle machine, and exclude compile/first-run steps (--warmup-steps)")
-    ops = tuple(str(op) for _, _, op in flagged.index[:12])
+    ops = tuple(str(op) for _, _, op in flagged.index[:MAX_OPS])
     return [make(x, "outlier-executions", title, lost, advice, OUTLIER_SOURCE, evidence, rows, ops=ops)]

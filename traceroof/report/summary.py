@@ -5,12 +5,13 @@ time, and how many notes the full report has."""
 from __future__ import annotations
 
 from traceroof.analysis import Analysis
-from traceroof.report.findings import lost_text
+from traceroof.findings.record import step_time_s
+from traceroof.report.findings import TOP, lost_text
 from traceroof.report.safe import markdown
 from traceroof.report.text import fmt_pct, fmt_si, fmt_time
 
 MAX_LINES = 60
-TOP_FINDINGS = 5
+TOP_FINDINGS = TOP
 TOP_OPS = 3
 
 
@@ -35,7 +36,7 @@ def render_summary(a: Analysis) -> str:
     if not a.findings:
         out.append("none")
     for i, f in enumerate(a.findings[:TOP_FINDINGS], start=1):
-        out.append(f"{i}. **{markdown(f.severity)}** {markdown(f.code)}: {markdown(f.title)}; {lost_text(f, step)}")
+        out.append(f"{i}. **{markdown(f.severity)}** {markdown(f.code)}: {markdown(f.title)}; {lost_text(f, step_time_s(a))}")
         out.append(f"   - do: {markdown(f.advice)}")
         if f.source_lines:
             out.append("   - code: " + ", ".join(markdown(x) for x in f.source_lines[:3]))

@@ -9,22 +9,8 @@ import pandas as pd
 from traceroof.analysis import Analysis
 from traceroof.report.findings import TOP, markdown_top, rest_lines, terminal_top
 from traceroof.report.safe import markdown, markdown_cell, printable
-from traceroof.units import fmt_si
+from traceroof.units import fmt_si, fmt_time
 from traceroof.report.memory import memory_markdown, memory_terminal
-
-
-def fmt_time(s: float) -> str:
-    """Seconds as a short string with a unit (ns, µs, ms, s)."""
-    if s is None or (isinstance(s, float) and math.isnan(s)):
-        return "-"
-    a = abs(s)
-    if a >= 1:
-        return f"{s:.3f} s"
-    if a >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    if a >= 1e-6:
-        return f"{s * 1e6:.1f} µs"
-    return f"{s * 1e9:.0f} ns"
 
 
 def fmt_pct(x: float) -> str:
