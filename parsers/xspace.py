@@ -245,53 +245,54 @@ class Plane:
         name_re = re.compile(names) if names else None
         req_meta = np.array(sorted(k for k, m in self.event_metadata.items() if any(r in m.stats for r in require)
                                    or (name_re is not None and name_re.match(m.name))), np.int64)
-        parts: dict[str, list[np.ndarray]] = {k: [] for k in ("mid", "start", "dur", "vals", "kinds", "line")}
+        # Each line is decoded into scratch arrays sized for the longest line (reused, so they stay in cache), and
+        # its kept rows are copied once into the output arrays, sized for every event but written (and so made
+        # resident) only as far as rows are kept.
+        total = sum(line.event_count for line in chosen)
+        cap = max((line.event_count for line in chosen), default=0)
+        mid, start, dur = np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.int64)
+        vals2, kinds2 = np.empty((ncol, total), np.int64), np.empty((ncol, total), np.int8)
+        line_idx = np.empty(total, np.int32)
+        s_mid, s_start, s_dur = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)
+        s_vals, s_kinds = np.zeros(ncol * cap, np.int64), np.zeros(ncol * cap, np.int8)
+        s_vals2, s_kinds2 = s_vals.reshape(ncol, cap), s_kinds.reshape(ncol, cap)
+        is_req_meta = _membership(req_meta)
+        n = 0
         for li, line in enumerate(chosen):
-            n = line.event_count
-            mid, start, dur = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-            vals, kinds = np.zeros(ncol * n, np.int64), np.zeros(ncol * n, np.int8)
             row = bad = 0
             for s, e in line._ranges:
                 try:
                     done, nbad = self._scan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
-                                                         mid, start, dur, vals, kinds)
+                                                         s_mid, s_start, s_dur, s_vals, s_kinds)
                 except ValueError as err:
                     raise FormatError(f"{self.source}: plane {self.name!r} line {line.name!r}: {err}; "
                                       "the file is corrupt or truncated - capture the profile again") from None
                 row += done
                 bad += nbad
                 self._release(s, e)
-            vals, kinds = vals.reshape(ncol, n), kinds.reshape(ncol, n)
+            l_mid, l_start = s_mid[:row], s_start[:row]
             keep = None
             if bad:
-                codes_, counts_ = np.unique(start[(start > AGGREGATE_START_PS) & (start <= AGGREGATE_START_PS + 3)],
-                                            return_counts=True)
+                codes_, counts_ = np.unique(l_start[(l_start > AGGREGATE_START_PS)
+                                                    & (l_start <= AGGREGATE_START_PS + 3)], return_counts=True)
                 self._dropped[self.lines.index(line)] = dict(zip(codes_.tolist(), counts_.tolist()))
-                keep = (start <= AGGREGATE_START_PS) | (start > AGGREGATE_START_PS + 3)
+                keep = (l_start <= AGGREGATE_START_PS) | (l_start > AGGREGATE_START_PS + 3)
             if require:
-                req = np.isin(mid, req_meta)
+                req = is_req_meta(l_mid)
                 for j in req_cols:
-                    req |= kinds[j] != 0
+                    req |= s_kinds2[j, :row] != 0
                 keep = req if keep is None else keep & req
-            if keep is not None:
-                mid, start, dur, vals, kinds = mid[keep], start[keep], dur[keep], vals[:, keep], kinds[:, keep]
-            parts["mid"].append(mid)
-            parts["start"].append(start)
-            parts["dur"].append(dur)
-            parts["vals"].append(vals)
-            parts["kinds"].append(kinds)
-            parts["line"].append(np.full(len(mid), li, np.int32))
-        def joined(key: str, empty: np.ndarray) -> np.ndarray:
-            chunks = parts.pop(key)
-            return np.concatenate(chunks, axis=-1) if chunks else empty
-
-        mid = joined("mid", np.zeros(0, np.int64))
-        start = joined("start", np.zeros(0, np.int64))
-        dur = joined("dur", np.zeros(0, np.int64))
-        line_idx = joined("line", np.zeros(0, np.int32))
-        vals2 = joined("vals", np.zeros((ncol, 0), np.int64))
-        kinds2 = joined("kinds", np.zeros((ncol, 0), np.int8))
-        n = len(mid)
+            if keep is None:
+                k = row
+                mid[n:n + k], start[n:n + k], dur[n:n + k] = l_mid, l_start, s_dur[:row]
+                vals2[:, n:n + k], kinds2[:, n:n + k] = s_vals2[:, :row], s_kinds2[:, :row]
+            else:
+                k = int(np.count_nonzero(keep))
+                mid[n:n + k], start[n:n + k], dur[n:n + k] = l_mid[keep], l_start[keep], s_dur[:row][keep]
+                vals2[:, n:n + k], kinds2[:, n:n + k] = s_vals2[:, :row][:, keep], s_kinds2[:, :row][:, keep]
+            line_idx[n:n + k] = li
+            n += k
+        mid, start, dur, line_idx, vals2, kinds2 = mid[:n], start[:n], dur[:n], line_idx[:n], vals2[:, :n], kinds2[:, :n]
         names = sorted({line.name for line in chosen})
         code_of = {nm: i for i, nm in enumerate(names)}
         line_codes = np.array([code_of[line.name] for line in chosen] or [0], dtype=np.int32)
@@ -346,13 +347,14 @@ class Plane:
             return pd.Series([int(big[i]) if k[i] == _KIND_UINT else (int(v[i]) if k[i] else None)
                               for i in range(len(v))], dtype=object)
         if numeric:
-            out = pd.array(v, dtype="Int64")
-            out[k == 0] = pd.NA
+            missing = k == 0
+            data = np.where(missing, 0, v)
             if has_meta:
                 fill = pd.array([x for x in meta_vals] + [None], dtype="Int64")
-                missing = (k == 0)
-                out[missing] = fill[np.where(codes[missing] >= 0, codes[missing], len(meta_vals))]
-            return pd.Series(out)
+                at = np.where(codes[missing] >= 0, codes[missing], len(meta_vals))
+                data[missing] = fill.to_numpy(np.int64, na_value=0)[at]
+                missing[missing] = fill.isna()[at]
+            return pd.Series(pd.arrays.IntegerArray(data, missing))
         if present and present <= {_KIND_INT, _KIND_UINT, _KIND_DOUBLE} and not has_meta:
             out = np.where(k == _KIND_UINT, v.view(np.uint64).astype(np.float64), v.astype(np.float64))
             out = np.where(k == _KIND_DOUBLE, v.view(np.float64), out)
@@ -395,6 +397,20 @@ class Plane:
         if kind == _KIND_ZSTR:
             return _gunzip_text(data, f"{self.source}: plane {self.name!r}: a compressed stat")
         return data
+
+
+def _membership(ids: np.ndarray) -> Any:
+    """A function telling, for an int64 array, which values are in the sorted array ``ids`` (a lookup table when
+    the ids are small non-negative integers, as XEventMetadata ids are; ``np.isin`` otherwise)."""
+    if len(ids) and 0 <= ids[0] and ids[-1] < (1 << 20):
+        table = np.zeros(int(ids[-1]) + 2, bool)
+        table[ids] = True
+        last = len(table) - 1  # False: every value outside the table lands here
+
+        def member(x: np.ndarray) -> np.ndarray:
+            return table[np.where((x >= 0) & (x < last), x, last)]
+        return member
+    return lambda x: np.isin(x, ids)
 
 
 def _categorical(codes: np.ndarray, categories: list[str]) -> pd.Categorical:

@@ -190,17 +190,25 @@ def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray
     has_run = events["run_id"].notna().to_numpy(bool)
     if not (grow & has_run).any():
         return out
-    start = events["start_ps"].to_numpy(np.int64)
-    d = pd.DataFrame({"h": events["host"].to_numpy(object), "d": events["device"].to_numpy(object),
-                      "m": events["module"].to_numpy(object),
-                      "p": events["program_id"].to_numpy(dtype="int64", na_value=-1),
-                      "r": events["run_id"].to_numpy(dtype="int64", na_value=0),
-                      "s": start, "e": start + events["duration_ps"].to_numpy(np.int64)})[has_run]
-    key = ["h", "d", "m", "p"]
-    ex = d.groupby([*key, "r"], sort=False).agg(s=("s", "min"), e=("e", "max")).reset_index()
-    ex = ex.sort_values([*key, "s"], kind="stable")
-    nxt = ex.groupby(key, sort=False)["s"].shift(-1, fill_value=NO_BOUND_PS).to_numpy(np.int64)
-    ex["bound"] = np.where(ex["e"].to_numpy(np.int64) <= nxt, nxt, NO_BOUND_PS)
-    g = d[grow[has_run]].reset_index().merge(ex[[*key, "r", "bound"]], on=[*key, "r"], how="left")
-    out[g["index"].to_numpy()] = g["bound"].to_numpy(np.int64)
+    rows = np.flatnonzero(has_run)
+    start = events["start_ps"].to_numpy(np.int64)[rows]
+    end = start + events["duration_ps"].to_numpy(np.int64)[rows]
+    program = group_codes([events[c].iloc[rows] for c in ("host", "device", "module")]
+                          + [events["program_id"].to_numpy(dtype="int64", na_value=-1)[rows]])
+    execution = group_codes([program, events["run_id"].to_numpy(dtype="int64", na_value=0)[rows]])
+    n_ex = int(execution.max()) + 1
+    ex_start = np.full(n_ex, NO_BOUND_PS, np.int64)
+    np.minimum.at(ex_start, execution, start)
+    ex_end = np.full(n_ex, np.iinfo(np.int64).min, np.int64)
+    np.maximum.at(ex_end, execution, end)
+    ex_program = np.zeros(n_ex, np.int64)
+    ex_program[execution] = program
+    # executions of a program by first op start (ties: in order of first appearance), each bounded by the next
+    order = np.lexsort((np.arange(n_ex), ex_start, ex_program))
+    nxt = np.full(n_ex, NO_BOUND_PS, np.int64)
+    same = ex_program[order[1:]] == ex_program[order[:-1]]
+    nxt[order[:-1][same]] = ex_start[order[1:][same]]
+    bound = np.where(ex_end <= nxt, nxt, NO_BOUND_PS)
+    sel = grow[rows]
+    out[rows[sel]] = bound[execution[sel]]
     return out
