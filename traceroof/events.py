@@ -219,23 +219,32 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
     events do not overlap) up to time ``q_t``."""
     wanted = np.unique(q_line)
     on = np.flatnonzero(np.isin(lines, wanted))
-    order = np.lexsort((start[on], lines[on]))
-    line, s, e = lines[on][order], start[on][order], end[on][order]
+    if not len(on):
+        return np.zeros(len(q_t), np.int64)
+    pos, s, e = np.searchsorted(wanted, lines[on]), start[on], end[on]
+    q_pos = np.searchsorted(wanted, q_line)
+    # (thread, time) as one sortable int64 key: thread position x width + time from the earliest, or (when that
+    # could overflow) + the time's rank among all times
+    lo = min(int(s.min()), int(q_t.min()))
+    width = max(int(s.max()), int(q_t.max())) - lo + 1
+    if width * len(wanted) < 2**62:
+        key, q_key = pos * width + (s - lo), q_pos * width + (q_t - lo)
+    else:
+        times, rank = np.unique(np.concatenate([s, q_t]), return_inverse=True)
+        width = len(times) + 1
+        key, q_key = pos * width + rank[:len(s)], q_pos * width + rank[len(s):]
+    order = np.argsort(key, kind="stable")
+    key, pos, s, e = key[order], pos[order], s[order], e[order]
     dur = e - s
     cum = np.cumsum(dur) - dur  # time before each event, from the thread's first event
-    first = np.flatnonzero(np.diff(line, prepend=line[0] - 1 if len(line) else 0))
-    cum -= np.repeat(cum[first], np.diff(np.append(first, len(line))))
-    # (thread, time) as one sortable key: thread index x (number of distinct times + 1) + time rank
-    times, rank = np.unique(np.concatenate([s, q_t]), return_inverse=True)
-    width = len(times) + 1
-    key = np.searchsorted(wanted, line) * width + rank[:len(s)]
-    q_key = np.searchsorted(wanted, q_line) * width + rank[len(s):]
+    first = np.flatnonzero(np.diff(pos, prepend=-1))
+    cum -= np.repeat(cum[first], np.diff(np.append(first, len(pos))))
     j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
     ok = j >= 0
-    ok[ok] = line[j[ok]] == q_line[ok]
+    ok[ok] = pos[j[ok]] == q_pos[ok]
     jj = np.maximum(j, 0)
-    part = np.clip(np.minimum(q_t, e[jj]) - s[jj], 0, None) if len(line) else np.zeros(len(q_t), np.int64)
-    return np.where(ok, cum[jj] + part, 0) if len(line) else np.zeros(len(q_t), np.int64)
+    part = np.clip(np.minimum(q_t, e[jj]) - s[jj], 0, None)
+    return np.where(ok, cum[jj] + part, 0)
 
 
 def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:

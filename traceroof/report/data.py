@@ -51,10 +51,10 @@ def table(a: Analysis, name: str) -> pd.DataFrame:
 
 def records(df: pd.DataFrame) -> list[dict[str, Any]]:
     """Rows of a table as JSON-ready dicts."""
-    out = []
-    for row in df.astype(object).itertuples(index=False):
-        out.append({c: clean_value(v) for c, v in zip(df.columns, row)})
-    return out
+    obj = df.astype(object).where(df.notna().to_numpy(), None)
+    for c in df.columns[(df.dtypes == object).to_numpy()]:  # cells that may hold containers or numpy scalars
+        obj[c] = [clean_value(v) for v in obj[c]]
+    return obj.to_dict("records")
 
 
 def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "collectives", "op-stats")) -> str:
