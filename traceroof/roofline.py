@@ -13,11 +13,15 @@ Opaque ops keep their measured time and get no expectation.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip
 from traceroof.codes import constant_categorical, first_rows, group_codes
+
+BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
 
 
 def _usable(figure: object) -> bool:
@@ -26,6 +30,29 @@ def _usable(figure: object) -> bool:
         return bool(np.isfinite(figure) and figure > 0)
     except TypeError:
         return False
+
+
+def _reads(col: pd.Series, test: Callable[[str], bool]) -> np.ndarray:
+    """Rows whose value as text (``col.astype(str)``) passes ``test`` (missing: never), testing a categorical's
+    categories once instead of every row."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        hit = np.array([test(c) for c in col.array.categories.astype(str)] + [False])  # code -1: missing
+        return hit[col.array.codes]
+    return np.array([isinstance(v, str) and test(v) for v in col.astype(str)], bool)
+
+
+def _precision_key(key: str) -> bool:
+    """A peak key set by an f32 dot's precision (TF32 / FP32 on NVIDIA, or a multi-pass ``bf16_x3`` ...)."""
+    return key in ("tf32", "fp32") or "_x" in key
+
+
+def _sorted_categorical(codes: np.ndarray, names: tuple[str, ...]) -> pd.Categorical:
+    """``names[codes]`` as ``pd.Categorical`` of those strings makes it (categories: the names present, in order),
+    without building the strings; ``names`` sorted."""
+    used = np.flatnonzero(np.bincount(codes, minlength=len(names)))
+    remap = np.zeros(len(names), np.int8)
+    remap[used] = np.arange(len(used))
+    return pd.Categorical.from_codes(remap[codes], categories=pd.Index([names[i] for i in used], dtype="str"))
 
 
 def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
@@ -40,8 +67,8 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
     and ``arithmetic_intensity_flops_per_byte`` to ``ops`` (in place: the op table is large; no copy) and returns it.
     """
     out = ops
-    parts = [pd.Categorical(out[c]) if c in out else constant_categorical("", len(out))
-             for c in ("category", "dtype", "dot_precision")]
+    parts = [(out[c].array if isinstance(out[c].dtype, pd.CategoricalDtype) else pd.Categorical(out[c])) if c in out
+             else constant_categorical("", len(out)) for c in ("category", "dtype", "dot_precision")]
     codes = group_codes(parts)  # peaks looked up once per distinct (category, dtype, precision)
     combos = [tuple(str(p.categories[p.codes[i]]) if p.codes[i] >= 0 else "nan" for p in parts)
               for i in first_rows(codes)]
@@ -52,31 +79,34 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
         peak_keys.append(key)
     peak = np.array(peaks, dtype=np.float64)[codes] if len(out) else np.zeros(0)
     out["peak_flops_per_s"] = peak
-    key_cat = pd.Categorical(peak_keys)
-    out["peak_key"] = pd.Categorical.from_codes(key_cat.codes[codes], categories=key_cat.categories) if len(out) \
-        else pd.Categorical([])
+    names = sorted(set(peak_keys))  # the categories pd.Categorical(peak_keys) would have
+    key_codes = np.array([names.index(k) for k in peak_keys], np.int64)
+    out["peak_key"] = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str")) \
+        if len(out) else pd.Categorical([])
     bw = chip.hbm_bandwidth_bytes_per_s if _usable(chip.hbm_bandwidth_bytes_per_s) else np.nan
     work = out["flops"].to_numpy(np.float64) + out["transcendentals"].to_numpy(np.float64)
+    hbm = out["hbm_bytes"].to_numpy(np.float64)
+    joined, opaque = out["joined"].to_numpy(bool), out["opaque"].to_numpy(bool)
     compute = np.where(work > 0, work / peak, 0.0)
-    memory = out["hbm_bytes"].to_numpy(np.float64) / bw
+    memory = hbm / bw
     comm = out["comm_s"].to_numpy(np.float64) if "comm_s" in out else np.zeros(len(out))
     comm = np.nan_to_num(comm)
-    known = out["joined"].to_numpy(bool) & ~out["opaque"].to_numpy(bool)
+    known = joined & ~opaque
     expected = np.where(known, np.maximum(np.maximum(compute, memory), comm), np.nan)
     out["compute_s"] = np.where(known, compute, np.nan)
     out["memory_s"] = np.where(known, memory, np.nan)
     out["communication_s"] = np.where(known, comm, np.nan)
     out["expected_s"] = expected
-    bound = np.where(compute >= memory, "compute", "memory")
+    bound = np.where(compute >= memory, BOUNDS.index("compute"), BOUNDS.index("memory"))
     latency = out["comm_latency_bound"].to_numpy(bool) if "comm_latency_bound" in out else np.zeros(len(out), bool)
-    bound = np.where((comm > compute) & (comm > memory), np.where(latency, "latency", "communication"), bound)
-    bound = np.where(out["opaque"].to_numpy(bool), "opaque", bound)
-    bound = np.where(out["joined"].to_numpy(bool), bound, "unknown")
-    out["bound"] = pd.Categorical(bound)
+    bound = np.where((comm > compute) & (comm > memory),
+                     np.where(latency, BOUNDS.index("latency"), BOUNDS.index("communication")), bound)
+    bound = np.where(opaque, BOUNDS.index("opaque"), bound)
+    bound = np.where(joined, bound, BOUNDS.index("unknown"))
+    out["bound"] = _sorted_categorical(bound, BOUNDS)
     measured = out["measured_s"].to_numpy(np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["efficiency"] = np.where(measured > 0, expected / measured, np.nan)
-        hbm = out["hbm_bytes"].to_numpy(np.float64)
         out["arithmetic_intensity_flops_per_byte"] = np.where(hbm > 0, work / hbm, np.nan)
     out["lost_s"] = measured - expected
     return out
@@ -85,12 +115,14 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
 def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") -> tuple[float | None, str]:
     """The peak the MFU divides by: that of the matmuls doing most FLOPs (their ``peak_key`` from
     :func:`apply_roofline`), else the chip's peak for ``default_dtype``."""
-    mm = ops[(ops["category"].astype(str) == "matmul") & ops["peak_flops_per_s"].notna()] \
-        if "peak_flops_per_s" in ops else ops.iloc[:0]
-    if len(mm) and mm["flops"].sum() > 0:
-        by_key = mm.groupby(mm["peak_key"].astype(str))["flops"].sum()
-        key = str(by_key.idxmax())
-        return float(mm.loc[mm["peak_key"].astype(str) == key, "peak_flops_per_s"].iloc[0]), key
+    if "peak_flops_per_s" in ops:
+        peak = ops["peak_flops_per_s"].to_numpy(np.float64)
+        mm = np.flatnonzero(_reads(ops["category"], lambda c: c == "matmul") & ~np.isnan(peak))
+        if len(mm) and np.nansum(ops["flops"].to_numpy(np.float64)[mm]) > 0:
+            flops, keys = ops["flops"].iloc[mm], ops["peak_key"].iloc[mm].astype(str)
+            distinct = {k for k in keys if isinstance(k, str)}  # one key: the most FLOPs without a groupby
+            key = distinct.pop() if len(distinct) == 1 else str(flops.groupby(keys).sum().idxmax())
+            return float(peak[mm][(keys == key).to_numpy(bool)][0]), key
     value, key = chip.peak_for(default_dtype)
     return (value if _usable(value) else None), key
 
@@ -100,13 +132,12 @@ def precision_notes(ops: pd.DataFrame, chip: Chip) -> list[str]:
     share of matmul FLOPs per key and the rule (XLA ``GetBlasComputationType``)."""
     if "dot_precision" not in ops or "peak_key" not in ops:
         return []
-    mm = ops[(ops["category"].astype(str) == "matmul") & (ops["dot_precision"].astype(str) != "")]
-    if mm.empty:
+    # matmuls with a precision request (a missing one counts as one, as astype(str) != "" has it) and its peak
+    mm = np.flatnonzero(_reads(ops["category"], lambda c: c == "matmul")
+                        & ~_reads(ops["dot_precision"], lambda p: p == "") & _reads(ops["peak_key"], _precision_key))
+    if not len(mm):
         return []
-    by_key = mm.groupby(mm["peak_key"].astype(str))["flops"].sum()
-    by_key = by_key[by_key.index.isin(["tf32", "fp32"]) | by_key.index.str.contains("_x")]
-    if by_key.empty:
-        return []
+    by_key = ops["flops"].iloc[mm].groupby(ops["peak_key"].iloc[mm].astype(str)).sum()
     total = by_key.sum()
     parts = ", ".join(f"{k} {v / total:.0%}" if total > 0 else k for k, v in by_key.sort_values(ascending=False).items())
     return [f"f32 matmuls judged against precision-specific peaks ({parts} of their FLOPs): on {chip.name} XLA runs "

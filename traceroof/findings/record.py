@@ -1,13 +1,19 @@
 """The finding record and what every rule reads (:class:`FindingInputs`), with the small helpers rules share:
-per-step sums, severity from the share of the step, the user's source lines of a set of ops."""
+per-step sums, severity from the share of the step, the user's source lines of a set of ops.
+
+Rules select op rows as positions in ``FindingInputs.counted`` (numpy int arrays) over its columns as numpy arrays
+(:class:`OpColumns`): selecting rows of the 54-column pandas table costs 50-300 us each time, a numpy mask about
+a microsecond, and a tiny analysis runs some twenty such selections."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from functools import cached_property
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import numpy as np
 import pandas as pd
 
 from traceroof.findings.hlo_graph import Programs
@@ -52,6 +58,51 @@ class Finding:
         return f"[{self.code}] {self.title}{lost}: {self.advice}"
 
 
+class OpColumns:
+    """The columns of an op table as numpy arrays, each converted on first use and kept for every rule.
+
+    ``num``: float64; ``flag``: bool; ``text``: each value as ``astype(str)`` writes it, None where missing (an
+    object array); ``value``: the values themselves (``tolist()``: NaN or <NA> where missing), for lookups and
+    messages. A column the table lacks raises KeyError, as the table would."""
+
+    def __init__(self, table: pd.DataFrame) -> None:
+        self.table = table
+        self._got: dict[tuple[str, str], Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.table
+
+    def _get(self, kind: str, name: str, convert: Callable[[pd.Series], Any]) -> Any:
+        if (kind, name) not in self._got:
+            self._got[kind, name] = convert(self.table[name])
+        return self._got[kind, name]
+
+    def num(self, name: str) -> np.ndarray:
+        return self._get("num", name, lambda s: s.to_numpy(np.float64))
+
+    def flag(self, name: str) -> np.ndarray:
+        return self._get("flag", name, lambda s: s.to_numpy(bool))
+
+    def text(self, name: str) -> np.ndarray:
+        return self._get("text", name, _text)
+
+    def value(self, name: str) -> list[Any]:
+        return self._get("value", name, lambda s: s.tolist())
+
+    def isin(self, name: str, values: Sequence[str]) -> np.ndarray:
+        """Rows whose ``text`` is one of ``values`` (missing: never)."""
+        t = self.text(name)
+        return np.fromiter((v in values for v in t), bool, len(t))
+
+
+def _text(col: pd.Series) -> np.ndarray:
+    """``col.astype(str)`` as an object array, None where missing; a categorical's categories converted once."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = np.append(np.asarray(col.array.categories.astype(str), dtype=object), None)  # code -1: missing
+        return names[col.array.codes]
+    return col.astype(str).to_numpy(object, na_value=None)
+
+
 @dataclass(frozen=True, eq=False)
 class FindingInputs:
     """What rules read. ``analysis``: the analysis without findings (summary, layers, collectives,
@@ -74,6 +125,17 @@ class FindingInputs:
     def programs(self) -> Programs:
         """The HLO modules, indexed on first use."""
         return Programs(self.modules)
+
+    @cached_property
+    def cols(self) -> OpColumns:
+        """``counted``'s columns as numpy arrays: what rules filter and sum."""
+        return OpColumns(self.counted)
+
+    @cached_property
+    def matmuls(self) -> np.ndarray:
+        """Positions in ``counted`` of the matmuls that joined their HLO and ran: what the matrix rules judge."""
+        c = self.cols
+        return np.flatnonzero((c.text("category") == "matmul") & c.flag("joined") & (c.num("measured_s") > 0))
 
     @property
     def per(self) -> float:
@@ -101,7 +163,7 @@ def step_time_s(analysis: Analysis) -> float:
     about host time must not exceed 100 % of the step. NaN when unknown."""
     b = getattr(analysis, "step_breakdown", None)
     if isinstance(b, pd.DataFrame) and len(b) and "step_time_s" in b:
-        mean = float(b["step_time_s"].mean())
+        mean = mean_of(b["step_time_s"])
         if math.isfinite(mean) and mean > 0:
             return mean
     return float(analysis.summary.step_time_mean_s)
@@ -128,46 +190,80 @@ def fmt_bytes(b: float) -> str:
     return fmt_si(b, "B")
 
 
-def ops_by_time(rows: pd.DataFrame, limit: int = MAX_OPS) -> tuple[str, ...]:
-    """HLO op names of ``rows`` (per-op sums), most measured time first."""
-    if rows.empty:
-        return ()
-    t = rows.groupby(rows["hlo_op"].astype(str), observed=True)["measured_s"].sum().sort_values(
-        ascending=False, kind="stable")
-    return tuple(t.index[:limit])
+def total(values: np.ndarray) -> float:
+    """The sum of ``values`` with NaN left out (0 for none), as pandas' ``Series.sum`` adds them."""
+    return float(np.nansum(values))
 
 
-def source_lines(rows: pd.DataFrame, programs: Programs | None = None, limit: int = MAX_SOURCE_LINES
-                 ) -> tuple[str, ...]:
-    """``file:line`` of the user's code behind ``rows``, most time first: the innermost stack frame outside
-    installed packages (:meth:`ModuleIndex.user_line`) where the HLO is at hand, else the rows' ``source``."""
-    if rows.empty:
+def mean_of(col: pd.Series) -> float:
+    """``col.mean()`` of a numeric column, in numpy: the sum with NaN left out over the count of the others (NaN
+    when none), as pandas computes it."""
+    v = col.to_numpy(np.float64)
+    n = np.count_nonzero(~np.isnan(v))
+    return float(np.nansum(v) / n) if n else float("nan")
+
+
+def descending(values: np.ndarray) -> np.ndarray:
+    """Positions of ``values``, largest first and NaN last, in the order pandas' ``sort_values(ascending=False)``
+    puts them (its ``nargsort``: numpy's default sort of the reversed non-NaN values, reversed back)."""
+    nan = np.isnan(values)
+    idx = np.flatnonzero(~nan)[::-1]
+    return np.concatenate([idx[values[idx].argsort()][::-1], np.flatnonzero(nan)])
+
+
+def ranked(keys: Sequence[str | None], weights: np.ndarray, limit: int) -> tuple[str, ...]:
+    """The distinct ``keys`` (None: missing, left out) by the sum of their ``weights``, largest first (NaN adds
+    nothing; ties in key order), at most ``limit``: the ranking ``Series(weights).groupby(keys).sum()
+    .sort_values(ascending=False, kind="stable")`` gives. Plain sums while no key has more than two rows (pandas'
+    compensated group sum is the plain sum then), pandas itself otherwise."""
+    counts = Counter(k for k in keys if k is not None)
+    if counts and max(counts.values()) > 2:
+        t = pd.Series(weights).groupby(pd.Series(list(keys), dtype=object)).sum()
+        return tuple(t.sort_values(ascending=False, kind="stable").index[:limit])
+    sums: dict[str, float] = {}
+    for k, w in zip(keys, weights):
+        if k is not None:
+            sums[k] = sums.get(k, 0.0) + (w if w == w else 0.0)
+    order = sorted(sorted(sums), key=lambda k: (sums[k] != sums[k], -sums[k]))
+    return tuple(order[:limit])
+
+
+def ops_by_time(x: FindingInputs, rows: np.ndarray, limit: int = MAX_OPS) -> tuple[str, ...]:
+    """HLO op names of ``rows`` (positions in ``x.counted``, per-op sums), most measured time first."""
+    if not len(rows):
         return ()
-    src = rows["source"].astype(str) if "source" in rows else pd.Series("", index=rows.index)
-    if programs is not None and {"module", "program_id"} <= set(rows.columns):
-        lines = []
-        ident = rows[["module", "program_id", "hlo_op"]].itertuples(index=False)  # 3 columns: itertuples is slow
-        for r, fallback in zip(ident, src):                                      # on the op table's ~60
-            got = programs.instruction(r.module, r.program_id, r.hlo_op)
-            lines.append((got[0].user_line(got[1]) if got else "") or fallback)
-        src = pd.Series(lines, index=rows.index, dtype=object)
-    keep = src.str.len() > 0
-    if not keep.any():
+    return ranked(x.cols.text("hlo_op")[rows], x.cols.num("measured_s")[rows], limit)
+
+
+def source_lines(x: FindingInputs, rows: np.ndarray, limit: int = MAX_SOURCE_LINES) -> tuple[str, ...]:
+    """``file:line`` of the user's code behind ``rows`` (positions in ``x.counted``), most time first: the
+    innermost stack frame outside installed packages (:meth:`ModuleIndex.user_line`) where the HLO is at hand,
+    else the rows' ``source``."""
+    if not len(rows):
         return ()
-    t = rows.loc[keep, "measured_s"].groupby(src[keep]).sum().sort_values(ascending=False, kind="stable")
-    return tuple(t.index[:limit])
+    c = x.cols
+    src = list(c.text("source")[rows]) if "source" in c else [""] * len(rows)
+    if x.modules and "module" in c and "program_id" in c:
+        module, program, op = c.value("module"), c.value("program_id"), c.value("hlo_op")
+        for n, i in enumerate(rows):
+            got = x.programs.instruction(module[i], program[i], op[i])
+            src[n] = (got[0].user_line(got[1]) if got else "") or src[n]
+    keep = [n for n, s in enumerate(src) if s]
+    if not keep:
+        return ()
+    return ranked([src[n] for n in keep], c.num("measured_s")[rows[keep]], limit)
 
 
 def make(x: FindingInputs, code: str, title: str, lost_s: float, advice: str, source: str,
-         evidence: list[str] | tuple[str, ...] = (), rows: pd.DataFrame | None = None,
+         evidence: list[str] | tuple[str, ...] = (), rows: np.ndarray | None = None,
          ops: tuple[str, ...] | None = None, level: str | None = None) -> Finding:
     """A finding whose severity follows from ``lost_s`` and the step time (or ``level``), with the ops and
-    source lines of ``rows`` (per-op sums) unless ``ops`` is given."""
-    rows = rows if rows is not None else x.counted.iloc[:0]
+    source lines of ``rows`` (positions in ``x.counted``) unless ``ops`` is given."""
+    rows = np.zeros(0, np.int64) if rows is None else np.asarray(rows, np.int64)
     return Finding(code=code, severity=level or severity(lost_s, x.step_s), title=title,
                    lost_per_step_s=float(lost_s), advice=advice, source=source,
-                   evidence=tuple(e for e in evidence if e), ops=ops if ops is not None else ops_by_time(rows),
-                   source_lines=source_lines(rows, x.programs if x.modules else None))
+                   evidence=tuple(e for e in evidence if e), ops=ops if ops is not None else ops_by_time(x, rows),
+                   source_lines=source_lines(x, rows))
 
 
 def as_record(f: Finding) -> dict[str, Any]:

@@ -5,13 +5,15 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pandas as pd
 
 from parsers.hlo import ELEMENT_BITS
 from traceroof.findings.hlo_graph import is_narrow, dot_dims
-from traceroof.findings.record import BOOK, Finding, FindingInputs, fmt_bytes, fmt_s, make, share
+from traceroof.findings.record import (BOOK, Finding, FindingInputs, descending, fmt_bytes, fmt_s, make, share,
+                                       total)
 from traceroof.utilization import FASTER_THAN_ROOF_RATIO
 
 UPCAST_SOURCE = (f"{BOOK} §2 (the MXU multiplies bf16 inputs and accumulates in f32) and §1 (peak FLOP/s per "
@@ -23,6 +25,7 @@ SMALL_SOURCE = (f"{BOOK} §1 (arithmetic intensity against the ridge point; a ma
                 "batch rows when those are much smaller than its other dims)")
 OPAQUE_SOURCE = "traceroof cost model (docs/reference/cost-model.md): custom-calls carry no FLOP or byte count"
 ROOF_SOURCE = f"{BOOK} §1 (roofline: time >= max(FLOPs/peak, bytes/bandwidth))"
+ASYNC_OPCODE = re.compile(r"-start$|-done$|^async")  # the halves of async pairs: their windows are not work
 
 MXU_WASTE_MIN = 0.10  # an op wasting this share of its MXU work on padding is named
 SMALL_MATMUL_SHARE_MIN = 0.01  # small-matmul fires when those matmuls take this share of the step
@@ -34,21 +37,18 @@ def _pad(n: int, tile: int) -> int:
     return -(-n // tile) * tile
 
 
-def _matmuls(x: FindingInputs) -> pd.DataFrame:
-    c = x.counted
-    return c[(c["category"].astype(str) == "matmul") & c["joined"] & (c["measured_s"] > 0)]
-
-
 def dtype_upcast(x: FindingInputs) -> list[Finding]:
     """Matmuls whose operands arrive in a narrow float (bf16, f16, fp8) and are converted up to f32 for the dot
     (``convert -> dot``; XLA:CPU does it for every bf16 dot). Lost: the converts' time, plus the matmuls' time
     x (1 - f32 peak / narrow peak) where the chip has a faster narrow peak."""
-    mm = _matmuls(x)
-    if mm.empty or not x.modules:
+    mm = x.matmuls
+    if not len(mm) or not x.modules:
         return []
+    c = x.cols
+    module, program, op, operands = (c.value(k) for k in ("module", "program_id", "hlo_op", "operand_shapes"))
     hits, converters, narrow, shapes = [], set(), set(), []
-    for i, r in zip(mm.index, mm[["module", "program_id", "hlo_op", "operand_shapes"]].itertuples(index=False)):
-        got = x.programs.instruction(r.module, r.program_id, r.hlo_op)
+    for i in mm:
+        got = x.programs.instruction(module[i], program[i], op[i])
         dot = got[0].dot_of(got[1]) if got else None
         lhs = got[0].operand_shape(dot, 0) if dot is not None and dot.operands else None
         if dot is None or lhs is None or is_narrow(lhs.element_type):
@@ -58,19 +58,20 @@ def dtype_upcast(x: FindingInputs) -> list[Finding]:
         if types:
             hits.append(i)
             narrow |= types
-            converters |= {(str(r.module), o) for o in outside}
+            converters |= {(str(module[i]), o) for o in outside}
             if len(shapes) < 3:
-                shapes.append(f"{r.hlo_op}: {'/'.join(sorted(types))} operands computed as {r.operand_shapes}")
+                shapes.append(f"{op[i]}: {'/'.join(sorted(types))} operands computed as {operands[i]}")
     if not hits:
         return []
-    rows = mm.loc[hits]
-    c = x.counted
-    conv = c[[(str(m), str(o)) in converters for m, o in zip(c["module"], c["hlo_op"])]]
-    conv_s = float(conv["measured_s"].sum()) / x.per
-    mm_s = float(rows["measured_s"].sum()) / x.per
+    rows = np.array(hits)
+    conv = np.flatnonzero([(str(m), str(o)) in converters for m, o in zip(module, op)])
+    measured = c.num("measured_s")
+    conv_s = total(measured[conv]) / x.per
+    mm_s = total(measured[rows]) / x.per
     kind = sorted(narrow)[0]
     fast = x.chip.peak_for(kind)[0] if x.chip is not None else None
-    slow = float(np.nanmax(rows["peak_flops_per_s"])) if rows["peak_flops_per_s"].notna().any() else float("nan")
+    peaks = c.num("peak_flops_per_s")[rows]
+    slow = float(np.nanmax(peaks)) if (~np.isnan(peaks)).any() else float("nan")
     gain = 1 - slow / fast if fast and slow > 0 and fast > slow else 0.0
     lost = conv_s + mm_s * gain
     # XLA:CPU converts bf16 dots itself: the profile's backend, whatever chip it is projected onto
@@ -88,7 +89,7 @@ def dtype_upcast(x: FindingInputs) -> list[Finding]:
                   f"inputs with .astype(jnp.float32); check the mixed-precision policy (e.g. a module's dtype/"
                   f"param_dtype) that casts {kind} weights up before the matmul")
     title = f"{len(rows)} matmul(s) taking {fmt_s(mm_s)} per step convert {kind} inputs up to f32 before the dot"
-    return [make(x, "dtype-upcast", title, lost, advice, UPCAST_SOURCE, evidence, pd.concat([rows, conv]))]
+    return [make(x, "dtype-upcast", title, lost, advice, UPCAST_SOURCE, evidence, np.concatenate([rows, conv]))]
 
 
 def _mxu_tiles(x: FindingInputs, dtype: str) -> tuple[int, int] | None:
@@ -108,14 +109,16 @@ def mxu_alignment(x: FindingInputs) -> list[Finding]:
     """Dots whose M, K or N are not multiples of the matrix unit's tile: the padded part of each tile is
     computed and discarded. Lost: the wasted share of the op's compute time at peak (``compute_s`` x
     waste / (1 - waste)), at most its measured time."""
-    mm = _matmuls(x)
-    if mm.empty or not x.modules or x.chip is None or x.chip.kind not in MXU_SOURCE:
+    mm = x.matmuls
+    if not len(mm) or not x.modules or x.chip is None or x.chip.kind not in MXU_SOURCE:
         return []
     hits, lost, wasted_flops, evidence = [], 0.0, 0.0, []
-    cols = ["module", "program_id", "hlo_op", "dtype", "compute_s", "measured_s", "flops"]
-    for i, r in zip(mm.index, mm[cols].itertuples(index=False)):
-        tiles = _mxu_tiles(x, str(r.dtype))
-        got = x.programs.instruction(r.module, r.program_id, r.hlo_op)
+    c = x.cols
+    module, program, op, dtype = (c.value(k) for k in ("module", "program_id", "hlo_op", "dtype"))
+    compute_s, measured, flops = c.num("compute_s"), c.num("measured_s"), c.num("flops")
+    for i in mm:
+        tiles = _mxu_tiles(x, str(dtype[i]))
+        got = x.programs.instruction(module[i], program[i], op[i])
         dot = got[0].dot_of(got[1]) if got else None
         dims = dot_dims(got[0], dot) if dot is not None and tiles else None
         if not dims or min(dims) <= 0:
@@ -126,11 +129,11 @@ def mxu_alignment(x: FindingInputs) -> list[Finding]:
         if waste < MXU_WASTE_MIN:
             continue
         hits.append(i)
-        compute = float(r.compute_s) if np.isfinite(r.compute_s) else 0.0
-        lost += min(compute * waste / (1 - waste), float(r.measured_s)) / x.per
-        wasted_flops += float(r.flops) * waste / (1 - waste) / x.per
+        compute = float(compute_s[i]) if np.isfinite(compute_s[i]) else 0.0
+        lost += min(compute * waste / (1 - waste), float(measured[i])) / x.per
+        wasted_flops += float(flops[i]) * waste / (1 - waste) / x.per
         if len(evidence) < 4:
-            evidence.append(f"{r.hlo_op}: M x K x N = {m} x {k} x {n} computed as {padded[0]} x {padded[1]} x "
+            evidence.append(f"{op[i]}: M x K x N = {m} x {k} x {n} computed as {padded[0]} x {padded[1]} x "
                             f"{padded[2]} ({waste:.0%} of the work is padding)")
     if not hits:
         return []
@@ -141,29 +144,31 @@ def mxu_alignment(x: FindingInputs) -> list[Finding]:
               "FFN, head and vocabulary sizes; e.g. 100 -> 128), or pad the weights; the batch rows in multiples of "
               f"{TPU_ROW_TILE if tile else 'the tile'}")
     title = f"{len(hits)} matmul(s) have dims that do not fill the {unit} of {x.chip.name}"
-    return [make(x, "mxu-alignment", title, lost, advice, MXU_SOURCE[x.chip.kind], evidence, mm.loc[hits])]
+    return [make(x, "mxu-alignment", title, lost, advice, MXU_SOURCE[x.chip.kind], evidence, np.array(hits))]
 
 
 def small_matmul(x: FindingInputs) -> list[Finding]:
     """Memory-bound matmuls: arithmetic intensity under the chip's ridge point (peak ÷ HBM bandwidth), named when
     they take ``SMALL_MATMUL_SHARE_MIN`` of the step. Lost: their memory time above their compute floor (what
     batching them up to the ridge would save), at most their measured time."""
-    mm = _matmuls(x)
+    mm = x.matmuls
     bw = x.chip.hbm_bandwidth_bytes_per_s if x.chip is not None else None
-    if mm.empty or not bw:
+    if not len(mm) or not bw:
         return []
-    ridge = mm["peak_flops_per_s"] / bw
-    low = mm[(mm["arithmetic_intensity_flops_per_byte"] < ridge) & (mm["bound"].astype(str) == "memory")]
-    if low.empty:
+    c = x.cols
+    peak, intensity = c.num("peak_flops_per_s"), c.num("arithmetic_intensity_flops_per_byte")
+    low = mm[(intensity[mm] < peak[mm] / bw) & (c.text("bound")[mm] == "memory")]
+    if not len(low):
         return []
-    over = np.minimum(low["measured_s"], low["memory_s"]) - low["compute_s"]
-    lost = float(over.clip(lower=0).sum()) / x.per
-    t = float(low["measured_s"].sum()) / x.per
+    measured = c.num("measured_s")[low]
+    over = np.minimum(measured, c.num("memory_s")[low]) - c.num("compute_s")[low]
+    lost = total(np.where(over < 0, 0.0, over)) / x.per
+    t = total(measured) / x.per
     if not x.step_s > 0 or t < SMALL_MATMUL_SHARE_MIN * x.step_s:
         return []
-    worst = low.assign(_o=over).sort_values("_o", ascending=False).head(3)
-    evidence = [f"{r.hlo_op}: {r.arithmetic_intensity_flops_per_byte:.3g} FLOP/B under the ridge "
-                f"{r.peak_flops_per_s / bw:.3g} FLOP/B ({r.operand_shapes})" for r in worst.itertuples(index=False)]
+    op, operands = c.value("hlo_op"), c.value("operand_shapes")
+    evidence = [f"{op[i]}: {intensity[i]:.3g} FLOP/B under the ridge {peak[i] / bw:.3g} FLOP/B ({operands[i]})"
+                for i in low[descending(over)[:3]]]
     advice = ("raise the rows each matmul sees (a larger batch per device, or several small matmuls that share "
               "an operand stacked into one: one einsum for Q/K/V, jax.vmap over heads or experts instead of a "
               "Python loop); otherwise fuse the small product into its neighbours")
@@ -174,15 +179,18 @@ def small_matmul(x: FindingInputs) -> list[Finding]:
 
 def opaque_custom_call(x: FindingInputs) -> list[Finding]:
     """Time in custom-calls traceroof has no cost model for: measured only (no lost time can be put on it)."""
-    c = x.counted
-    opaque = c[c["opaque"] & (c["measured_s"] > 0)] if "opaque" in c else c.iloc[:0]
-    if opaque.empty:
+    c = x.cols
+    if "opaque" not in c:
         return []
-    t = float(opaque["measured_s"].sum()) / x.per
+    opaque = np.flatnonzero(c.flag("opaque") & (c.num("measured_s") > 0))
+    if not len(opaque):
+        return []
+    t = total(c.num("measured_s")[opaque]) / x.per
     title = f"{fmt_s(t)} per step in opaque custom-calls ({share(t, x.step_s)}): measured, no expectation"
     advice = ("check these kernels against their own figures (library benchmarks; a Pallas kernel's "
               "pl.CostEstimate); where a plain jnp/lax expression exists, compare it: XLA can cost and fuse that")
-    targets = sorted({str(s) for s in opaque["shape"].astype(str)})[:3]
+    shape = c.value("shape")
+    targets = sorted({str(shape[i]) for i in opaque})[:3]
     return [make(x, "opaque-custom-call", title, float("nan"), advice, OPAQUE_SOURCE,
                  [f"{len(opaque)} op(s); output shapes {', '.join(targets)}"], opaque)]
 
@@ -190,14 +198,16 @@ def opaque_custom_call(x: FindingInputs) -> list[Finding]:
 def faster_than_roofline(x: FindingInputs) -> list[Finding]:
     """Ops measured more than ``FASTER_THAN_ROOF_RATIO`` x faster than their roofline (async windows excepted):
     the chip figures or the cost model overstate their work, so their lost time reads negative."""
-    c = x.counted
-    is_async = c["opcode"].astype(str).str.contains(r"-start$|-done$|^async", regex=True) | \
-        c["hlo_op"].astype(str).str.startswith("async")
-    joined = c[c["joined"] & c["expected_s"].notna() & ~is_async]
-    fast = joined[joined["expected_s"] > FASTER_THAN_ROOF_RATIO * joined["measured_s"]]
-    if fast.empty:
+    c = x.cols
+    is_async = np.array([o is not None and ASYNC_OPCODE.search(o) is not None for o in c.text("opcode")], bool) | \
+        np.array([n is not None and n.startswith("async") for n in c.text("hlo_op")], bool)
+    expected, measured = c.num("expected_s"), c.num("measured_s")
+    fast = np.flatnonzero(c.flag("joined") & ~np.isnan(expected) & ~is_async
+                          & (expected > FASTER_THAN_ROOF_RATIO * measured))
+    if not len(fast):
         return []
-    per_exec = fast["hbm_bytes"] / fast["executions"].clip(lower=1)
+    executions = c.num("executions")[fast]
+    per_exec = pd.Series(c.num("hbm_bytes")[fast] / np.where(executions < 1, 1.0, executions))
     if x.chip is not None and x.chip.kind == "cpu":
         why = (f"their bytes per run (median {fmt_bytes(float(per_exec.median()))}) come from CPU caches, "
                "faster than the calibrated DRAM roof")

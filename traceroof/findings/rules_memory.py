@@ -8,11 +8,12 @@ copies that only change the layout ("retiling") move bytes for no math (§9.2.2 
 
 from __future__ import annotations
 
-import pandas as pd
+import numpy as np
 
 from parsers.hlo import Instruction, is_retiling
 from traceroof.findings.hlo_graph import LAYOUT_ONLY, ModuleIndex
-from traceroof.findings.record import BOOK, MAX_OPS, Finding, FindingInputs, fmt_bytes, fmt_s, make
+from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, descending, fmt_bytes, fmt_s, make,
+                                       total)
 
 PADDING_SOURCE = f"{BOOK} §9.2.2 (tiled layouts); docs/reference/hlo-text.md §6.2 (TPU tile padding)"
 LAYOUT_SOURCE = (f"{BOOK} §9.2.2 (layouts and retiling copies); XProf static HLO detectors (layout-changing "
@@ -39,6 +40,9 @@ def tile_padding(x: FindingInputs) -> list[Finding]:
     c = x.counted
     if "padded_bytes" not in c or c.empty:
         return []
+    logical, padded = x.cols.num("logical_bytes"), x.cols.num("padded_bytes")
+    if not (padded[logical > 0] > logical[logical > 0]).any():  # no row padded: no op over the threshold
+        return []
     d = c[c["logical_bytes"] > 0]
     g = d.groupby(["module", "hlo_op"], observed=True)[["padded_bytes", "logical_bytes", "measured_s"]].sum()
     inflated = g[g["padded_bytes"] > (1 + PADDING_THRESHOLD) * g["logical_bytes"]]
@@ -48,7 +52,7 @@ def tile_padding(x: FindingInputs) -> list[Finding]:
     lost = float((extra / _bandwidth(x)).clip(upper=inflated["measured_s"]).sum()) / x.per
     worst = [f"{op}: +{inflated.loc[(m, op), 'padded_bytes'] / inflated.loc[(m, op), 'logical_bytes'] - 1:.0%} bytes"
              for m, op in extra.index[:3]]
-    rows = d[d["hlo_op"].astype(str).isin({str(op) for _, op in inflated.index})]
+    rows = np.flatnonzero((logical > 0) & x.cols.isin("hlo_op", {str(op) for _, op in inflated.index}))
     title = (f"{len(inflated)} op(s) move over {PADDING_THRESHOLD:.0%} more bytes because of tile padding "
              f"({fmt_bytes(extra.sum() / x.per)} extra per step)")
     advice = "pad or reshape those dims to tile multiples (8 x 128; 256 on v6e), or fold small dims into larger ones"
@@ -73,21 +77,26 @@ def _layout_only(ix: ModuleIndex, inst: Instruction) -> bool:
 
 def layout_copy(x: FindingInputs) -> list[Finding]:
     """Transposes and copies that only change a layout (no math). Lost: their whole time."""
-    c = x.counted[x.counted["joined"] & (x.counted["measured_s"] > 0)]
-    keep = c["retiling"].to_numpy(bool).copy() if "retiling" in c else pd.Series(False, index=c.index).to_numpy()
-    for n, r in enumerate(c[["category", "module", "program_id", "hlo_op", "opcode"]].itertuples(index=False)):
-        if not keep[n] and str(r.category) == "data movement":
-            got = x.programs.instruction(r.module, r.program_id, r.hlo_op)
-            keep[n] = _layout_only(*got) if got else str(r.opcode) == "transpose"
-    rows = c[keep]
-    lost = float(rows["measured_s"].sum()) / x.per
-    if rows.empty or not (lost >= LAYOUT_SHARE_MIN * x.step_s):
+    c = x.cols
+    measured = c.num("measured_s")
+    run = np.flatnonzero(c.flag("joined") & (measured > 0))
+    keep = c.flag("retiling")[run] if "retiling" in c else np.zeros(len(run), bool)  # a copy
+    moves = c.text("category")[run] == "data movement"
+    module, program, op, opcode = (c.value(k) for k in ("module", "program_id", "hlo_op", "opcode"))
+    for n in np.flatnonzero(moves & ~keep):
+        i = run[n]
+        got = x.programs.instruction(module[i], program[i], op[i])
+        keep[n] = _layout_only(*got) if got else str(opcode[i]) == "transpose"
+    rows = run[keep]
+    lost = total(measured[rows]) / x.per
+    if not len(rows) or not (lost >= LAYOUT_SHARE_MIN * x.step_s):
         return []
-    retiling = int(rows["retiling"].sum()) if "retiling" in rows else 0
-    title = (f"{rows['hlo_op'].nunique()} transpose/copy op(s) only change layouts"
+    retiling = int(c.flag("retiling")[rows].sum()) if "retiling" in c else 0
+    names = {n for n in c.text("hlo_op")[rows] if n is not None}
+    title = (f"{len(names)} transpose/copy op(s) only change layouts"
              + (f" ({retiling} retiling copies)" if retiling else ""))
-    evidence = [f"{r.hlo_op}: {r.operand_shapes} -> {r.shape}" for r in
-                rows.sort_values("measured_s", ascending=False).head(3).itertuples(index=False)]
+    operands, shape = c.value("operand_shapes"), c.value("shape")
+    evidence = [f"{op[i]}: {operands[i]} -> {shape[i]}" for i in rows[descending(measured[rows])[:3]]]
     advice = ("order einsum/reshape dims the way the next op reads them (e.g. keep the heads axis where the "
               "attention matmul wants it instead of transposing q/k/v), and let jit pick argument layouts "
               "(jax.jit(..., in_shardings/out_shardings with Layout AUTO)) so XLA can drop the copies")
@@ -99,12 +108,14 @@ def memory_bound_chain(x: FindingInputs) -> list[Finding]:
     XLA left them unfused, so the intermediate goes to memory and back. Lost per edge: 2 x the intermediate's
     bytes at HBM bandwidth, at most the producer's time."""
     bw = _bandwidth(x)
-    c = x.counted
-    cand = c[c["joined"] & (c["bound"].astype(str) == "memory") & (c["measured_s"] > 0)
-             & c["category"].astype(str).isin(MEMORY_BOUND_CATEGORIES)]
-    if cand.empty or not x.modules or not bw == bw:
+    c = x.cols
+    cand = np.flatnonzero(c.flag("joined") & (c.text("bound") == "memory") & (c.num("measured_s") > 0)
+                          & c.isin("category", MEMORY_BOUND_CATEGORIES))
+    if not len(cand) or not x.modules or not bw == bw:
         return []
-    by_name = {(str(m), str(op)): n for n, (m, op) in enumerate(zip(cand["module"], cand["hlo_op"]))}
+    module, program, op, start = (c.value(k) for k in ("module", "program_id", "hlo_op", "start_ps"))
+    executions, measured = c.num("executions"), c.num("measured_s")
+    by_name = {(str(module[i]), str(op[i])): n for n, i in enumerate(cand)}
     parent = list(range(len(cand)))
 
     def root(i: int) -> int:
@@ -114,18 +125,18 @@ def memory_bound_chain(x: FindingInputs) -> list[Finding]:
         return i
 
     edge_lost = [0.0] * len(cand)
-    for (module, name), n in by_name.items():
-        r = cand.iloc[n]
-        got = x.programs.instruction(r["module"], r["program_id"], name)
+    for (mod, name), n in by_name.items():
+        i = cand[n]
+        got = x.programs.instruction(module[i], program[i], name)
         if got is None or _layout_only(*got):  # layout-only copies are layout-copy's
             continue
         ix, inst = got
         users = ix.users(ix.computation_of(name)).get(name, [])
-        if len(users) != 1 or (module, users[0].name) not in by_name or _layout_only(ix, users[0]):
+        if len(users) != 1 or (mod, users[0].name) not in by_name or _layout_only(ix, users[0]):
             continue
-        parent[root(n)] = root(by_name[(module, users[0].name)])
+        parent[root(n)] = root(by_name[(mod, users[0].name)])
         bytes_out = sum(s.byte_size() for s in inst.shape.leaves())
-        edge_lost[n] = min(2 * bytes_out * float(r["executions"]) / bw, float(r["measured_s"])) / x.per
+        edge_lost[n] = min(2 * bytes_out * float(executions[i]) / bw, float(measured[i])) / x.per
     groups: dict[int, list[int]] = {}
     for n in range(len(cand)):
         groups.setdefault(root(n), []).append(n)
@@ -135,7 +146,7 @@ def memory_bound_chain(x: FindingInputs) -> list[Finding]:
         return []
     evidence, shown = [], []
     for g in chains[:3]:
-        names = cand.iloc[sorted(g, key=lambda i: int(cand.iloc[i]["start_ps"]))]["hlo_op"].astype(str).tolist()
+        names = [str(op[cand[n]]) for n in sorted(g, key=lambda n: int(start[cand[n]]))]
         shown += g
         evidence.append(f"{' -> '.join(names[:5])}{' ...' if len(names) > 5 else ''} ({len(names)} ops, "
                         f"{fmt_s(sum(edge_lost[i] for i in g))} per step in round trips)")
@@ -144,29 +155,30 @@ def memory_bound_chain(x: FindingInputs) -> list[Finding]:
     advice = ("let XLA fuse each chain: keep it inside one jit with no reshape/transpose, sharding constraint or "
               "custom call between the steps, or write it as one kernel (Pallas on TPU/GPU); XLA:CPU fuses less "
               "than the accelerators, so confirm on the target")
-    rows = cand.iloc[sorted({i for g in chains for i in g})]
+    rows = cand[sorted({i for g in chains for i in g})]
     return [make(x, "memory-bound-chain", title, lost, advice, CHAIN_SOURCE, evidence, rows,
-                 ops=tuple(cand.iloc[shown]["hlo_op"].astype(str))[:MAX_OPS])]
+                 ops=tuple(str(op[cand[n]]) for n in shown)[:MAX_OPS])]
 
 
 def remat_cost(x: FindingInputs) -> list[Finding]:
     """The forward recomputed in the backward pass (phase ``remat``; XProf's remat flag): its share of the step,
     and the activations that keeping instead of recomputing would hold (the recomputed ops' outputs, an upper
     bound). Lost: the recomputation's time."""
-    c = x.counted
-    mask = c["phase"].astype(str) == "remat"
+    c = x.cols
+    mask = c.text("phase") == "remat"
     if "remat" in c:
-        mask |= c["remat"].fillna(False).astype(bool)
-    rows = c[mask & (c["measured_s"] > 0)]
-    t = float(rows["measured_s"].sum()) / x.per
-    if rows.empty or not (t >= REMAT_SHARE_MIN * x.step_s):
+        mask |= x.counted["remat"].fillna(False).astype(bool).to_numpy()
+    rows = np.flatnonzero(mask & (c.num("measured_s") > 0))
+    t = total(c.num("measured_s")[rows]) / x.per
+    if not len(rows) or not (t >= REMAT_SHARE_MIN * x.step_s):
         return []
     held = 0.0
-    for r in rows[["module", "program_id", "hlo_op", "executions"]].itertuples(index=False):
-        got = x.programs.instruction(r.module, r.program_id, r.hlo_op) if x.modules else None
+    module, program, op, executions = c.value("module"), c.value("program_id"), c.value("hlo_op"), c.num("executions")
+    for i in rows:
+        got = x.programs.instruction(module[i], program[i], op[i]) if x.modules else None
         if got is not None:
-            held += sum(s.byte_size() for s in got[1].shape.leaves()) * float(r.executions) / x.per
-    flops = float(rows["flops"].sum()) / x.per
+            held += sum(s.byte_size() for s in got[1].shape.leaves()) * float(executions[i]) / x.per
+    flops = total(c.num("flops")[rows]) / x.per
     evidence = [f"{len(rows)} recomputed op(s), {flops:.3g} FLOPs per step",
                 f"keeping their outputs instead: up to {fmt_bytes(held)} more activations per step and device"
                 if held else ""]

@@ -15,7 +15,8 @@ import dataclasses
 import numpy as np
 import pandas as pd
 
-from traceroof.findings.record import BOOK, MAX_OPS, Finding, FindingInputs, fmt_bytes, fmt_s, make, share
+from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, fmt_bytes, fmt_s, make, mean_of,
+                                       share, total)
 from traceroof.opstats import OUTLIER_RATIO
 
 COLLECTIVE_SOURCE = (f"{BOOK} §1 (overlapping communication with compute: T = max(T_math, T_comms)) and §5 "
@@ -50,9 +51,10 @@ def exposed_collective(x: FindingInputs) -> list[Finding]:
     t = x.analysis.collectives
     if t is None or t.empty or not x.step_s > 0:
         return []
+    hot = np.flatnonzero(t["exposed_per_step_s"].to_numpy(np.float64) > EXPOSED_SHARE_MIN * x.step_s)[:3]
     out = []
-    for r in t[t["exposed_per_step_s"] > EXPOSED_SHARE_MIN * x.step_s].head(3).itertuples(index=False):
-        rows = x.counted[x.counted["hlo_op"].astype(str) == r.hlo_op]
+    for r in t.iloc[hot].itertuples(index=False) if len(hot) else ():
+        rows = np.flatnonzero(x.cols.text("hlo_op") == r.hlo_op)
         what = f"{r.hlo_op} ({r.kind}, {fmt_bytes(r.bytes_out)}, group {r.group_size})"
         evidence = [f"exposed {fmt_s(r.exposed_per_step_s)} per step, {r.exposed_share:.0%} of its window"
                     if np.isfinite(r.exposed_share) else f"exposed {fmt_s(r.exposed_per_step_s)} per step",
@@ -104,14 +106,15 @@ def host_bound(x: FindingInputs) -> list[Finding]:
         need = {"step_time_s", "host_bound_s"}
         if not need <= set(b.columns):
             return []
-        step = float(b["step_time_s"].mean())
-        lost = float(b["host_bound_s"].mean())
+        step = mean_of(b["step_time_s"])
+        lost = mean_of(b["host_bound_s"])
         if not (step > 0 and lost >= HOST_BOUND_SHARE_MIN * step):
             return []
-        extra = [f"{c.removesuffix('_s').replace('_', ' ')} {fmt_s(float(b[c].mean()))}"
+        extra = [f"{c.removesuffix('_s').replace('_', ' ')} {fmt_s(mean_of(b[c]))}"
                  for c in ("compute_s", "exposed_comm_s", "launch_gap_s", "outside_program_s") if c in b]
-        kinds = {c.removeprefix("host_bound_").removesuffix("_share"): float(b[c].mean())
-                 for c in b.columns if c.startswith("host_bound_") and c.endswith("_share") and b[c].notna().any()}
+        shares = [c for c in b.columns if c.startswith("host_bound_") and c.endswith("_share")]
+        kinds = {c.removeprefix("host_bound_").removesuffix("_share"): mean_of(b[c]) for c in shares
+                 if not np.isnan(b[c].to_numpy(np.float64)).all()}
         busy = ", ".join(f"{k} {v:.0%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]) if v > 0.05)
         title = (f"the device waits on the host {fmt_s(lost)} per step ({lost / step:.1%} of the step; host threads "
                  f"busy with {busy or 'untraced work'})")
@@ -141,13 +144,13 @@ def device_idle(x: FindingInputs) -> list[Finding]:
     b = x.table("step_breakdown")
     if b is None or not {"step_time_s", "launch_gap_s", "outside_program_s"} <= set(b.columns):
         return []
-    step, gaps, outside = (float(b[c].mean()) for c in ("step_time_s", "launch_gap_s", "outside_program_s"))
+    step, gaps, outside = (mean_of(b[c]) for c in ("step_time_s", "launch_gap_s", "outside_program_s"))
     idle = gaps + outside
     if not (step > 0 and idle > IDLE_SHARE_MIN * step):
         return []
     title = (f"the device idles {fmt_s(idle)} per step ({idle / step:.0%}) with no host work in the way: "
              f"{fmt_s(gaps)} of launch gaps inside programs, {fmt_s(outside)} between programs")
-    programs = int(x.counted["module"].nunique()) if "module" in x.counted else 1
+    programs = len({m for m in x.cols.text("module") if m is not None}) if "module" in x.counted else 1
     shared = x.virtual_devices and x.analysis.summary.devices > 1  # several device threads on one host's cores
     if shared:
         title += " on virtual CPU devices"
@@ -221,19 +224,19 @@ def outlier_executions(x: FindingInputs) -> list[Finding]:
     """Ops with executions slower than ``OUTLIER_RATIO`` x their median (noise, contention, first-run effects).
     Lost: their time above median x executions."""
     st = x.stats
-    if st is None or st.empty:
+    if st is None or st.empty or not (st["outlier_executions"].to_numpy() > 0).any():
         return []
     flagged = st[st["outlier_executions"] > 0]
-    if flagged.empty:
-        return []
     flagged = flagged.assign(_excess=flagged["max_s"] - flagged["median_s"]).sort_values(
         ["_excess"], ascending=False, kind="stable")
     names = {str(op) for _, _, op in flagged.index}
-    c = x.counted
-    rows = c[c["hlo_op"].astype(str).isin(names)]
-    med = flagged.reset_index().assign(hlo_op=lambda d: d["hlo_op"].astype(str)).groupby("hlo_op")["median_s"].first()
-    excess = rows["measured_s"] - rows["hlo_op"].astype(str).map(med).astype(float) * rows["executions"]
-    lost = float(excess.clip(lower=0).sum()) / x.per
+    c = x.cols
+    rows = np.flatnonzero(c.isin("hlo_op", names))
+    med = (flagged.reset_index().assign(hlo_op=lambda d: d["hlo_op"].astype(str))
+           .groupby("hlo_op")["median_s"].first().to_dict())
+    median_s = np.array([med.get(n, np.nan) for n in c.text("hlo_op")[rows]], np.float64)
+    excess = c.num("measured_s")[rows] - median_s * c.num("executions")[rows]
+    lost = total(np.where(excess < 0, 0.0, excess)) / x.per
     evidence = [f"{op}: {int(r.outlier_executions)} of {r.samples:g} runs, up to {fmt_s(r.max_s)} vs median "
                 f"{fmt_s(r.median_s)}" for (_, _, op), r in zip(flagged.index[:4], flagged.itertuples(index=False))]
     title = f"{len(flagged)} op(s) have executions more than {OUTLIER_RATIO:g}x their median time"
