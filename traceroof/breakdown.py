@@ -28,7 +28,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceroof.hostactivity import HOST_KINDS, intersect_intervals, merge_intervals, subtract_intervals
+from traceroof.codes import group_codes
+from traceroof.hostactivity import (HOST_KINDS, covered_ps, intersect_intervals, merge_intervals,
+                                   subtract_intervals)
 from traceroof.optable import Timeline
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
@@ -43,22 +45,6 @@ Intervals = tuple[np.ndarray, np.ndarray]  # sorted, disjoint (start_ps, end_ps)
 
 def _union(*sets: Intervals) -> Intervals:
     return merge_intervals(np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets]))
-
-
-def covered_ps(s: Intervals, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Length (ps, int64) of [lo, hi) covered by the merged intervals ``s``, per window."""
-    ms, me = s
-    if not len(ms):
-        return np.zeros(len(lo), np.int64)
-    cum = np.concatenate([[0], np.cumsum(me - ms)])
-
-    def before(t: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(ms, t, side="right")  # intervals starting at or before t
-        j = np.maximum(i - 1, 0)
-        part = np.clip(t - ms[j], 0, me[j] - ms[j])
-        return np.where(i > 0, cum[j] + part, 0)
-
-    return np.maximum(before(np.asarray(hi, np.int64)) - before(np.asarray(lo, np.int64)), 0)
 
 
 def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
@@ -282,12 +268,11 @@ def _executions(program: np.ndarray, by_run: np.ndarray, key: np.ndarray, start:
                 launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per execution (the events sharing ``program``, ``by_run`` and ``key``; in order of first appearance): its
     first op start, last op end (ps, int64) and earliest known launch (ps, float; NaN when none is known)."""
-    p, p_names = pd.factorize(program)
-    k, k_names = pd.factorize(key)
-    group, names = pd.factorize((p * 2 + by_run) * len(k_names) + k)
-    first = np.full(len(names), np.iinfo(np.int64).max)
-    last = np.full(len(names), np.iinfo(np.int64).min)
-    first_launch = np.full(len(names), np.nan)
+    group = group_codes([program, by_run, key])
+    n = int(group.max()) + 1 if len(group) else 0
+    first = np.full(n, np.iinfo(np.int64).max)
+    last = np.full(n, np.iinfo(np.int64).min)
+    first_launch = np.full(n, np.nan)
     np.minimum.at(first, group, start)
     np.maximum.at(last, group, end)
     np.fmin.at(first_launch, group, launch)  # fmin: a NaN launch is no launch

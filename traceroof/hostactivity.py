@@ -52,6 +52,22 @@ def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.
     return s[new], np.maximum.reduceat(e, np.flatnonzero(new))  # each run of overlapping intervals: its end
 
 
+def covered_ps(s: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Length (ps, int64) of [lo, hi) covered by the merged intervals ``s``, per window."""
+    ms, me = s
+    if not len(ms):
+        return np.zeros(len(lo), np.int64)
+    cum = np.concatenate([[0], np.cumsum(me - ms)])
+
+    def before(t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(ms, t, side="right")  # intervals starting at or before t
+        j = np.maximum(i - 1, 0)
+        part = np.clip(t - ms[j], 0, me[j] - ms[j])
+        return np.where(i > 0, cum[j] + part, 0)
+
+    return np.maximum(before(np.asarray(hi, np.int64)) - before(np.asarray(lo, np.int64)), 0)
+
+
 def _segments(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every distinct start and end of two merged interval sets, sorted, and whether the segment from each to the
