@@ -96,6 +96,8 @@ def step_windows(steps: pd.DataFrame, device_host: dict[str, str]) -> pd.DataFra
     code, names = _codes(steps["device" if per_device else "host"])
     step = steps["step"].to_numpy(np.int64, na_value=0)
     keep = has_step & (code >= 0)  # a step of a missing host or device belongs to none
+    if not keep.any():
+        return pd.DataFrame(columns=cols)
     by_name = np.argsort(names, kind="stable")
     rank = np.empty(len(names), np.int64)
     rank[by_name] = np.arange(len(names))  # keys ordered by their text

@@ -86,7 +86,8 @@ def _segments(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
     of_a = order < len(pa)
     in_a = np.logical_xor.accumulate(of_a)  # after each bound: inside a
     in_b = np.logical_xor.accumulate(~of_a)
-    last = np.append(pts[1:] != pts[:-1], True)  # the state after every bound at the same time
+    last = np.ones(len(pts), bool)  # the state after every bound at the same time
+    last[:-1] = pts[1:] != pts[:-1]
     return pts[last], in_a[last], in_b[last]
 
 
@@ -168,16 +169,19 @@ def host_activity(xs, host: str) -> pd.DataFrame:
             if sel.any():
                 parts[kind].append((start[sel], end[sel]))
     wait_all = merge_intervals(*(np.concatenate(x) for x in zip(*waits))) if waits else None
-    rows = []
+    kinds, starts, ends = [], [], []
     for kind, chunks in parts.items():
         if not chunks:
             continue
         merged = merge_intervals(np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]))
         if wait_all is not None and len(wait_all[0]):
             merged = subtract_intervals(merged, wait_all)
-        if len(merged[0]):
-            rows.append(pd.DataFrame({"host": host, "kind": kind, "start_ps": merged[0], "end_ps": merged[1]}))
-    return pd.concat(rows, ignore_index=True) if rows else empty_activity()
+        kinds += [kind] * len(merged[0])
+        starts.append(merged[0])
+        ends.append(merged[1])
+    if not kinds:
+        return empty_activity()
+    return pd.DataFrame({"host": host, "kind": kinds, "start_ps": np.concatenate(starts), "end_ps": np.concatenate(ends)})
 
 
 def shifted_activity(parts: list[tuple[pd.DataFrame | None, int]]) -> pd.DataFrame:
