@@ -28,14 +28,15 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceroof.hostactivity import HOST_KINDS, breakpoints, inside, merge_intervals, subtract_intervals
+from traceroof.codes import group_codes
+from traceroof.hostactivity import (HOST_KINDS, covered_ps, intersect_intervals, merge_intervals,
+                                   subtract_intervals)
 from traceroof.optable import Timeline
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
 BREAKDOWN_COLUMNS = ("step_time_s", *COMPONENTS)  # the numeric columns a saved report's rows must carry
 LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed communication", "launch_gap_s": "launch gaps",
           "host_bound_s": "host-bound", "outside_program_s": "outside any program"}
-ITEM_COLUMNS = ["step", "device", "kind", "start_s", "duration_s", "row"]
 MAX_DRAWN_STEPS = 6  # steps drawn in the HTML timeline: the median, the slowest, then the first ones
 MAX_DRAWN_DEVICES = 4  # devices drawn per step
 MAX_DRAWN_OPS = 4000  # op bars drawn over all steps and devices (the longest of each strip); the page says so
@@ -46,30 +47,32 @@ def _union(*sets: Intervals) -> Intervals:
     return merge_intervals(np.concatenate([s[0] for s in sets]), np.concatenate([s[1] for s in sets]))
 
 
-def _intersect(a: Intervals, b: Intervals) -> Intervals:
-    """Intersection of two merged interval sets."""
-    pts = breakpoints(a, b)
-    if len(pts) < 2:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    lo, hi = pts[:-1], pts[1:]
-    keep = inside(a, lo) & inside(b, lo)
-    return merge_intervals(lo[keep], hi[keep])
+def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """A column as codes (-1 where missing) into its distinct values written as ``str`` (``astype(str)``'s
+    text), read from a categorical column's categories without touching its rows."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = col.array.categories
+        names = names if isinstance(names.dtype, pd.StringDtype) else names.astype(str)
+        if names.is_unique:
+            return col.array.codes, np.asarray(names, dtype=object)
+    codes, names = pd.factorize(col.astype(str).to_numpy(dtype=object))
+    return codes, np.asarray(names, dtype=object)
 
 
-def covered_ps(s: Intervals, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Length (ps, int64) of [lo, hi) covered by the merged intervals ``s``, per window."""
-    ms, me = s
-    if not len(ms):
-        return np.zeros(len(lo), np.int64)
-    cum = np.concatenate([[0], np.cumsum(me - ms)])
+def _as_str(col: pd.Series, rows: np.ndarray) -> np.ndarray:
+    """``col.astype(str)`` at positions ``rows``, as an object array (missing values stay NaN)."""
+    codes, names = _codes(col)
+    return np.append(names, np.nan)[codes[rows]]  # code -1: the NaN appended
 
-    def before(t: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(ms, t, side="right")  # intervals starting at or before t
-        j = np.maximum(i - 1, 0)
-        part = np.clip(t - ms[j], 0, me[j] - ms[j])
-        return np.where(i > 0, cum[j] + part, 0)
 
-    return np.maximum(before(np.asarray(hi, np.int64)) - before(np.asarray(lo, np.int64)), 0)
+def _device_hosts(ops: pd.DataFrame) -> dict[str, str]:
+    """Each device of the op table -> its host (both as ``str``), devices in order of first appearance."""
+    dev, dev_names = _codes(ops["device"])
+    host, host_names = _codes(ops["host"])
+    n_host = len(host_names) + 1
+    pair = pd.unique((dev.astype(np.int64) + 1) * n_host + (host + 1))  # codes shifted: 0 is a missing value
+    dev_names, host_names = np.append(np.nan, dev_names), np.append(np.nan, host_names)
+    return dict(zip(dev_names[pair // n_host].tolist(), host_names[pair % n_host].tolist()))
 
 
 def step_windows(steps: pd.DataFrame, device_host: dict[str, str]) -> pd.DataFrame:
@@ -79,37 +82,52 @@ def step_windows(steps: pd.DataFrame, device_host: dict[str, str]) -> pd.DataFra
     (host steps) or ``device`` (devices' own ``Steps`` lines). ``device_host``: every device with op events ->
     its host. Steps of a host ``""`` (a whole profile as one step) apply to every device."""
     cols = ["step", "device", "start_ps", "end_ps"]
-    st = steps.dropna(subset=["step"])
-    if st.empty or not device_host:
+    has_step = steps["step"].notna().to_numpy(bool) if "step" in steps else np.zeros(len(steps), bool)
+    if not has_step.any() or not device_host:
         return pd.DataFrame(columns=cols)
-    per_device = "device" in st and st["device"].notna().all()
-    end = st["end_ps"].to_numpy(np.int64)
-    start = st["start_ps"].to_numpy(np.int64)
-    if "device_end_ps" in st:
-        dev_end = st["device_end_ps"].to_numpy(dtype="float64", na_value=np.nan)
-        dev_start = st["device_start_ps"].to_numpy(dtype="float64", na_value=np.nan)
+    per_device = "device" in steps and bool(steps["device"].notna().to_numpy(bool)[has_step].all())
+    end = steps["end_ps"].to_numpy(np.int64)
+    start = steps["start_ps"].to_numpy(np.int64)
+    if "device_end_ps" in steps:
+        dev_end = steps["device_end_ps"].to_numpy(dtype="float64", na_value=np.nan)
+        dev_start = steps["device_start_ps"].to_numpy(dtype="float64", na_value=np.nan)
         end = np.where(np.isnan(dev_end), end, np.maximum(end, np.nan_to_num(dev_end))).astype(np.int64)
         start = np.where(np.isnan(dev_start), start, np.minimum(start, np.nan_to_num(dev_start))).astype(np.int64)
-    key = st["device" if per_device else "host"].astype(str).to_numpy()
-    t = pd.DataFrame({"key": key, "step": st["step"].to_numpy(np.int64), "start_ps": start, "end_ps": end})
-    t = t.groupby(["key", "step"], as_index=False).agg(start_ps=("start_ps", "min"), end_ps=("end_ps", "max"))
-    t = t.sort_values(["key", "start_ps", "step"], kind="stable")
-    run_end = t.groupby("key")["end_ps"].cummax()
-    prev = run_end.groupby(t["key"]).shift(1)
-    t["end_ps"] = run_end.to_numpy()
-    t["start_ps"] = np.where(prev.notna(), prev.fillna(0), t["start_ps"]).astype(np.int64)
+    code, names = _codes(steps["device" if per_device else "host"])
+    step = steps["step"].to_numpy(np.int64, na_value=0)
+    keep = has_step & (code >= 0)  # a step of a missing host or device belongs to none
+    if not keep.any():
+        return pd.DataFrame(columns=cols)
+    by_name = np.argsort(names, kind="stable")
+    rank = np.empty(len(names), np.int64)
+    rank[by_name] = np.arange(len(names))  # keys ordered by their text
+    rank, step, start, end = rank[code[keep]], step[keep], start[keep], end[keep]
+    # one row per key and step (its earliest start, latest end), ordered by key, start and step
+    order = np.lexsort((step, rank))
+    rank, step, start, end = rank[order], step[order], start[order], end[order]
+    first = np.flatnonzero(np.append(True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])))
+    rank, step = rank[first], step[first]
+    start, end = np.minimum.reduceat(start, first), np.maximum.reduceat(end, first)
+    order = np.lexsort((step, start, rank))
+    rank, step, start, end = rank[order], step[order], start[order], end[order]
+    # a step ends no earlier than any before it on its key, and starts where the one before it ended
+    bounds = np.flatnonzero(np.append(True, rank[1:] != rank[:-1])).tolist() + [len(rank)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        end[a:b] = np.maximum.accumulate(end[a:b])
+        start[a + 1:b] = end[a:b - 1]
+    key = names[by_name][rank]
     if per_device:
-        t = t[t["key"].isin(list(device_host))]
-        return t.rename(columns={"key": "device"})[cols].reset_index(drop=True)
-    hosts = set(device_host.values())
-    out = []
-    for dev, host in device_host.items():
-        mine = t[t["key"] == host] if host in set(t["key"]) else t[t["key"] == ""] if "" in set(t["key"]) \
-            and not (hosts & set(t["key"])) else t.iloc[:0]
-        out.append(mine.assign(device=dev))
-    return pd.concat(out, ignore_index=True)[cols] if out else pd.DataFrame(columns=cols)
-
-
+        pick = np.flatnonzero([k in device_host for k in key.tolist()])
+        devices = key[pick]
+    else:
+        present = set(key.tolist())
+        everywhere = "" in present and not (set(device_host.values()) & present)  # one step for the whole profile
+        picks = [np.flatnonzero(key == host) if host in present else np.flatnonzero(key == "") if everywhere
+                 else np.zeros(0, np.int64) for host in device_host.values()]
+        devices = np.repeat(np.asarray(list(device_host), dtype=object), [len(p) for p in picks])
+        pick = np.concatenate(picks)
+    return pd.DataFrame({"step": step[pick], "device": pd.array(devices, dtype=str), "start_ps": start[pick],
+                         "end_ps": end[pick]})
 def _async_windows(op: np.ndarray, pid: np.ndarray, start: np.ndarray, end: np.ndarray,
                    pairs: dict[tuple[object, str], str]) -> np.ndarray:
     """Per collective event of one device (any order): the start of its window, from the latest preceding
@@ -146,37 +164,46 @@ def step_breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame,
 
 def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run_id: np.ndarray | None,
                launch_ps: np.ndarray | None, host_activity: pd.DataFrame | None,
-               pairs: dict[tuple[object, str], str] | None, draw: frozenset[int] = frozenset()
-               ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """:func:`step_breakdown`'s rows, and the :func:`timeline_items` of the steps in ``draw``."""
-    items: list[pd.DataFrame] = []
+               pairs: dict[tuple[object, str], str] | None, draw: frozenset[tuple[int, str]] = frozenset()
+               ) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
+    """:func:`step_breakdown`'s rows, and the items of the (step, device) strips in ``draw`` as
+    :func:`timeline_items` reads them: ``step``, ``device``, ``kind``, ``start_ps``, ``end_ps``, ``w0`` (the
+    step's start, ps) and ``row`` (the op row of an op bar, else -1)."""
     share_cols = [f"host_bound_{k}_share" for k in HOST_KINDS]
     cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols]
+    items: dict[str, list] = {c: [] for c in ("step", "device", "kind", "start_ps", "end_ps", "w0", "row")}
     if windows.empty or not len(timeline):
-        return pd.DataFrame(columns=cols), pd.DataFrame(columns=ITEM_COLUMNS)
+        return pd.DataFrame(columns=cols), {}
     r = timeline.row
     counted = ops["counted"].to_numpy(bool)[r]
-    dev_codes = pd.Categorical(ops["device"].astype(str)).codes
-    dev_names = list(pd.Categorical(ops["device"].astype(str)).categories)
+    dev_codes, dev_names = _codes(ops["device"])
+    code_of = {name: i for i, name in enumerate(dev_names.tolist())}
     dev = dev_codes[r]
-    coll = (ops["category"].astype(str) == "collective").to_numpy()[r]
+    cat_codes, cat_names = _codes(ops["category"])
+    coll = np.append(cat_names == "collective", False)[cat_codes][r]
     pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1)[r]
     step = ops["step"].to_numpy(dtype="float64", na_value=-1)[r]
-    op = ops["hlo_op"].astype(str).to_numpy()[r] if coll.any() else None
+    op = _as_str(ops["hlo_op"], r) if coll.any() else None
     start = timeline.start_ps
     end = start + timeline.duration_ps
     rid = run_id if run_id is not None else np.full(len(r), np.nan)
     launch = launch_ps if launch_ps is not None else np.full(len(r), np.nan)
-    pairs_dh = ops[["device", "host"]].drop_duplicates()
-    host_of = dict(zip(pairs_dh["device"].astype(str), pairs_dh["host"].astype(str)))
-    act = host_activity if host_activity is not None else pd.DataFrame(columns=["host", "kind", "start_ps",
-                                                                                "end_ps"])
-    rows = []
-    for d, w in windows.groupby("device", sort=False):
-        code = dev_names.index(d) if d in dev_names else -1
-        m = np.flatnonzero((dev == code) & counted)
-        lo = w["start_ps"].to_numpy(np.int64)
-        hi = np.maximum(w["end_ps"].to_numpy(np.int64), lo)
+    host_of = _device_hosts(ops)
+    act = host_activity if host_activity is not None and len(host_activity) else None
+    act_host = act["host"].to_numpy(object) if act is not None else np.zeros(0, object)
+    act_kind = act["kind"].to_numpy(object) if act is not None else np.zeros(0, object)
+    act_start = act["start_ps"].to_numpy(np.int64) if act is not None else np.zeros(0, np.int64)
+    act_end = act["end_ps"].to_numpy(np.int64) if act is not None else np.zeros(0, np.int64)
+    w_dev, w_names = pd.factorize(windows["device"])  # devices in order of first appearance
+    w_step = windows["step"].to_numpy(np.int64)
+    w_start = windows["start_ps"].to_numpy(np.int64)
+    w_end = windows["end_ps"].to_numpy(np.int64)
+    rows: dict[str, list] = {c: [] for c in cols}
+    for g, d in enumerate(w_names):
+        w = np.flatnonzero(w_dev == g)
+        lo = w_start[w]
+        hi = np.maximum(w_end[w], lo)
+        m = np.flatnonzero((dev == code_of.get(d, -1)) & counted)
         s, e = start[m], end[m]
         is_c = coll[m]
         compute = merge_intervals(s[~is_c], e[~is_c])
@@ -184,65 +211,85 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
             else s[is_c]
         busy = _union(compute, merge_intervals(comm_lo, e[is_c]))
         # executions: run id where known, else program and step
-        key = pd.DataFrame({"p": pid[m], "k": np.where(np.isnan(rid[m]), step[m], rid[m]),
-                            "by_run": ~np.isnan(rid[m]), "s": s, "e": e, "l": launch[m]})
-        ex = key.groupby(["p", "by_run", "k"], sort=False).agg(s=("s", "min"), e=("e", "max"), l=("l", "min"))
-        programs = merge_intervals(ex["s"].to_numpy(np.int64), ex["e"].to_numpy(np.int64))
-        waiting = _waiting_for_launch(ex, programs)
-        a = act[act["host"] == host_of.get(d, "")]
-        host = merge_intervals(a["start_ps"].to_numpy(np.int64), a["end_ps"].to_numpy(np.int64))
-        idle_host = subtract_intervals(_intersect(waiting, host), busy)  # waiting lies outside every program
+        by_run = ~np.isnan(rid[m])
+        first_s, last_e, first_launch = _executions(pid[m], by_run, np.where(by_run, rid[m], step[m]), s, e,
+                                                    launch[m])
+        programs = merge_intervals(first_s, last_e)
+        waiting = _waiting_for_launch(first_s, first_launch, programs)
+        on_host = act_host == host_of.get(d, "")
+        host = merge_intervals(act_start[on_host], act_end[on_host])
+        idle_host = subtract_intervals(intersect_intervals(waiting, host), busy)  # waiting: outside every program
         c_ps = covered_ps(compute, lo, hi)
         busy_ps = covered_ps(busy, lo, hi)
         prog_ps = covered_ps(programs, lo, hi)
-        prog_busy_ps = covered_ps(_intersect(programs, busy), lo, hi)
+        prog_busy_ps = covered_ps(intersect_intervals(programs, busy), lo, hi)
         hb_ps = covered_ps(idle_host, lo, hi)
         total = hi - lo
         launch_gap = prog_ps - prog_busy_ps
         outside = total - busy_ps - launch_gap - hb_ps
-        shares = {}
         for k in HOST_KINDS:
-            ak = a[a["kind"] == k]
-            kset = merge_intervals(ak["start_ps"].to_numpy(np.int64), ak["end_ps"].to_numpy(np.int64))
-            shares[f"host_bound_{k}_share"] = np.where(hb_ps > 0, covered_ps(_intersect(idle_host, kset), lo, hi)
-                                                       / np.maximum(hb_ps, 1), np.nan)
-        rows.append(pd.DataFrame({
-            "step": w["step"].to_numpy(np.int64), "device": d, "step_time_s": total * 1e-12,
-            "compute_s": c_ps * 1e-12, "exposed_comm_s": (busy_ps - c_ps) * 1e-12,
-            "launch_gap_s": launch_gap * 1e-12, "host_bound_s": hb_ps * 1e-12,
-            "outside_program_s": np.maximum(outside, 0) * 1e-12, **shares}))
-        drawn = [(st, w0, w1) for st, w0, w1 in zip(w["step"].to_numpy(np.int64), lo, hi) if int(st) in draw]
+            share = np.full(len(lo), np.nan)
+            if (hb_ps > 0).any():
+                of_kind = on_host & (act_kind == k)
+                kset = merge_intervals(act_start[of_kind], act_end[of_kind])
+                share = np.where(hb_ps > 0, covered_ps(intersect_intervals(idle_host, kset), lo, hi)
+                                 / np.maximum(hb_ps, 1), np.nan)
+            rows[f"host_bound_{k}_share"].append(share)
+        for c, v in (("step", w_step[w]), ("device", np.full(len(w), d, dtype=object)),
+                     ("step_time_s", total * 1e-12), ("compute_s", c_ps * 1e-12),
+                     ("exposed_comm_s", (busy_ps - c_ps) * 1e-12), ("launch_gap_s", launch_gap * 1e-12),
+                     ("host_bound_s", hb_ps * 1e-12), ("outside_program_s", np.maximum(outside, 0) * 1e-12)):
+            rows[c].append(v)
+        drawn = [(st, w0, w1) for st, w0, w1 in zip(w_step[w].tolist(), lo.tolist(), hi.tolist())
+                 if (st, d) in draw]
         if drawn:  # the device's idle and exposed sets, once for all its drawn steps
             device_sets = {"exposed communication": subtract_intervals(busy, compute),
                            "launch gap": subtract_intervals(programs, busy), "host-bound": idle_host}
             occupied = _union(busy, programs, idle_host)
         for st, w0, w1 in drawn:
-            win = (np.array([w0]), np.array([w1]))
+            win = (np.array([w0], np.int64), np.array([w1], np.int64))
             sets = {**device_sets, "outside any program": subtract_intervals(win, occupied)}
             sel = np.flatnonzero((e > w0) & (s < w1))
-            parts = [pd.DataFrame({"kind": "op", "start_ps": np.maximum(s[sel], w0), "end_ps": np.minimum(e[sel], w1),
-                                   "row": r[m][sel]})]
+            parts = [("op", np.maximum(s[sel], w0), np.minimum(e[sel], w1), r[m][sel])]
             for kind, iv in sets.items():
-                a0, a1 = _intersect(iv, win)
-                parts.append(pd.DataFrame({"kind": kind, "start_ps": a0, "end_ps": a1, "row": -1}))
-            it = pd.concat(parts, ignore_index=True)
-            items.append(it.assign(step=int(st), device=d, start_s=(it["start_ps"] - w0) * 1e-12,
-                                   duration_s=(it["end_ps"] - it["start_ps"]) * 1e-12)[ITEM_COLUMNS])
-    out = pd.concat(rows, ignore_index=True)[cols]
-    tl = pd.concat(items, ignore_index=True) if items else pd.DataFrame(columns=ITEM_COLUMNS)
-    return out.sort_values(["step", "device"], kind="stable").reset_index(drop=True), tl
+                a0, a1 = intersect_intervals(iv, win)
+                parts.append((kind, a0, a1, np.full(len(a0), -1, np.int64)))
+            for kind, a0, a1, row in parts:
+                for c, v in (("step", st), ("device", d), ("kind", kind), ("w0", w0)):
+                    items[c].append(np.full(len(a0), v, dtype=np.int64 if c in ("step", "w0") else object))
+                items["start_ps"].append(a0)
+                items["end_ps"].append(a1)
+                items["row"].append(row)
+    rows = {c: np.concatenate(v) for c, v in rows.items()}
+    order = np.lexsort((np.unique(rows["device"], return_inverse=True)[1], rows["step"]))  # by step, device
+    out = pd.DataFrame({c: v[order] for c, v in rows.items()})
+    return out, {c: np.concatenate(v) for c, v in items.items()} if items["row"] else {}
 
 
-def _waiting_for_launch(ex: pd.DataFrame, programs: Intervals) -> Intervals:
+def _executions(program: np.ndarray, by_run: np.ndarray, key: np.ndarray, start: np.ndarray, end: np.ndarray,
+                launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per execution (the events sharing ``program``, ``by_run`` and ``key``; in order of first appearance): its
+    first op start, last op end (ps, int64) and earliest known launch (ps, float; NaN when none is known)."""
+    group = group_codes([program, by_run, key])
+    n = int(group.max()) + 1 if len(group) else 0
+    first = np.full(n, np.iinfo(np.int64).max)
+    last = np.full(n, np.iinfo(np.int64).min)
+    first_launch = np.full(n, np.nan)
+    np.minimum.at(first, group, start)
+    np.maximum.at(last, group, end)
+    np.fmin.at(first_launch, group, launch)  # fmin: a NaN launch is no launch
+    return first, last, first_launch
+
+
+def _waiting_for_launch(first_s: np.ndarray, launch: np.ndarray, programs: Intervals) -> Intervals:
     """Where a device without a running program was waiting for its next execution to be launched: each gap
     between program spans (and the time before the first, after the last) up to the launch of the next
-    execution (the whole gap when that launch is unknown)."""
+    execution (the whole gap when that launch is unknown). ``first_s`` / ``launch``: each execution's first op
+    start and launch (:func:`_executions`)."""
     big = np.iinfo(np.int64).max // 4
     ps, pe = programs
     gap_lo = np.concatenate([[-big], pe])
     gap_hi = np.concatenate([ps, [big]])
-    first_s = ex["s"].to_numpy(np.int64)
-    launch = ex["l"].to_numpy(np.float64)
     order = np.argsort(first_s, kind="stable")
     first_s, launch = first_s[order], launch[order]
     # the next execution after each gap: the first whose first op starts at or after the gap's end
@@ -301,61 +348,67 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     """:func:`step_breakdown` of the ``used`` steps of an analysis (``profile``: the
     :class:`~traceroof.profile.Profile` the op table and timeline were built from; ``steps``: its steps, or the
     one step the analysis made of a profile without markers), and the items of the HTML timeline
-    (:func:`timeline_items`)."""
+    (:func:`timeline_items`) of its drawn steps (:func:`_drawn_steps`) on the first :data:`MAX_DRAWN_DEVICES`
+    devices."""
     from traceroof.communication import _async_pairs
 
-    pairs_dh = ops[["device", "host"]].drop_duplicates()
-    device_host = dict(zip(pairs_dh["device"].astype(str), pairs_dh["host"].astype(str)))
-    windows = step_windows(steps, device_host)
-    windows = windows[windows["step"].isin(used)]
+    windows = step_windows(steps, _device_hosts(ops))
+    windows = windows[np.isin(windows["step"].to_numpy(np.int64), np.asarray(used, np.int64))]
     ev = profile.events
     same = len(ev) == len(timeline)
     run_id = ev["run_id"].to_numpy(dtype="float64", na_value=np.nan) if same and "run_id" in ev else None
     launch = ev["launch_ps"].to_numpy(dtype="float64", na_value=np.nan) if same and "launch_ps" in ev else None
-    devices = sorted(set(windows["device"]))[:MAX_DRAWN_DEVICES]
-    pairs = _async_pairs(profile.modules)
-    draw = _drawn_steps(windows)
-    rows, items = _breakdown(ops, timeline, windows[windows["device"].isin(devices) | ~windows["step"].isin(draw)],
-                             run_id, launch, profile.host_activity, pairs, draw)
-    if len(set(windows["device"])) > len(devices):  # the devices not drawn: their rows only
-        more, _ = _breakdown(ops, timeline, windows[~windows["device"].isin(devices) & windows["step"].isin(draw)],
-                             run_id, launch, profile.host_activity, pairs)
-        rows = pd.concat([rows, more], ignore_index=True).sort_values(["step", "device"], kind="stable") \
-            .reset_index(drop=True)
+    devices = sorted(set(windows["device"].tolist()))[:MAX_DRAWN_DEVICES]
+    draw = frozenset((st, d) for st in _drawn_steps(windows) for d in devices)
+    rows, items = _breakdown(ops, timeline, windows, run_id, launch, profile.host_activity,
+                             _async_pairs(profile.modules), draw)
     return rows, timeline_items(items, ops)
 
 
-def _drawn_steps(windows: pd.DataFrame) -> frozenset[int]:
-    """The steps the HTML timeline draws: the median and the slowest step, then the first ones."""
-    t = windows.assign(t=windows["end_ps"] - windows["start_ps"]).groupby("step")["t"].mean().sort_values(
-        kind="stable")
-    if t.empty:
-        return frozenset()
-    chosen = [int(t.index[(len(t) - 1) // 2]), int(t.index[-1])]
-    chosen += [int(x) for x in sorted(t.index) if int(x) not in chosen]
-    return frozenset(chosen[:MAX_DRAWN_STEPS])
+def _drawn_steps(windows: pd.DataFrame) -> list[int]:
+    """The steps the HTML timeline draws: the median and the slowest step (mean over devices), then the first
+    ones."""
+    if windows.empty:
+        return []
+    steps, at = np.unique(windows["step"].to_numpy(np.int64), return_inverse=True)
+    total_ps = np.zeros(len(steps), np.int64)
+    np.add.at(total_ps, at, windows["end_ps"].to_numpy(np.int64) - windows["start_ps"].to_numpy(np.int64))
+    by_time = steps[np.argsort(total_ps / np.bincount(at, minlength=len(steps)), kind="stable")].tolist()
+    chosen = [by_time[(len(by_time) - 1) // 2], by_time[-1]]
+    chosen += [x for x in steps.tolist() if x not in chosen]
+    return chosen[:MAX_DRAWN_STEPS]
 
 
-def timeline_items(items: pd.DataFrame, ops: pd.DataFrame) -> pd.DataFrame:
+def timeline_items(items: dict[str, np.ndarray], ops: pd.DataFrame) -> pd.DataFrame:
     """What the HTML timeline draws: ``step``, ``device``, ``kind`` (``op`` or an idle / exposed-communication
     kind), ``start_s`` (from the step's start), ``duration_s``, ``layer``, ``hlo_op`` (ops only). Op bars are
     capped at :data:`MAX_DRAWN_OPS` over all strips (the longest of each strip kept); ``attrs["ops_total"]``
-    holds how many there were."""
+    holds how many there were. ``items``: :func:`_breakdown`'s, ``{}`` when none."""
     cols = ["step", "device", "kind", "start_s", "duration_s", "layer", "hlo_op"]
-    if items.empty:
+    if not items or not len(items["row"]):
         return pd.DataFrame(columns=cols)
-    is_op = items["kind"] == "op"
-    strips = max(items.loc[is_op, ["step", "device"]].drop_duplicates().shape[0], 1)
+    step, device, kind = items["step"], items["device"], items["kind"]
+    start_s = (items["start_ps"] - items["w0"]) * 1e-12
+    duration_s = (items["end_ps"] - items["start_ps"]) * 1e-12
+    devices, dev_rank = np.unique(device, return_inverse=True)
+    strip = pd.factorize(step * len(devices) + dev_rank)[0]
+    is_op = kind == "op"
+    strips = max(len(np.unique(strip[is_op])), 1)
     per_strip = max(MAX_DRAWN_OPS // strips, 1)
-    op_items = items[is_op].sort_values("duration_s", ascending=False, kind="stable") \
-        .groupby(["step", "device"], sort=False).head(per_strip)
-    kept = pd.concat([op_items, items[~is_op & (items["duration_s"] > 0)]]).sort_values(
-        ["step", "device", "start_s"], kind="stable")
-    row = kept["row"].to_numpy(np.int64)
-    layer = np.where(row >= 0, ops["layer"].astype(str).to_numpy()[np.maximum(row, 0)], "")
-    phase = np.where(row >= 0, ops["phase"].astype(str).to_numpy()[np.maximum(row, 0)], "")
-    op = np.where(row >= 0, ops["hlo_op"].astype(str).to_numpy()[np.maximum(row, 0)], "")
-    out = kept.assign(layer=[f"{x} ({p})" if x else "" for x, p in zip(layer, phase)], hlo_op=op)[cols] \
-        .reset_index(drop=True)
+    # each strip's longest op bars (ties in order), then the other items that last
+    ops_longest = np.flatnonzero(is_op)[np.argsort(-duration_s[is_op], kind="stable")]
+    by_strip = np.argsort(strip[ops_longest], kind="stable")
+    first_of_strip = np.searchsorted(strip[ops_longest][by_strip], strip[ops_longest][by_strip])
+    nth = np.empty(len(ops_longest), np.int64)
+    nth[by_strip] = np.arange(len(ops_longest)) - first_of_strip
+    kept = np.concatenate([ops_longest[nth < per_strip], np.flatnonzero(~is_op & (duration_s > 0))])
+    kept = kept[np.lexsort((start_s[kept], dev_rank[kept], step[kept]))]
+    row = items["row"][kept]
+    layer = np.where(row >= 0, _as_str(ops["layer"], np.maximum(row, 0)), "")
+    phase = np.where(row >= 0, _as_str(ops["phase"], np.maximum(row, 0)), "")
+    op = np.where(row >= 0, _as_str(ops["hlo_op"], np.maximum(row, 0)), "")
+    out = pd.DataFrame({"step": step[kept], "device": device[kept], "kind": kind[kept], "start_s": start_s[kept],
+                        "duration_s": duration_s[kept],
+                        "layer": [f"{x} ({p})" if x else "" for x, p in zip(layer, phase)], "hlo_op": op})
     out.attrs["ops_total"] = int(is_op.sum())
     return out

@@ -52,29 +52,63 @@ def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.
     return s[new], np.maximum.reduceat(e, np.flatnonzero(new))  # each run of overlapping intervals: its end
 
 
-def breakpoints(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Every distinct start and end of two merged interval sets, sorted: four sorted runs, merged by a stable
-    sort in about linear time (``np.unique`` sorted them from scratch: seconds on millions of op events)."""
-    pts = np.sort(np.concatenate([a[0], a[1], b[0], b[1]]), kind="stable")
-    return pts[np.concatenate(([True], pts[1:] != pts[:-1]))] if len(pts) else pts
+def covered_ps(s: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Length (ps, int64) of [lo, hi) covered by the merged intervals ``s``, per window."""
+    ms, me = s
+    if not len(ms):
+        return np.zeros(len(lo), np.int64)
+    cum = np.concatenate([[0], np.cumsum(me - ms)])
+
+    def before(t: np.ndarray) -> np.ndarray:
+        i = np.searchsorted(ms, t, side="right")  # intervals starting at or before t
+        j = np.maximum(i - 1, 0)
+        part = np.clip(t - ms[j], 0, me[j] - ms[j])
+        return np.where(i > 0, cum[j] + part, 0)
+
+    return np.maximum(before(np.asarray(hi, np.int64)) - before(np.asarray(lo, np.int64)), 0)
+
+
+def _segments(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every distinct start and end of two merged interval sets, sorted, and whether the segment from each to the
+    next lies in ``a`` / in ``b``. Each set's bounds, interleaved, are one sorted run, and a time lies in the set
+    when an odd number of them are at or before it: the two runs are merged by a stable sort in about linear time
+    and each set's parity accumulated (a binary search per time cost seconds on millions of op events)."""
+    def bounds(s: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+        out = np.empty(2 * len(s[0]), np.int64)
+        out[0::2], out[1::2] = s
+        return out
+
+    pa, pb = bounds(a), bounds(b)
+    t = np.concatenate([pa, pb])
+    order = np.argsort(t, kind="stable")
+    pts = t[order]
+    of_a = order < len(pa)
+    in_a = np.logical_xor.accumulate(of_a)  # after each bound: inside a
+    in_b = np.logical_xor.accumulate(~of_a)
+    last = np.ones(len(pts), bool)  # the state after every bound at the same time
+    last[:-1] = pts[1:] != pts[:-1]
+    return pts[last], in_a[last], in_b[last]
+
+
+def _runs(pts: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The segments [pts[i], pts[i + 1]) with ``keep[i]``, adjacent ones joined: sorted, disjoint intervals."""
+    edge = np.diff(np.concatenate([[False], keep, [False]]).astype(np.int8))
+    return pts[np.flatnonzero(edge == 1)], pts[np.flatnonzero(edge == -1)]
 
 
 def subtract_intervals(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
                        ) -> tuple[np.ndarray, np.ndarray]:
     """Merged intervals ``a`` less merged intervals ``b`` (both sorted and disjoint)."""
-    pts = breakpoints(a, b)
-    if len(pts) < 2:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    lo, hi = pts[:-1], pts[1:]
-    keep = inside(a, lo) & ~inside(b, lo)
-    return merge_intervals(lo[keep], hi[keep])
+    pts, in_a, in_b = _segments(a, b)
+    return _runs(pts, (in_a & ~in_b)[:-1])
 
 
-def inside(s: tuple[np.ndarray, np.ndarray], t: np.ndarray) -> np.ndarray:
-    """Whether each time ``t`` lies in one of the merged intervals ``s`` (start inclusive, end exclusive)."""
-    ms, me = s
-    i = np.searchsorted(ms, t, side="right") - 1
-    return (i >= 0) & (t < me[np.maximum(i, 0)]) if len(ms) else np.zeros(len(t), bool)
+def intersect_intervals(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The intersection of merged intervals ``a`` and ``b`` (both sorted and disjoint)."""
+    pts, in_a, in_b = _segments(a, b)
+    return _runs(pts, (in_a & in_b)[:-1])
 
 
 def _line_kind(name: str) -> str | None:
@@ -135,16 +169,19 @@ def host_activity(xs, host: str) -> pd.DataFrame:
             if sel.any():
                 parts[kind].append((start[sel], end[sel]))
     wait_all = merge_intervals(*(np.concatenate(x) for x in zip(*waits))) if waits else None
-    rows = []
+    kinds, starts, ends = [], [], []
     for kind, chunks in parts.items():
         if not chunks:
             continue
         merged = merge_intervals(np.concatenate([c[0] for c in chunks]), np.concatenate([c[1] for c in chunks]))
         if wait_all is not None and len(wait_all[0]):
             merged = subtract_intervals(merged, wait_all)
-        if len(merged[0]):
-            rows.append(pd.DataFrame({"host": host, "kind": kind, "start_ps": merged[0], "end_ps": merged[1]}))
-    return pd.concat(rows, ignore_index=True) if rows else empty_activity()
+        kinds += [kind] * len(merged[0])
+        starts.append(merged[0])
+        ends.append(merged[1])
+    if not kinds:
+        return empty_activity()
+    return pd.DataFrame({"host": host, "kind": kinds, "start_ps": np.concatenate(starts), "end_ps": np.concatenate(ends)})
 
 
 def shifted_activity(parts: list[tuple[pd.DataFrame | None, int]]) -> pd.DataFrame:

@@ -48,6 +48,7 @@ from parsers.buffer_assignment import (BufferAssignment, read_buffer_assignment,
 from parsers.dump_folder import dump_file_kind
 from parsers.errors import TraceroofError
 from parsers.hlo import HloModule, Instruction
+from traceroof.codes import first_rows, group_codes
 from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
 from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes
 
@@ -594,14 +595,16 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, profile_files
 
 def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None) -> MemoryView:
     """:func:`memory_view` of a loaded :class:`~traceroof.profile.Profile` and its op table (layer names)."""
-    ran = ops[["program_id", "module"]].drop_duplicates().itertuples(index=False) if len(ops) else ()
-    ran = list(ran)
+    ran: list[tuple[object, object]] = []
     layers: dict[tuple[object, str], dict[str, str]] = {}
-    if len(ops) and "layer" in ops:
-        for (pid, mod, op, layer) in ops[["program_id", "module", "hlo_op", "layer"]].drop_duplicates(
-                ["program_id", "module", "hlo_op"]).itertuples(index=False):
-            key = (int(pid) if not pd.isna(pid) else None, str(mod))
-            layers.setdefault(key, {})[str(op)] = str(layer)
+    if len(ops):  # the first row of every (program, module, op)
+        firsts = first_rows(group_codes([ops["program_id"], ops["module"], ops["hlo_op"]]))
+        pids, mods = ops["program_id"].array[firsts], ops["module"].array[firsts]
+        ran = list(zip(pids, mods))
+        if "layer" in ops:
+            for pid, mod, op, layer in zip(pids, mods, ops["hlo_op"].array[firsts], ops["layer"].array[firsts]):
+                key = (int(pid) if not pd.isna(pid) else None, str(mod))
+                layers.setdefault(key, {})[str(op)] = str(layer)
     return memory_view(profile.modules, profile.inputs.hlo_files, profile.inputs.profiles, ran, hbm_bytes, layers)
 
 

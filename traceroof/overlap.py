@@ -12,33 +12,17 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from traceroof.hostactivity import covered_ps, merge_intervals
 from traceroof.optable import Timeline
 
 
-def _covered(starts: np.ndarray, ends: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """Length of [lo, hi) covered by the union of intervals [starts, ends) (any order, may overlap)."""
-    if len(starts) == 0:
-        return np.zeros(len(lo))
-    order = np.argsort(starts, kind="stable")
-    s, e = starts[order], ends[order]
-    # merge overlapping intervals
-    run_end = np.maximum.accumulate(e)
-    new = np.ones(len(s), bool)
-    new[1:] = s[1:] > run_end[:-1]
-    grp = np.cumsum(new) - 1
-    ms = s[new]
-    me = np.zeros(len(ms), dtype=run_end.dtype)
-    np.maximum.at(me, grp, e)
-    cum = np.concatenate([[0], np.cumsum(me - ms)])
-
-    def covered_before(t: np.ndarray) -> np.ndarray:
-        i = np.searchsorted(ms, t, side="right")  # merged intervals starting at or before t
-        full = cum[np.maximum(i - 1, 0)]
-        last = np.where(i > 0, np.clip(t - ms[np.maximum(i - 1, 0)], 0, me[np.maximum(i - 1, 0)] -
-                                       ms[np.maximum(i - 1, 0)]), 0)
-        return np.where(i > 0, full + last, 0)
-
-    return np.maximum(covered_before(hi) - covered_before(lo), 0)
+def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
+    """Whether each op row's ``category`` is ``collective`` (tested once per category of a categorical column)."""
+    col = ops["category"]
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        return np.append(np.asarray(col.array.categories.astype(str), dtype=object) == "collective",
+                         False)[col.array.codes]  # code -1 (missing): the False appended
+    return (col.astype(str) == "collective").to_numpy(bool)
 
 
 def _event_frame(ops: pd.DataFrame, timeline: Timeline, rows: np.ndarray) -> pd.DataFrame:
@@ -65,7 +49,7 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
     columns are added to ``ops`` in place (no copy of the large op table), which is returned.
     """
     out = ops
-    is_coll_row = (out["category"].astype(str) == "collective").to_numpy()
+    is_coll_row = _collective_rows(out)
     window_row = np.zeros(len(out))
     hidden_row = np.zeros(len(out))
     if is_coll_row.any():
@@ -99,7 +83,7 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
                     s = last_start.get((key[0], pairs[key]))
                     if s is not None:
                         lo[j] = start[s]
-            covered = _covered(start[other], end[other], lo, hi)
+            covered = covered_ps(merge_intervals(start[other], end[other]), lo, hi)
             window[coll[keep]] = (hi - lo)[keep] * 1e-12
             hidden[coll[keep]] = np.minimum(covered, hi - lo)[keep] * 1e-12
         window_row = np.bincount(ev["row"].to_numpy(), weights=window, minlength=len(out))
@@ -115,7 +99,9 @@ def arrival_skew(ops: pd.DataFrame, timeline: Timeline) -> pd.DataFrame:
     ``occurrence``, ``devices``, ``skew_s`` (latest − earliest start), ``last_device`` (arrived last),
     ``wait_s`` (Σ over devices of latest start − own start). Reads the events of collective rows in steps."""
     cols = ["program_id", "hlo_op", "step", "occurrence", "devices", "skew_s", "last_device", "wait_s"]
-    pick = ((ops["category"].astype(str) == "collective") & ops["step"].notna()).to_numpy(bool)
+    pick = _collective_rows(ops)
+    if pick.any():
+        pick = pick & ops["step"].notna().to_numpy(bool)
     if not pick.any() or ops.loc[pick, "device"].nunique() < 2:
         return pd.DataFrame(columns=cols)
     c = _event_frame(ops, timeline, pick)

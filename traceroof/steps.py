@@ -24,7 +24,7 @@ import re
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import na_int64
+from traceroof.codes import first_rows, group_codes, na_int64
 
 # PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
 LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnSingleDevice|Helper|Sharded|"
@@ -36,6 +36,15 @@ MAX_OFFSET_WORK = 20_000_000
 RUN_ID_GAP_FACTOR = 4  # candidate offsets x executions above which only start/end alignments are tried
 
 
+def _name_matches(names: pd.Series, pattern: re.Pattern) -> tuple[np.ndarray, list[re.Match]]:
+    """The events whose name ``pattern`` matches (a missing name matches nothing), and each one's match; tried
+    once per distinct name."""
+    codes, distinct = pd.factorize(names)
+    tried = [pattern.match(str(n)) for n in distinct]
+    rows = np.flatnonzero(np.array([m is not None for m in tried] + [False])[codes])  # code -1: the False appended
+    return rows, [tried[c] for c in codes[rows].tolist()]
+
+
 def launch_events(events: pd.DataFrame) -> pd.DataFrame:
     """The launch events among a host's events, with the module each launched where it can be told.
 
@@ -43,23 +52,19 @@ def launch_events(events: pd.DataFrame) -> pd.DataFrame:
     events, any order). Returns ``line_id``, ``start_ps``, ``end_ps``, ``module`` (the module named in the
     event, else ``jit_<fn>`` of the innermost enclosing ``PjitFunction(<fn>)`` on the same line, else '').
     """
-    names = events["name"].astype(str)
-    is_launch = names.str.match(LAUNCH_EVENT.pattern).to_numpy(bool)
-    lau = events[is_launch]
-    out = pd.DataFrame({"line_id": lau["line_id"].to_numpy(np.int64), "start_ps": lau["start_ps"].to_numpy(np.int64),
-                        "end_ps": (lau["start_ps"] + lau["duration_ps"]).to_numpy(np.int64),
-                        "module": names[is_launch].str.extract(LAUNCH_EVENT.pattern)["module"].fillna("")
-                        .to_numpy(object)})
-    pj = events[names.str.match(PJIT_EVENT.pattern).to_numpy(bool)]
-    if len(pj) and (out["module"] == "").any():
-        pj = pj.sort_values(["line_id", "start_ps"], kind="stable")
-        fn = pj["name"].astype(str).str.extract(PJIT_EVENT.pattern)["fn"].to_numpy(object)
-        pline = pj["line_id"].to_numpy(np.int64)
+    line = events["line_id"].to_numpy(np.int64)
+    ev_start = events["start_ps"].to_numpy(np.int64)
+    ev_end = ev_start + events["duration_ps"].to_numpy(np.int64)
+    lau, matches = _name_matches(events["name"], LAUNCH_EVENT)
+    o_line, o_start, o_end = line[lau], ev_start[lau], ev_end[lau]
+    module = np.array([m.group("module") or "" for m in matches] + [""], dtype=object)[:-1]
+    pj, matches = _name_matches(events["name"], PJIT_EVENT) if (module == "").any() else (lau[:0], [])
+    if len(pj):
+        by_line = np.lexsort((ev_start[pj], line[pj]))
+        pj, fn = pj[by_line], [matches[k].group("fn") for k in by_line.tolist()]
+        pline = line[pj]
         # per line, by start: the innermost enclosing event is the latest started one that is still open
-        key = pj["start_ps"].to_numpy(np.int64)
-        pend = pj["start_ps"].to_numpy(np.int64) + pj["duration_ps"].to_numpy(np.int64)
-        module = out["module"].to_numpy(object).copy()
-        o_line, o_start, o_end = (out[c].to_numpy(np.int64) for c in ("line_id", "start_ps", "end_ps"))
+        key, pend = ev_start[pj], ev_end[pj]
         for ln in np.unique(o_line):
             on_line = np.flatnonzero(pline == ln)
             todo = np.flatnonzero((module == "") & (o_line == ln))
@@ -75,9 +80,10 @@ def launch_events(events: pd.DataFrame) -> pd.DataFrame:
                 active = active[(jj > stop[active]) & (ends[np.maximum(jj, 0)] < e[active])]
                 j[active] -= 1
             found = j > stop
-            module[todo[found]] = [f"jit_{f}" for f in fn[on_line[j[found]]]]
-        out["module"] = module
-    return out.sort_values("start_ps", kind="stable").reset_index(drop=True)
+            module[todo[found]] = [f"jit_{fn[k]}" for k in on_line[j[found]].tolist()]
+    order = np.argsort(o_start, kind="stable")
+    return pd.DataFrame({"line_id": o_line[order], "start_ps": o_start[order], "end_ps": o_end[order],
+                         "module": module[order]})
 
 
 def _unwrapped(run_ids: np.ndarray) -> np.ndarray:
@@ -124,29 +130,32 @@ def launch_times(ops: pd.DataFrame, launches: pd.DataFrame) -> tuple[np.ndarray,
     if not has.any():
         return out, 0
     pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1) if "program_id" in ops else np.full(len(ops), -1.0)
-    sub = pd.DataFrame({"row": np.flatnonzero(has), "module": ops["module"].astype(str).to_numpy()[has],
-                        "pid": pid[has], "run": rid[has].astype(np.int64),
-                        "start": ops["start_ps"].to_numpy(np.int64)[has]})
+    rows = np.flatnonzero(has)
+    module, names = pd.factorize(ops["module"][has])  # a missing module: -1, matched to no launch
+    run, start, pid = rid[has].astype(np.int64), ops["start_ps"].to_numpy(np.int64)[has], pid[has]
+    lau_module = launches["module"].to_numpy(object)
+    lau_start = launches["start_ps"].to_numpy(np.int64)
     matched = 0
-    by_module = {m: g["start_ps"].to_numpy(np.int64) for m, g in launches.groupby("module", sort=False) if m}
-    programs = sub.groupby("module")["pid"].nunique()
-    for module, g in sub.groupby("module", sort=False):
-        starts = by_module.get(module)
-        if starts is None or programs[module] > 1:  # several programs share the name: launches are ambiguous
+    for k, name in enumerate(str(n) for n in names):
+        mine = np.flatnonzero(module == k)
+        starts = lau_start[lau_module == name] if name else lau_start[:0]
+        if not len(starts) or len(np.unique(pid[mine])) > 1:  # several programs share the name: ambiguous
             continue
-        first = g.groupby("run")["start"].min()
-        runs = _unwrapped(first.index.to_numpy())
+        run_keys, at = np.unique(run[mine], return_inverse=True)
+        first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
+        np.minimum.at(first_start, at, start[mine])
+        runs = _unwrapped(run_keys)
         if runs.max() - runs.min() > RUN_ID_GAP_FACTOR * (len(runs) + len(starts)):  # not one launch counter
             continue
         order = np.argsort(runs, kind="stable")
-        runs, first_start, run_keys = runs[order], first.to_numpy()[order], first.index.to_numpy()[order]
+        runs, first_start = runs[order], first_start[order]
         o, _ = _best_offset(runs - runs[0], first_start, starts)
         idx = o + (runs - runs[0])
         ok = (idx >= 0) & (idx < len(starts))
-        when = dict(zip(run_keys[ok].tolist(), starts[idx[ok]].tolist()))
+        when = np.full(len(run_keys), np.nan)
+        when[order[ok]] = starts[idx[ok]]
         matched += int(ok.sum())
-        vals = g["run"].map(when).to_numpy(dtype=np.float64, na_value=np.nan)
-        out[g["row"].to_numpy()] = vals
+        out[rows[mine]] = when[at]
     return out, matched
 
 
@@ -171,19 +180,23 @@ def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: p
     out = np.full(len(when_ps), -1, np.int64)
     if steps.empty:
         return out
-    cat = pd.Categorical(keys)
+    cat = keys if isinstance(keys, pd.Categorical) else pd.Categorical(keys)
     codes = cat.codes
-    for key, st in steps.groupby(by, sort=False):
-        pos = cat.categories.get_indexer([key])[0]
+    step_key, key_names = pd.factorize(steps[by])
+    starts_all = steps["start_ps"].to_numpy(np.int64)
+    ends_all = steps["end_ps"].to_numpy(np.int64)
+    step_all = steps["step"].to_numpy(np.int64, na_value=-1)
+    for k, pos in enumerate(cat.categories.get_indexer(key_names)):
         if pos < 0:
             continue
-        st = st.sort_values("start_ps", kind="stable")
+        st = np.flatnonzero(step_key == k)
+        st = st[np.argsort(starts_all[st], kind="stable")]
         mask = codes == pos
         t = when_ps[mask]
-        starts, ends = st["start_ps"].to_numpy(np.int64), st["end_ps"].to_numpy(np.int64)
+        starts, ends = starts_all[st], ends_all[st]
         idx = np.searchsorted(starts, t, side="right") - 1
         ok = (idx >= 0) & (t < ends[np.maximum(idx, 0)])
-        out[mask] = np.where(ok, st["step"].to_numpy(np.int64, na_value=-1)[np.maximum(idx, 0)], -1)
+        out[mask] = np.where(ok, step_all[st][np.maximum(idx, 0)], -1)
     return out
 
 
@@ -224,25 +237,33 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     """``steps`` with ``device_start_ps`` / ``device_end_ps``: per host and step, the first launch (no earlier
     than the latest op end of the earlier steps, never after the step's own last op end) and the last op end of
     the step's events; NA for steps without ops. A span is never negative."""
-    out = steps.copy()
-    out["device_start_ps"] = na_int64(len(out))
-    out["device_end_ps"] = na_int64(len(out))
-    if out.empty:
-        return out
-    d = pd.DataFrame({"host": hosts, "step": ops_step, "first": when_ps, "last": end_ps})
-    d = d[d["step"] >= 0]
-    g = d.groupby(["host", "step"]).agg(first=("first", "min"), last=("last", "max")).reset_index()
-    g = g.sort_values(["host", "first"], kind="stable")
-    # no earlier than the latest op end of any earlier step on the host (not only the one before), and never past
-    # the step's own last op end: a step whose ops all ran inside an earlier, longer one gets 0 device time
-    prev_end = g.groupby("host")["last"].cummax().groupby(g["host"]).shift(1)
-    first = np.where(prev_end.notna(), np.maximum(g["first"], prev_end.fillna(0)), g["first"])
-    g["first"] = np.minimum(first, g["last"])
-    spans = {(h, int(s)): (int(f), int(e)) for h, s, f, e in g[["host", "step", "first", "last"]].itertuples(
-        index=False)}
-    for i, (h, s) in enumerate(zip(out["host"].astype(str), out["step"])):
-        span = spans.get((h, int(s))) if not pd.isna(s) else None
-        if span:
-            out.iat[i, out.columns.get_loc("device_start_ps")] = span[0]
-            out.iat[i, out.columns.get_loc("device_end_ps")] = span[1]
-    return out
+    if steps.empty:
+        return steps.assign(device_start_ps=na_int64(0), device_end_ps=na_int64(0))
+    host, host_names = (hosts.codes, hosts.categories) if isinstance(hosts, pd.Categorical) else pd.factorize(hosts)
+    ok = (ops_step >= 0) & (host >= 0)
+    group = group_codes([host[ok], ops_step[ok]])
+    at = first_rows(group)
+    g_host, g_step = host[ok][at], ops_step[ok][at]
+    first = np.full(len(at), np.iinfo(np.int64).max)
+    last = np.full(len(at), np.iinfo(np.int64).min)
+    np.minimum.at(first, group, when_ps[ok])
+    np.maximum.at(last, group, end_ps[ok])
+    # per host in order of first launch: no earlier than the latest op end of any earlier step on the host (not
+    # only the one before), and never past the step's own last op end: a step whose ops all ran inside an
+    # earlier, longer one gets 0 device time
+    order = np.lexsort((g_step, first, g_host))
+    g_host, g_step, first, last = g_host[order], g_step[order], first[order], last[order]
+    bounds = np.flatnonzero(np.append(True, g_host[1:] != g_host[:-1])).tolist() + [len(g_host)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        first[a + 1:b] = np.maximum(first[a + 1:b], np.maximum.accumulate(last[a:b - 1]))
+    first = np.minimum(first, last)
+    spans = dict(zip(zip(np.asarray(host_names)[g_host].tolist(), g_step.tolist()),
+                     zip(first.tolist(), last.tolist())))
+    step_of = steps["step"].to_numpy(np.int64, na_value=0).tolist()
+    found = [None if na else spans.get((h, s)) for h, s, na in
+             zip(steps["host"].astype(str).tolist(), step_of, steps["step"].isna().to_numpy(bool).tolist())]
+    missing = np.array([f is None for f in found], bool)
+    start = np.array([f[0] if f else 0 for f in found], np.int64)
+    end = np.array([f[1] if f else 0 for f in found], np.int64)
+    return steps.assign(device_start_ps=pd.arrays.IntegerArray(start, missing),
+                        device_end_ps=pd.arrays.IntegerArray(end, missing.copy()))
