@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from parsers import storage
+from parsers.errors import TraceroofError
 from parsers.hlo import HloModule
 from parsers.storage import Location
 from parsers.trace_json import read_trace_json
@@ -20,6 +21,7 @@ from traceroof.asyncends import _bound_async_ends
 from traceroof.events import _host_of, _trace_json_events, _xspace_events
 from traceroof.hlo_source import check_dumps, embedded_hlo, parse_dumps, profile_hlo, reconcile, relevant_dumps
 from traceroof.hostactivity import host_activity
+from traceroof.memory import AllocatorPeak, plane_allocators
 from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
@@ -66,6 +68,7 @@ class HostEvents:
     modules: list[tuple[HloModule, str]] = field(default_factory=list)
     superseded: frozenset[str] = frozenset()
     host_activity: pd.DataFrame | None = None  # host threads' busy intervals (traceroof.hostactivity)
+    allocators: tuple[AllocatorPeak, ...] = ()  # traceroof.memory.plane_allocators of the /host:CPU plane
 
 
 def read_host(task: HostTask) -> HostEvents:
@@ -81,6 +84,11 @@ def read_host(task: HostTask) -> HostEvents:
         ev, steps, kind, desc, ann, stats, counts = _xspace_events(xs)
         embedded = embedded_hlo(xs)
         activity = host_activity(xs, _host_of(str(task.path)))
+        try:
+            allocators = plane_allocators(xs.plane("/host:CPU"))
+        except TraceroofError as e:
+            allocators = ()
+            read_notes.append(f"allocator events not read: {e}")
         read_notes += xs.notes
         start_ns, decoder = xs.profile_start_time_ns, xs.decoder
         del xs
@@ -91,12 +99,12 @@ def read_host(task: HostTask) -> HostEvents:
             read_notes.append(f"{storage.name(task.path)} holds exactly {len(tj.complete_events):,} events, a "
                               "trace-viewer cap: events were probably dropped; analyze the .xplane.pb instead")
         ev, steps, ann = _trace_json_events(tj, task.path, counts)
-        activity = None
+        activity, allocators = None, ()
         kind, desc, stats, embedded, start_ns, decoder = (
             "cpu", "host CPU (trace JSON: no plane stats, no program ids)", {}, [], None, "")
         del tj
     out = HostEvents(_host_of(str(task.path)), ev, steps, kind, desc, ann, stats, start_ns, decoder, read_notes,
-                     counts=counts, host_activity=activity)
+                     counts=counts, host_activity=activity, allocators=allocators)
     if ev.empty:
         return out
     long_ops = (ev["duration_ps"] > MAX_OP_EVENT_PS).to_numpy(bool)

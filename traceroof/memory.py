@@ -39,7 +39,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 import pandas as pd
 
@@ -522,43 +522,62 @@ def _dump_files(hlo_files: Iterable) -> dict[tuple[int, str], Path]:
     return out
 
 
-def allocator_peaks(profile_files: Iterable) -> tuple[tuple[AllocatorPeak, ...], str]:
-    """Per allocator figures from the ``MemoryAllocation`` / ``MemoryDeallocation`` events of the profiles'
-    ``/host:CPU`` planes, and a note when none carry them."""
-    from parsers.xspace import read_xspace
+NO_ALLOCATOR_EVENTS = "no allocator events in the profile (GPU/TPU memory profile): XLA's figures only"
 
-    rows: dict[str, AllocatorPeak] = {}
+
+def plane_allocators(plane: Any) -> tuple[AllocatorPeak, ...]:
+    """Per allocator figures from the ``MemoryAllocation`` / ``MemoryDeallocation`` events of one host's
+    ``/host:CPU`` plane (a :class:`parsers.xspace.Plane`, or ``None``); ``()`` when it carries none.
+
+    :raises FormatError: the plane's event data is corrupt."""
     stats = ["allocator_name", "bytes_allocated", "bytes_available", "peak_bytes_in_use"]
-    for f in profile_files:
-        name = str(f)
-        if not name.endswith((".xplane.pb", ".xplane.pb.gz")):
-            continue
-        plane = read_xspace(f).plane("/host:CPU")
-        if plane is None or "bytes_allocated" not in plane.stat_names.values():
-            continue
-        ev = plane.events(stats=stats, names="Memory(De)?[Aa]llocation", require=["bytes_allocated"])
-        ev = ev[ev["name"].astype(str).str.startswith("Memory")]
-        if ev.empty or "allocator_name" not in ev:
-            continue
-        for alloc, g in ev.groupby("allocator_name", observed=True):
-            used = pd.to_numeric(g["bytes_allocated"], errors="coerce").fillna(0)
-            avail = pd.to_numeric(g.get("bytes_available", 0), errors="coerce").fillna(0)
-            peak = pd.to_numeric(g.get("peak_bytes_in_use", 0), errors="coerce").fillna(0)
-            a = AllocatorPeak(str(alloc), int(used.max()), int(peak.max()), int((used + avail).max()), len(g))
+    if plane is None or "bytes_allocated" not in plane.stat_names.values():
+        return ()
+    ev = plane.events(stats=stats, names="Memory(De)?[Aa]llocation", require=["bytes_allocated"])
+    ev = ev[ev["name"].astype(str).str.startswith("Memory")]
+    if ev.empty or "allocator_name" not in ev:
+        return ()
+    out = []
+    for alloc, g in ev.groupby("allocator_name", observed=True):
+        used = pd.to_numeric(g["bytes_allocated"], errors="coerce").fillna(0)
+        avail = pd.to_numeric(g.get("bytes_available", 0), errors="coerce").fillna(0)
+        peak = pd.to_numeric(g.get("peak_bytes_in_use", 0), errors="coerce").fillna(0)
+        out.append(AllocatorPeak(str(alloc), int(used.max()), int(peak.max()), int((used + avail).max()), len(g)))
+    return tuple(out)
+
+
+def merge_allocators(per_host: Iterable[tuple[AllocatorPeak, ...]]) -> tuple[tuple[AllocatorPeak, ...], str]:
+    """The allocators of several hosts' :func:`plane_allocators` by name (largest figures, events summed), sorted
+    by name, and a note when there are none."""
+    rows: dict[str, AllocatorPeak] = {}
+    for peaks in per_host:
+        for a in peaks:
             old = rows.get(a.allocator)
             rows[a.allocator] = a if old is None else AllocatorPeak(
                 a.allocator, max(a.max_in_use_bytes, old.max_in_use_bytes),
                 max(a.peak_in_use_bytes, old.peak_in_use_bytes), max(a.limit_bytes, old.limit_bytes),
                 a.events + old.events)
     if not rows:
-        return (), "no allocator events in the profile (GPU/TPU memory profile): XLA's figures only"
+        return (), NO_ALLOCATOR_EVENTS
     return tuple(sorted(rows.values(), key=lambda a: a.allocator)), ""
 
 
-def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, profile_files: Iterable,
-                ran: Iterable[tuple[object, str]], hbm_bytes: float | None,
+def allocator_peaks(profile_files: Iterable) -> tuple[tuple[AllocatorPeak, ...], str]:
+    """:func:`merge_allocators` of the ``.xplane.pb`` files given (each read again: an analysis takes them from
+    the hosts it already read, :attr:`traceroof.profile.Profile.allocators`).
+
+    :raises TraceroofError: a file cannot be read or is corrupt."""
+    from parsers.xspace import read_xspace
+
+    return merge_allocators(plane_allocators(read_xspace(f).plane("/host:CPU")) for f in profile_files
+                            if str(f).endswith((".xplane.pb", ".xplane.pb.gz")))
+
+
+def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: tuple[AllocatorPeak, ...],
+                allocator_note: str, ran: Iterable[tuple[object, str]], hbm_bytes: float | None,
                 layers: Mapping[tuple[object, str], Mapping[str, str]] | None = None) -> MemoryView:
-    """The memory view of the programs that ran (``ran``: (program id, module name) pairs of the op table).
+    """The memory view of the programs that ran (``ran``: (program id, module name) pairs of the op table), with
+    the profile's allocator figures (:func:`merge_allocators`: ``allocators`` and the note when there are none).
 
     A program's XLA reports are found beside its after-optimization dump (``module_NNNN.<name>...``) among
     ``hlo_files``; a report that cannot be read becomes a note and the live-range estimate is used.
@@ -584,12 +603,8 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, profile_files
             notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
                          "--xla_dump_hlo_as_text writes one): peak memory estimated from traceroof's live ranges")
         programs.append(pm)
-    try:
-        allocators, note = allocator_peaks(profile_files)
-    except TraceroofError as e:
-        allocators, note = (), f"allocator events not read: {e}"
-    if note and programs:
-        notes.append(note)
+    if allocator_note and programs:
+        notes.append(allocator_note)
     return MemoryView(tuple(sorted(programs, key=lambda p: -p.peak_bytes)), hbm_bytes, allocators, tuple(notes))
 
 
@@ -605,7 +620,8 @@ def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None) -> Memo
             for pid, mod, op, layer in zip(pids, mods, ops["hlo_op"].array[firsts], ops["layer"].array[firsts]):
                 key = (int(pid) if not pd.isna(pid) else None, str(mod))
                 layers.setdefault(key, {})[str(op)] = str(layer)
-    return memory_view(profile.modules, profile.inputs.hlo_files, profile.inputs.profiles, ran, hbm_bytes, layers)
+    return memory_view(profile.modules, profile.inputs.hlo_files, profile.allocators, profile.allocator_note, ran,
+                       hbm_bytes, layers)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from traceroof.asyncends import async_notes
 from traceroof.hlo_source import fingerprint
 from traceroof.hostactivity import empty_activity, shifted_activity
 from traceroof.host import HostEvents, HostTask, read_host, step_notes
+from traceroof.memory import NO_ALLOCATOR_EVENTS, AllocatorPeak, merge_allocators
 from traceroof.parallel import map_hosts
 
 MAX_HOST_SKEW_PS = DURATION_LIMIT_PS  # hosts whose profile_start_time differ by more are not aligned (13 days)
@@ -54,6 +55,8 @@ class Profile:
     dump_sources: frozenset[str] = frozenset()  # HLO text files superseded by the profile's own HLO
     decoder: str = ""
     host_activity: pd.DataFrame = field(default_factory=empty_activity)  # traceroof.hostactivity, one clock
+    allocators: tuple[AllocatorPeak, ...] = ()  # traceroof.memory.merge_allocators of the hosts'
+    allocator_note: str = NO_ALLOCATOR_EVENTS
 
 
 def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None = None) -> Profile:
@@ -178,4 +181,5 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
                    plane_stats, notes, {k: v for k, v in sources.items() if v}, superseded,
                    ",".join(sorted({h.decoder for h in hosts} - {""})),
                    shifted_activity([(h.host_activity, (s - base) * 1000 if s is not None and base is not None
-                                      else 0) for h, s in zip(hosts, starts) if not h.events.empty]))
+                                      else 0) for h, s in zip(hosts, starts) if not h.events.empty]),
+                   *merge_allocators(h.allocators for h in hosts))
