@@ -33,7 +33,7 @@ def _column_codes(col: Any) -> tuple[np.ndarray, int]:
     """(int64 codes in 0..n-1, n) of one column: equal values share a code, NA has one of its own."""
     if isinstance(getattr(col, "dtype", None), pd.CategoricalDtype):
         cat = col.array if isinstance(col, pd.Series) else col
-        return cat.codes.astype(np.int64) + 1, len(cat.categories) + 1  # code -1 (NA) -> 0
+        return np.add(cat.codes, 1, dtype=np.int64), len(cat.categories) + 1  # code -1 (NA) -> 0
     if getattr(col, "dtype", None) == np.dtype(bool):
         return np.asarray(col).astype(np.int64), 2
     codes, uniques = pd.factorize(col, use_na_sentinel=False)

@@ -267,7 +267,7 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float, stats
     time = group_sum(group, measured, n) * k
     with np.errstate(divide="ignore", invalid="ignore"):
         efficiency = np.where(meas_exp > 0, exp / meas_exp, np.nan)
-    out = pd.DataFrame({
+    out = {
         "layer": layer[first], "phase": phase[first],
         "ops": np.bincount(group[named][distinct], minlength=n).astype(np.int64), "time_per_step_s": time,
         "share_of_step": time / step_time_s if step_time_s > 0 else np.full(n, np.nan),
@@ -276,11 +276,11 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float, stats
         "expected_per_step_s": exp, "efficiency": efficiency, "bound": bound,
         "lost_per_step_s": group_sum(group, np.nan_to_num(d["lost_s"].to_numpy(np.float64)), n) * k,
         "exposed_comm_per_step_s": exposed, "worst_op": _worst_ops(d, group, n, k, stats),
-        **_instance_spreads(d, group, n, k)}, columns=cols)
+        **_instance_spreads(d, group, n, k)}
     phase_rank = [PHASE_ORDER.get(p, 9) for p in phase[first]]
     layer_rank = np.unique(layer[first], return_inverse=True)[1]
     order = np.lexsort((phase_rank, layer_rank, -time))  # time, largest first; ties keep their order
-    return out.take(order).reset_index(drop=True)
+    return pd.DataFrame({c: out[c][order] for c in cols})
 
 
 def _bounds(d: pd.DataFrame, group: np.ndarray, has_exp: np.ndarray, expected: np.ndarray, default: np.ndarray

@@ -173,19 +173,18 @@ def top_ops(counted: pd.DataFrame, per: float, n: int, stats: pd.DataFrame | Non
         median_lost = (median - expected / executions) * executions
         median_time = median * executions
         efficiency = expected / time
-    agg = pd.DataFrame({
+    agg = {
         "module": module[first], "program_id": pd.arrays.IntegerArray(pid[first], pid[first] < 0),
         "hlo_op": hlo_op[first], **{c: first_given(c) for c in ("opcode", "category", "layer", "phase")},
         "executions_per_step": executions, "time_per_step_s": time, "expected_per_step_s": expected,
         "lost_per_step_s": total("lost_s", 1), "median_s": median, "p90_s": stat("p90_s"),
         "spread": stat("spread"), "outlier_executions": np.nan_to_num(stat("outlier_executions")).astype(np.int64),
         "median_lost_per_step_s": median_lost, "efficiency": efficiency,
-        **{c: first_given(c) for c in ("bound", "shape", "operand_shapes")}}, columns=cols)
+        **{c: first_given(c) for c in ("bound", "shape", "operand_shapes")}}
     names = np.unique(hlo_op[first], return_inverse=True)[1]
     # most median lost time first, then most median time (NaN last), then by name
-    order = np.lexsort((names, -median_time, -median_lost))
-    return agg.take(order[:n]).reset_index(drop=True)
-
+    top = np.lexsort((names, -median_time, -median_lost))[:n]
+    return pd.DataFrame({c: agg[c][top] for c in cols})
 
 OP_KEY = ["layer", "phase", "scope", "opcode", "category", "dtype", "shape", "operand_shapes", "collective_group"]
 

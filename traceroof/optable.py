@@ -58,14 +58,15 @@ def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
     (count), ``duration_ps`` (sum), ``start_ps`` (first start) and, for TPU profiles, the sums of libtpu's per-op
     costs (NaN for a row where some event lacks them); and the :class:`Timeline` of the events."""
     keys = [c for c in ROW_KEY if c in events]
-    row = group_codes([events[c] for c in keys]) if keys else np.zeros(len(events), np.int64)
+    key_columns = [events[c] for c in keys]
+    row = group_codes(key_columns) if keys else np.zeros(len(events), np.int64)
     n_rows = int(row.max()) + 1 if len(row) else 0
     order = np.argsort(row, kind="stable")
     bounds = np.flatnonzero(np.diff(row[order], prepend=-1)) if len(row) else np.zeros(0, np.int64)
     first = order[bounds]
     start = events["start_ps"].to_numpy(np.int64)
     duration = events["duration_ps"].to_numpy(np.int64)
-    cols: dict[str, object] = {c: events[c].array.take(first) for c in keys}
+    cols: dict[str, object] = {c: col.array.take(first) for c, col in zip(keys, key_columns)}
     cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
     cols["duration_ps"] = np.add.reduceat(duration[order], bounds) if n_rows else np.zeros(0, np.int64)
     cols["start_ps"] = np.minimum.reduceat(start[order], bounds) if n_rows else np.zeros(0, np.int64)
