@@ -133,16 +133,18 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     if framework:
         notes.append("no XLA ops in this profile (framework ops without HLO, e.g. TensorFlow without XLA): times "
                      "per framework op and name scope only; no HLO roofline is possible")
-    unattributed = ops[~ops["attributed"]] if "attributed" in ops and not framework else ops.iloc[:0]
-    if len(unattributed):
-        share = unattributed["duration_ps"].sum() / max(join.time_total_ps, 1)
-        kernels = ", ".join(sorted(unattributed["kernel"].astype(str).unique())[:3])
-        n_kernels = int(unattributed["events"].sum())
-        notes.append(f"{n_kernels:,} kernel events ({share:.1%} of kernel time) carry no hlo_op: "
+    unattributed = ~ops["attributed"].to_numpy(bool) if "attributed" in ops and not framework else \
+        np.zeros(len(ops), bool)
+    unattributed_ps = int(ops["duration_ps"].to_numpy()[unattributed].sum())
+    unattributed_events = int(ops["events"].to_numpy()[unattributed].sum())
+    if unattributed.any():
+        share = unattributed_ps / max(join.time_total_ps, 1)
+        kernels = ", ".join(sorted(ops["kernel"][unattributed].astype(str).unique())[:3])
+        notes.append(f"{unattributed_events:,} kernel events ({share:.1%} of kernel time) carry no hlo_op: "
                      f"unattributed kernel time ({kernels})")
-    missing = join.events_total - join.events_joined - int(unattributed["events"].sum())
+    missing = join.events_total - join.events_joined - unattributed_events
     if profile.modules and missing > 0:
-        share = 1 - (join.time_joined_ps + unattributed["duration_ps"].sum()) / max(join.time_total_ps, 1)
+        share = 1 - (join.time_joined_ps + unattributed_ps) / max(join.time_total_ps, 1)
         notes.append(f"{missing:,} of {join.events_total:,} op events "
                      f"({share:.1%} of op time) have no HLO"
                      + (f" (modules without HLO: {', '.join(join.unmatched_modules[:5])})"
@@ -185,8 +187,9 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
     step_mean = float(durations.mean()) if len(durations) else float("nan")
     step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
-    ops["step"] = ops["step"].where(ops["step"].isin(used))
-    counted = ops[ops["counted"] & ops["step"].notna()]  # op rows of the used steps
+    in_used = ops["step"].isin(used).to_numpy(bool)
+    ops["step"] = ops["step"].where(in_used)
+    counted = ops[ops["counted"].to_numpy(bool) & in_used]  # op rows of the used steps
     n_dev = max(counted["device"].nunique(), 1)
     stats = execution_stats(counted, timeline)
     skew = arrival_skew(ops, timeline)

@@ -1,10 +1,11 @@
 """Group ids over several columns: the one way traceroof turns (column, column, ...) keys into integers, so group
 sums and sorts run on int64 arrays instead of tuples (a MultiIndex of millions of tuples is what made the op
-table slow)."""
+table slow); and the numpy group sums, medians and look-ups the table stages share (pandas' groupby costs a
+fixed 0.1-1 ms per call, which is most of the time on the tens of rows of a small profile)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -12,14 +13,31 @@ import pandas as pd
 
 def group_codes(columns: Sequence[Any]) -> np.ndarray:
     """Per row, a dense group id (0..n-1 in order of first appearance) shared by the rows whose values are equal in
-    every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes,
-    re-factorized after each column so they stay below the row count (no overflow)."""
+    every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes over
+    the columns' own codes (a Categorical's codes as they are, other columns factorized), factorized once at the
+    end, or sooner where the radix would overflow int64."""
     n_rows = len(columns[0]) if len(columns) else 0
     group = np.zeros(n_rows, np.int64)
+    radix = 1
     for col in columns:
-        codes, uniques = pd.factorize(col, use_na_sentinel=False)
-        group = pd.factorize(group * (len(uniques) + 1) + codes.astype(np.int64))[0].astype(np.int64)
-    return group
+        codes, n = _column_codes(col)
+        if radix * n >= 1 << 62:
+            group, uniques = pd.factorize(group)
+            radix = len(uniques)
+        group = group * n + codes
+        radix *= n
+    return pd.factorize(group)[0].astype(np.int64)
+
+
+def _column_codes(col: Any) -> tuple[np.ndarray, int]:
+    """(int64 codes in 0..n-1, n) of one column: equal values share a code, NA has one of its own."""
+    if isinstance(getattr(col, "dtype", None), pd.CategoricalDtype):
+        cat = col.array if isinstance(col, pd.Series) else col
+        return np.add(cat.codes, 1, dtype=np.int64), len(cat.categories) + 1  # code -1 (NA) -> 0
+    if getattr(col, "dtype", None) == np.dtype(bool):
+        return np.asarray(col).astype(np.int64), 2
+    codes, uniques = pd.factorize(col, use_na_sentinel=False)
+    return codes.astype(np.int64), len(uniques)
 
 
 def first_rows(group: np.ndarray) -> np.ndarray:
@@ -27,6 +45,56 @@ def first_rows(group: np.ndarray) -> np.ndarray:
     first = np.zeros(int(group.max()) + 1 if len(group) else 0, np.int64)
     first[group[::-1]] = np.arange(len(group))[::-1]
     return first
+
+
+def group_sum(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Per group id (0..n-1), the sum of ``values`` (float64), NaN skipped as pandas' ``sum`` does (a group of
+    NaN only sums to 0)."""
+    values = np.asarray(values, np.float64)
+    return np.bincount(group, weights=np.where(np.isnan(values), 0.0, values), minlength=n)
+
+
+def group_mean(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Per group id (0..n-1), the mean of ``values``, NaN skipped as pandas' ``mean`` (NaN for a group without
+    values)."""
+    values = np.asarray(values, np.float64)
+    count = np.bincount(group, weights=~np.isnan(values), minlength=n)
+    return group_sum(group, values, n) / np.where(count > 0, count, np.nan)
+
+
+def group_median(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
+    """Per group id (0..n-1), the median of ``values`` as pandas' ``median``: NaN skipped, the mean of the two
+    middle values for an even count, NaN for a group without values."""
+    values = np.asarray(values, np.float64)
+    ok = ~np.isnan(values)
+    g, v = group[ok], values[ok]
+    order = np.lexsort((v, g))
+    g, v = g[order], v[order]
+    size = np.bincount(g, minlength=n)
+    start = np.cumsum(size) - size
+    has = size > 0
+    lo, hi = (start + (size - 1) // 2)[has], (start + size // 2)[has]
+    out = np.full(n, np.nan)
+    out[has] = np.where(lo == hi, v[lo], (v[lo] + v[hi]) / 2)
+    return out
+
+
+def as_text(col: pd.Series) -> np.ndarray:
+    """``col.astype(str)`` as an object array (NA stays NaN); a Categorical's categories are converted once each,
+    not per row."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        cat = col.array
+        names = np.append(np.asarray(cat.categories.astype(str), dtype=object), np.nan)  # code -1: NA
+        return names[cat.codes]
+    return np.asarray(col.astype(str), dtype=object)
+
+
+def positions(index: pd.Index, keys: Iterable[Any]) -> np.ndarray:
+    """Per key (a tuple for a MultiIndex), its position in ``index`` (unique labels); -1 where absent. A dict
+    look-up: ``reindex`` builds a MultiIndex of the keys first, which costs more than the look-up on small
+    tables."""
+    at = {label: i for i, label in enumerate(index)}
+    return np.fromiter((at.get(key, -1) for key in keys), np.int64)
 
 
 def na_int64(n: int) -> pd.arrays.IntegerArray:

@@ -14,6 +14,8 @@ from typing import Iterable, Mapping
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import as_text, first_rows, group_codes, group_median, group_sum, positions
+
 NO_SCOPE = "(no scope)"
 TOP_LEVEL = "(top level)"
 # phase of work that is neither the model's forward, backward nor optimizer: jax.random outside any layer (the
@@ -239,105 +241,119 @@ def rollup(ops: pd.DataFrame, per_step_divisor: float, step_time_s: float, stats
     cols = ["layer", "phase", "ops", "time_per_step_s", "share_of_step", "flops_per_step", "hbm_bytes_per_step",
             "expected_per_step_s", "efficiency", "bound", "lost_per_step_s", "exposed_comm_per_step_s", "worst_op",
             "instances", "instance_min_s", "instance_median_s", "instance_max_s"]
-    d = ops[ops["counted"] & ops["step"].notna()]
-    if d.empty or per_step_divisor <= 0:
+    layer, phase = as_text(ops["layer"]), as_text(ops["phase"])
+    used = ops["counted"].to_numpy(bool) & ops["step"].notna().to_numpy() & pd.notna(layer) & pd.notna(phase)
+    if not used.any() or per_step_divisor <= 0:
         return pd.DataFrame(columns=cols)
+    d, layer, phase = (ops, layer, phase) if used.all() else (ops[used], layer[used], phase[used])
     k = 1.0 / per_step_divisor
-    lp = ["layer", "phase"]
-    key = pd.DataFrame({"layer": d["layer"].astype(str).to_numpy(), "phase": d["phase"].astype(str).to_numpy()},
-                       index=d.index)
-    has_exp = d["expected_s"].notna().to_numpy()
-    cols_in = pd.DataFrame({
-        "measured": d["measured_s"].to_numpy(np.float64),
-        "exp": np.where(has_exp, d["expected_s"].to_numpy(np.float64), 0.0),
-        "meas_exp": np.where(has_exp, d["measured_s"].to_numpy(np.float64), 0.0),
-        "flops": d["flops"].to_numpy(np.float64), "hbm": d["hbm_bytes"].to_numpy(np.float64),
-        "lost": np.nan_to_num(d["lost_s"].to_numpy(np.float64)),
-        "exposed": np.nan_to_num(d["comm_exposed_s"].to_numpy(np.float64)) if "comm_exposed_s" in d else 0.0,
-        "opaque": d["opaque"].to_numpy(bool)}, index=d.index)
-    g = pd.concat([key, cols_in], axis=1).groupby(lp, sort=False)
-    out = g[["measured", "exp", "meas_exp", "flops", "hbm", "lost", "exposed"]].sum() * k
-    out["opaque"] = g["opaque"].any()
-    out["ops"] = d.groupby([key["layer"], key["phase"]], sort=False)["hlo_op"].nunique()
-    # bound: the one holding most expected time (ties: the first in the bound column's order)
-    e = d[has_exp]
-    if len(e):
-        bounds = pd.Categorical(e["bound"])
-        by_bound = pd.DataFrame({"layer": key.loc[e.index, "layer"], "phase": key.loc[e.index, "phase"],
-                                 "b": bounds.codes, "x": e["expected_s"].to_numpy(np.float64)}).groupby(
-            [*lp, "b"], sort=True)["x"].sum().reset_index()
-        best = by_bound.sort_values([*lp, "x", "b"], ascending=[True, True, False, True], kind="stable") \
-            .drop_duplicates(lp).set_index(lp)["b"]
-        out["bound"] = pd.Series(np.asarray(bounds.categories)[best.to_numpy()], index=best.index)
-    else:
-        out["bound"] = np.nan
-    out["bound"] = out["bound"].where(out["bound"].notna(), np.where(out["opaque"], "opaque", "unknown"))
-    out["worst_op"] = _worst_ops(d, key, k, stats).reindex(out.index).fillna("")
-    spread = _instance_spreads(d, key, k)
-    out = out.join(spread)
-    out["instances"] = out["instances"].fillna(1).astype(np.int64)
-    out = out.reset_index()
-    out = pd.DataFrame({
-        "layer": out["layer"], "phase": out["phase"], "ops": out["ops"], "time_per_step_s": out["measured"],
-        "share_of_step": out["measured"] / step_time_s if step_time_s > 0 else np.nan,
-        "flops_per_step": out["flops"], "hbm_bytes_per_step": out["hbm"], "expected_per_step_s": out["exp"],
-        "efficiency": np.where(out["meas_exp"] > 0, out["exp"] / out["meas_exp"].where(out["meas_exp"] > 0), np.nan),
-        "bound": out["bound"].astype(str), "lost_per_step_s": out["lost"], "exposed_comm_per_step_s": out["exposed"],
-        "worst_op": out["worst_op"], "instances": out["instances"], "instance_min_s": out["instance_min_s"],
-        "instance_median_s": out["instance_median_s"], "instance_max_s": out["instance_max_s"]}, columns=cols)
-    out["_p"] = out["phase"].map(PHASE_ORDER).fillna(9)
-    out = out.sort_values(["time_per_step_s", "layer", "_p"], ascending=[False, True, True], kind="stable")
-    return out.drop(columns="_p").reset_index(drop=True)
+    group = group_codes([layer, phase])  # (layer, phase) in order of first appearance
+    first = first_rows(group)
+    n = len(first)
+    measured = d["measured_s"].to_numpy(np.float64)
+    expected = d["expected_s"].to_numpy(np.float64)
+    has_exp = ~np.isnan(expected)
+    exp = group_sum(group, np.where(has_exp, expected, 0.0), n) * k
+    meas_exp = group_sum(group, np.where(has_exp, measured, 0.0), n) * k
+    exposed = group_sum(group, np.nan_to_num(d["comm_exposed_s"].to_numpy(np.float64)), n) * k \
+        if "comm_exposed_s" in d else np.zeros(n)
+    op_codes = pd.factorize(d["hlo_op"])[0]  # -1: no op name, not counted
+    named = np.flatnonzero(op_codes >= 0)
+    distinct = first_rows(group_codes([group[named], op_codes[named]]))
+    opaque = np.bincount(group, weights=d["opaque"].to_numpy(bool), minlength=n) > 0
+    bound = np.where(opaque, "opaque", "unknown").astype(object)  # where no row has an expectation
+    if has_exp.any():
+        bound = _bounds(d, group, has_exp, expected, bound)
+    time = group_sum(group, measured, n) * k
+    with np.errstate(divide="ignore", invalid="ignore"):
+        efficiency = np.where(meas_exp > 0, exp / meas_exp, np.nan)
+    out = {
+        "layer": layer[first], "phase": phase[first],
+        "ops": np.bincount(group[named][distinct], minlength=n).astype(np.int64), "time_per_step_s": time,
+        "share_of_step": time / step_time_s if step_time_s > 0 else np.full(n, np.nan),
+        "flops_per_step": group_sum(group, d["flops"].to_numpy(np.float64), n) * k,
+        "hbm_bytes_per_step": group_sum(group, d["hbm_bytes"].to_numpy(np.float64), n) * k,
+        "expected_per_step_s": exp, "efficiency": efficiency, "bound": bound,
+        "lost_per_step_s": group_sum(group, np.nan_to_num(d["lost_s"].to_numpy(np.float64)), n) * k,
+        "exposed_comm_per_step_s": exposed, "worst_op": _worst_ops(d, group, n, k, stats),
+        **_instance_spreads(d, group, n, k)}
+    phase_rank = [PHASE_ORDER.get(p, 9) for p in phase[first]]
+    layer_rank = np.unique(layer[first], return_inverse=True)[1]
+    order = np.lexsort((phase_rank, layer_rank, -time))  # time, largest first; ties keep their order
+    return pd.DataFrame({c: out[c][order] for c in cols})
 
 
-def _worst_ops(d: pd.DataFrame, key: pd.DataFrame, k: float, stats: pd.DataFrame | None) -> pd.Series:
-    """Per (layer, phase) of the rows ``d`` (``key``: their layer and phase as text): the op losing most time per
-    step judged on its MEDIAN execution: (median measured per execution − expected per execution) x executions
-    per step (``k`` = 1 / per-step divisor), so one slow outlier run does not make an op the worst. The median of
-    single executions comes from ``stats`` (index module, program id (-1 for none), HLO op; column
-    ``midpoint_median_s``) where given, else the median of the rows' means. Ops without an expectation are not
-    candidates; ties go to the first op name in order."""
-    e = d[d["expected_s"].notna()]
-    if e.empty:
-        return pd.Series(dtype=object)
-    execs = e["executions"].to_numpy(np.float64) if "executions" in e else np.ones(len(e))
+def _bounds(d: pd.DataFrame, group: np.ndarray, has_exp: np.ndarray, expected: np.ndarray, default: np.ndarray
+            ) -> np.ndarray:
+    """Per group of the rows ``d``: the bound holding most expected time (ties: the first in the bound column's
+    order); ``default`` for groups whose rows have no expectation."""
+    bounds = pd.Categorical(d["bound"].array[has_exp])
+    g, b = group[has_exp], bounds.codes.astype(np.int64)
+    pair = group_codes([g, b])
+    first = first_rows(pair)
+    x = np.bincount(pair, weights=expected[has_exp])
+    order = np.lexsort((b[first], -x, g[first]))  # per group: most time first, then the first bound
+    best = order[np.flatnonzero(np.diff(g[first][order], prepend=-1))]
+    out = default.copy()
+    out[g[first][best]] = np.asarray(bounds.categories)[b[first][best]]
+    return out
+
+
+def _worst_ops(d: pd.DataFrame, group: np.ndarray, n: int, k: float, stats: pd.DataFrame | None) -> np.ndarray:
+    """Per group id (0..n-1) of the rows ``d``: the op losing most time per step judged on its MEDIAN execution:
+    (median measured per execution − expected per execution) x executions per step (``k`` = 1 / per-step
+    divisor), so one slow outlier run does not make an op the worst; '' for a group without candidates. The median
+    of single executions comes from ``stats`` (index module, program id (-1 for none), HLO op; column
+    ``midpoint_median_s``) where given, else the median of the rows' means. Ops without an expectation (or a
+    name) are not candidates; ties go to the first op name in order."""
+    out = np.full(n, "", dtype=object)
+    e = np.flatnonzero(d["expected_s"].notna().to_numpy() & d["hlo_op"].notna().to_numpy())
+    if not len(e):
+        return out
+    execs = d["executions"].to_numpy(np.float64)[e] if "executions" in d else np.ones(len(e))
     execs = np.where(execs > 0, execs, 1.0)
-    m = e["measured_s"].to_numpy(np.float64) / execs
+    m = d["measured_s"].to_numpy(np.float64)[e] / execs
+    op = as_text(d["hlo_op"])[e]
     if stats is not None and len(stats):
-        ident = pd.MultiIndex.from_arrays([e["module"].astype(str), e["program_id"].to_numpy(dtype="int64", na_value=-1),
-                                           e["hlo_op"].astype(str)])
-        median = stats["midpoint_median_s"].reindex(ident).to_numpy()
+        pid = d["program_id"].to_numpy(dtype="int64", na_value=-1)[e]
+        at = positions(stats.index, zip(as_text(d["module"])[e], pid, op))
+        median = np.where(at >= 0, stats["midpoint_median_s"].to_numpy(np.float64)[at], np.nan)
         m = np.where(np.isnan(median), m, median)
-    t = pd.DataFrame({"layer": key.loc[e.index, "layer"].to_numpy(), "phase": key.loc[e.index, "phase"].to_numpy(),
-                      "op": e["hlo_op"].astype(str).to_numpy(), "m": m,
-                      "e": e["expected_s"].to_numpy(np.float64) / execs, "n": execs})
-    per = t.groupby(["layer", "phase", "op"], sort=True).agg(m=("m", "median"), e=("e", "median"), n=("n", "sum"))
-    per["lost"] = (per["m"] - per["e"]) * per["n"] * k
-    per = per.reset_index()
-    best = per.loc[per.groupby(["layer", "phase"], sort=False)["lost"].idxmax()]
-    return best.set_index(["layer", "phase"])["op"]
+    names, op_rank = np.unique(op, return_inverse=True)  # sorted names: ties go to the first
+    per = group_codes([group[e], op_rank])  # one candidate per (group, op)
+    first = first_rows(per)
+    lost = (group_median(per, m, len(first)) - group_median(per, d["expected_s"].to_numpy(np.float64)[e] / execs,
+                                                                 len(first))) * np.bincount(per, weights=execs) * k
+    g = group[e][first]
+    order = np.lexsort((op_rank[first], -lost, g))  # per group: most lost first (NaN last), then the first name
+    best = order[np.flatnonzero(np.diff(g[order], prepend=-1))]
+    out[g[best]] = names[op_rank[first][best]]
+    return out
 
 
 def worst_op(g: pd.DataFrame, k: float, stats: pd.DataFrame | None = None) -> str:
     """:func:`_worst_ops` of rows that are one layer and phase: the op name, '' when none has an expectation."""
-    key = pd.DataFrame({"layer": "", "phase": ""}, index=g.index)
-    best = _worst_ops(g, key, k, stats)
-    return str(best.iloc[0]) if len(best) else ""
+    return str(_worst_ops(g, np.zeros(len(g), np.int64), 1, k, stats)[0])
 
 
-def _instance_spreads(d: pd.DataFrame, key: pd.DataFrame, k: float) -> pd.DataFrame:
-    """Per (layer, phase): ``instances`` (repeated-block instances among the rows; column ``instance``) and the
-    ``instance_min_s`` / ``instance_median_s`` / ``instance_max_s`` of their time per step (empty without)."""
-    cols = ["instances", "instance_min_s", "instance_median_s", "instance_max_s"]
-    if "instance" not in d:
-        return pd.DataFrame(columns=cols, index=pd.MultiIndex.from_tuples([], names=["layer", "phase"]))
-    inst = d["instance"].astype(str).to_numpy()
-    on = inst != ""
-    if not on.any():
-        return pd.DataFrame(columns=cols, index=pd.MultiIndex.from_tuples([], names=["layer", "phase"]))
-    t = pd.DataFrame({"layer": key["layer"].to_numpy()[on], "phase": key["phase"].to_numpy()[on], "inst": inst[on],
-                      "s": d["measured_s"].to_numpy(np.float64)[on]})
-    per = t.groupby(["layer", "phase", "inst"], sort=False)["s"].sum() * k
-    g = per.groupby(level=[0, 1], sort=False)
-    return pd.DataFrame({"instances": g.size(), "instance_min_s": g.min(), "instance_median_s": g.median(),
-                         "instance_max_s": g.max()})
+def _instance_spreads(d: pd.DataFrame, group: np.ndarray, n: int, k: float) -> dict[str, np.ndarray]:
+    """Per group id (0..n-1) of the rows ``d``: ``instances`` (repeated-block instances among the rows; column
+    ``instance``; 1 without) and the ``instance_min_s`` / ``instance_median_s`` / ``instance_max_s`` of their time
+    per step (NaN without)."""
+    none = np.full(n, np.nan)
+    inst = as_text(d["instance"]) if "instance" in d else np.zeros(0, object)
+    on = np.flatnonzero((inst != "") & pd.notna(inst))
+    if not len(on):
+        return {"instances": np.ones(n, np.int64), "instance_min_s": none, "instance_median_s": none,
+                "instance_max_s": none}
+    per = group_codes([group[on], inst[on]])  # one per (group, instance)
+    first = first_rows(per)
+    s = group_sum(per, d["measured_s"].to_numpy(np.float64)[on], len(first)) * k
+    g = group[on][first]
+    lo, hi = np.full(n, np.inf), np.full(n, -np.inf)
+    np.minimum.at(lo, g, s)
+    np.maximum.at(hi, g, s)
+    count = np.bincount(g, minlength=n)
+    return {"instances": np.where(count > 0, count, 1).astype(np.int64),
+            "instance_min_s": np.where(count > 0, lo, np.nan), "instance_median_s": group_median(g, s, n),
+            "instance_max_s": np.where(count > 0, hi, np.nan)}

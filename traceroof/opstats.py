@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import first_rows, group_codes
+from traceroof.codes import as_text, first_rows, group_codes, group_sum, positions
 from traceroof.optable import Timeline
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
@@ -24,7 +24,9 @@ def _grouped_quantiles(op: np.ndarray, t: np.ndarray, w: np.ndarray, n_ops: int,
     an actual execution time, the lower middle one for an even count); the max; the total weight; and the
     unweighted median of the samples (the mean of the two middle ones for an even count, as pandas'
     ``median``)."""
-    order = np.lexsort((t, op))
+    # by op, then time; equal times may come in any order: they give the same quantiles, max and median
+    order = np.argsort(t)
+    order = order[np.argsort(op[order].astype(np.min_scalar_type(n_ops)), kind="stable")]  # radix: small ints
     op, t, w = op[order], t[order], w[order]
     total = np.bincount(op, weights=w, minlength=n_ops)
     cum = np.cumsum(w)
@@ -35,9 +37,9 @@ def _grouped_quantiles(op: np.ndarray, t: np.ndarray, w: np.ndarray, n_ops: int,
     for q in qs:
         reached = within >= q * total[op] - 1e-9 * total[op]
         idx = np.flatnonzero(reached)
-        ops_hit, at = np.unique(op[idx], return_index=True)
+        at = idx[np.flatnonzero(np.diff(op[idx], prepend=-1))]  # each op's first sample reaching q
         v = np.full(n_ops, np.nan)
-        v[ops_hit] = t[idx[at]]
+        v[op[at]] = t[at]
         out[q] = v
     last = np.append(first[1:], len(op)) - 1
     mx = np.full(n_ops, np.nan)
@@ -64,7 +66,7 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
     """
     if counted.empty:
         return pd.DataFrame(columns=STATS_COLUMNS, index=pd.MultiIndex.from_tuples([], names=OP_ID))
-    module, hlo_op = pd.Categorical(counted["module"]), pd.Categorical(counted["hlo_op"])
+    module, hlo_op = _categorical(counted["module"]), _categorical(counted["hlo_op"])
     pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
     op_row = group_codes([module, pid, hlo_op])
     first_row = first_rows(op_row)
@@ -73,9 +75,9 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
         names = np.append(np.asarray(cat.categories.astype(str), dtype=object), "nan")  # code -1: NA
         return names[cat.codes[first_row]]
 
-    uniques = pd.MultiIndex.from_arrays([text(module), pid[first_row], text(hlo_op)])
-    n_ops = len(uniques)
+    n_ops = len(first_row)
     single = counted["kernels_per_execution"].to_numpy(np.float64) <= 1.0
+    measured, executions = counted["measured_s"].to_numpy(np.float64), counted["executions"].to_numpy(np.float64)
     parts_op, parts_t, parts_w = [], [], []
     if single.any() and timeline is not None:
         # each event of a single-kernel row is one execution: its own duration
@@ -88,31 +90,39 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
         parts_t.append(timeline.duration_ps[ev].astype(np.float64) * 1e-12)
         parts_w.append(np.ones(len(ev)))
     elif single.any():
-        one = counted[single]
         parts_op.append(op_row[single])
-        parts_t.append((one["measured_s"] / one["executions"]).to_numpy(np.float64))
-        parts_w.append(one["executions"].to_numpy(np.float64))
-    if not single.all():
-        many = counted[~single].assign(_op=op_row[~single],
-                                       step=counted.loc[~single, "step"].astype("float64").fillna(-1))
-        per_step = many.groupby(["_op", "device", "step"], observed=True, sort=False)[
-            ["measured_s", "executions"]].sum().reset_index()
-        parts_op.append(per_step["_op"].to_numpy(np.int64))
-        parts_t.append((per_step["measured_s"] / per_step["executions"]).to_numpy(np.float64))
-        parts_w.append(per_step["executions"].to_numpy(np.float64))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            parts_t.append(measured[single] / executions[single])
+        parts_w.append(executions[single])
+    many = np.flatnonzero(~single & counted["device"].notna().to_numpy())
+    if len(many):  # per (op, device, step) sums; rows without a step are one step of their own
+        step = counted["step"].to_numpy(dtype="float64", na_value=-1)[many]
+        per_step = group_codes([op_row[many], counted["device"].array[many], step])
+        m, x = np.bincount(per_step, weights=measured[many]), np.bincount(per_step, weights=executions[many])
+        parts_op.append(op_row[many][first_rows(per_step)])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            parts_t.append(m / x)
+        parts_w.append(x)
     op = np.concatenate(parts_op).astype(np.int64)
     t = np.concatenate(parts_t)
     w = np.concatenate(parts_w)
     q, mx, total, mid = _grouped_quantiles(op, t, w, n_ops, (0.5, 0.9))
     median = q[0.5]
     far = np.bincount(op, weights=np.where(t > OUTLIER_RATIO * median[op], w, 0.0), minlength=n_ops)
-    out = pd.DataFrame({"median_s": median, "p90_s": q[0.9]}, index=uniques.set_names(OP_ID))
-    out["spread"] = out["p90_s"] / out["median_s"].where(out["median_s"] > 0)
-    out["max_s"] = mx
-    out["samples"] = total
-    out["outlier_executions"] = np.where(total >= OUTLIER_MIN_EXECUTIONS, np.rint(far), 0).astype(np.int64)
-    out["midpoint_median_s"] = mid
-    return out[STATS_COLUMNS + ["midpoint_median_s"]].sort_index()
+    mod_t, pid_t, op_t = text(module), pid[first_row], text(hlo_op)
+    order = np.lexsort((np.unique(op_t, return_inverse=True)[1], pid_t, np.unique(mod_t, return_inverse=True)[1]))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        spread = q[0.9] / np.where(median > 0, median, np.nan)
+    out = {"median_s": median, "p90_s": q[0.9], "spread": spread, "max_s": mx, "samples": total,
+           "outlier_executions": np.where(total >= OUTLIER_MIN_EXECUTIONS, np.rint(far), 0).astype(np.int64),
+           "midpoint_median_s": mid}
+    return pd.DataFrame({c: v[order] for c, v in out.items()},  # sorted by module, program id, op
+                        index=pd.MultiIndex.from_arrays([mod_t[order], pid_t[order], op_t[order]], names=OP_ID))
+
+
+def _categorical(col: pd.Series) -> pd.Categorical:
+    """The column as a Categorical (its own when it is one)."""
+    return col.array if isinstance(col.dtype, pd.CategoricalDtype) else pd.Categorical(col)
 
 
 def top_ops(counted: pd.DataFrame, per: float, n: int, stats: pd.DataFrame | None = None) -> pd.DataFrame:
@@ -121,45 +131,60 @@ def top_ops(counted: pd.DataFrame, per: float, n: int, stats: pd.DataFrame | Non
     so a few slow executions (noise, contention, a first run) do not make an op the worst; ``lost_per_step_s``
     keeps the total (mean) figure that the layer table sums. Per execution: ``median_s``, ``p90_s``, ``spread``
     (p90 ÷ median) and ``outlier_executions`` (see :func:`execution_stats`, passed as ``stats`` when already
-    computed). With opcode, category, layer, phase, bound and shapes. Ops without an expectation (nothing joined
-    to HLO) are ranked by median time per step."""
+    computed). With opcode, category, layer, phase, bound and shapes (an op's first row's where given). Ops
+    without an expectation (nothing joined to HLO) are ranked by median time per step."""
     cols = ["module", "program_id", "hlo_op", "opcode", "category", "layer", "phase", "executions_per_step",
             "time_per_step_s", "expected_per_step_s", "lost_per_step_s", "median_s", "p90_s", "spread",
             "outlier_executions", "median_lost_per_step_s", "efficiency", "bound", "shape", "operand_shapes"]
-    d = counted[counted["joined"]]
-    if d.empty:  # nothing joined to HLO: rank by measured time instead
-        d = counted
-    if d.empty:
+    joined = counted["joined"].to_numpy(bool)
+    d = counted[joined] if joined.any() and not joined.all() else counted  # nothing joined: rank by time
+    rows = np.flatnonzero(d["module"].notna().to_numpy() & d["hlo_op"].notna().to_numpy())
+    if not len(rows):
         return pd.DataFrame(columns=cols)
-    d = d.assign(program_id=d["program_id"].fillna(-1))
-    g = d.groupby(OP_ID, observed=True, sort=False)
-    first = g.first()
-    agg = pd.DataFrame({
-        "executions_per_step": g["executions"].sum() / per,
-        "time_per_step_s": g["measured_s"].sum() / per,
-        "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
-        "lost_per_step_s": g["lost_s"].sum(min_count=1) / per,
-    })
-    agg["efficiency"] = agg["expected_per_step_s"] / agg["time_per_step_s"]
-    for c in ("opcode", "category", "layer", "phase", "bound", "shape", "operand_shapes"):
-        agg[c] = first[c].astype(str)
-    agg = agg.reset_index()
-    agg["module"] = agg["module"].astype(str)
-    agg["hlo_op"] = agg["hlo_op"].astype(str)
+    pid = d["program_id"].to_numpy(dtype="int64", na_value=-1)[rows]
+    module, hlo_op = as_text(d["module"])[rows], as_text(d["hlo_op"])[rows]
+    group = group_codes([d["module"].array[rows], pid, d["hlo_op"].array[rows]])
+    first = first_rows(group)
+    n_ops = len(first)
+
+    def total(c: str, min_count: int = 0) -> np.ndarray:
+        v = d[c].to_numpy(np.float64)[rows]
+        s = group_sum(group, v, n_ops) / per
+        return np.where(np.bincount(group, weights=~np.isnan(v), minlength=n_ops) >= min_count, s, np.nan)
+
+    def first_given(c: str) -> np.ndarray:  # the first row's value that is not NA, as text
+        v = d[c].array[rows]
+        given = np.flatnonzero(pd.notna(v))
+        at = np.full(n_ops, -1, np.int64)
+        at[group[given][::-1]] = given[::-1]
+        return np.where(at >= 0, as_text(d[c])[rows][at], np.nan)
+
+    executions, time = total("executions"), total("measured_s")
+    expected = total("expected_s", 1)
     if stats is None:
         stats = execution_stats(d)
-    st = stats.reindex(pd.MultiIndex.from_frame(agg[OP_ID]))
-    for c in ("median_s", "p90_s", "spread", "outlier_executions"):
-        agg[c] = st[c].to_numpy()
-    agg["outlier_executions"] = agg["outlier_executions"].fillna(0).astype(np.int64)
-    expected_per_exec = agg["expected_per_step_s"] / agg["executions_per_step"]
-    agg["median_lost_per_step_s"] = (agg["median_s"] - expected_per_exec) * agg["executions_per_step"]
-    agg["_median_time"] = agg["median_s"] * agg["executions_per_step"]
-    agg["program_id"] = agg["program_id"].astype("Int64").where(agg["program_id"] >= 0)
-    agg = agg.sort_values(["median_lost_per_step_s", "_median_time", "hlo_op"], ascending=[False, False, True],
-                          kind="stable", na_position="last")
-    return agg[cols].head(n).reset_index(drop=True)
+    at = positions(stats.index, zip(module[first], pid[first], hlo_op[first]))
 
+    def stat(c: str) -> np.ndarray:
+        return np.where(at >= 0, stats[c].to_numpy(np.float64)[at], np.nan)
+
+    median = stat("median_s")
+    with np.errstate(divide="ignore", invalid="ignore"):  # inf and NaN as pandas' arithmetic gives, silently
+        median_lost = (median - expected / executions) * executions
+        median_time = median * executions
+        efficiency = expected / time
+    agg = {
+        "module": module[first], "program_id": pd.arrays.IntegerArray(pid[first], pid[first] < 0),
+        "hlo_op": hlo_op[first], **{c: first_given(c) for c in ("opcode", "category", "layer", "phase")},
+        "executions_per_step": executions, "time_per_step_s": time, "expected_per_step_s": expected,
+        "lost_per_step_s": total("lost_s", 1), "median_s": median, "p90_s": stat("p90_s"),
+        "spread": stat("spread"), "outlier_executions": np.nan_to_num(stat("outlier_executions")).astype(np.int64),
+        "median_lost_per_step_s": median_lost, "efficiency": efficiency,
+        **{c: first_given(c) for c in ("bound", "shape", "operand_shapes")}}
+    names = np.unique(hlo_op[first], return_inverse=True)[1]
+    # most median lost time first, then most median time (NaN last), then by name
+    top = np.lexsort((names, -median_time, -median_lost))[:n]
+    return pd.DataFrame({c: agg[c][top] for c in cols})
 
 OP_KEY = ["layer", "phase", "scope", "opcode", "category", "dtype", "shape", "operand_shapes", "collective_group"]
 

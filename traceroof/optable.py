@@ -13,12 +13,13 @@ rows equals the sum of the events it covers; ``start_ps`` is the row's first sta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from parsers.hlo import Instruction, is_retiling
-from traceroof.codes import group_codes
+from traceroof.codes import first_rows, group_codes
 from traceroof.collectives import classify, module_devices
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
@@ -57,21 +58,23 @@ def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
     (count), ``duration_ps`` (sum), ``start_ps`` (first start) and, for TPU profiles, the sums of libtpu's per-op
     costs (NaN for a row where some event lacks them); and the :class:`Timeline` of the events."""
     keys = [c for c in ROW_KEY if c in events]
-    row = group_codes([events[c] for c in keys]) if keys else np.zeros(len(events), np.int64)
+    key_columns = [events[c] for c in keys]
+    row = group_codes(key_columns) if keys else np.zeros(len(events), np.int64)
     n_rows = int(row.max()) + 1 if len(row) else 0
     order = np.argsort(row, kind="stable")
     bounds = np.flatnonzero(np.diff(row[order], prepend=-1)) if len(row) else np.zeros(0, np.int64)
     first = order[bounds]
     start = events["start_ps"].to_numpy(np.int64)
     duration = events["duration_ps"].to_numpy(np.int64)
-    rows = events[keys].iloc[first].reset_index(drop=True)
-    rows["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
-    rows["duration_ps"] = np.add.reduceat(duration[order], bounds) if n_rows else np.zeros(0, np.int64)
-    rows["start_ps"] = np.minimum.reduceat(start[order], bounds) if n_rows else np.zeros(0, np.int64)
+    cols: dict[str, object] = {c: col.array.take(first) for c, col in zip(keys, key_columns)}
+    cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
+    cols["duration_ps"] = np.add.reduceat(duration[order], bounds) if n_rows else np.zeros(0, np.int64)
+    cols["start_ps"] = np.minimum.reduceat(start[order], bounds) if n_rows else np.zeros(0, np.int64)
     for c in TPU_COST_COLUMNS:
         if c in events:
             v = events[c].to_numpy(np.float64)
-            rows[c] = np.add.reduceat(v[order], bounds) if n_rows else np.zeros(0)  # NaN if any event lacks it
+            cols[c] = np.add.reduceat(v[order], bounds) if n_rows else np.zeros(0)  # NaN if any event lacks it
+    rows = pd.DataFrame(cols, copy=False)
     return rows, Timeline(row, start, duration)
 
 
@@ -110,13 +113,6 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: Sc
         "retiling": is_retiling(inst, model.operand_shape(inst, 0)),
         "collective": coll, "dot_precision": dot_precision(model, inst),
     }
-
-
-def _broadcast(values: list | np.ndarray, keys: np.ndarray) -> pd.Categorical:
-    """A categorical column of ``values`` (one per distinct op) taken at ``keys``."""
-    cat = pd.Categorical(values)
-    return pd.Categorical.from_codes(cat.codes[keys], categories=cat.categories) if len(keys) \
-        else pd.Categorical([])
 
 
 def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN,
@@ -167,77 +163,102 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
             ran_on = int(rows["device"][mod_idx == mi].nunique())
             devices_of[mi] = max(module_devices(modules[mi]), ran_on)
         attrs.append(_attrs(model, inst, optimizer_pattern, module_scopes[mi].get(inst.name), devices_of[mi]))
+    table = {c: [(a if a is not None else _BLANK)[c] for a in attrs] for c in _ATTR_COLUMNS}  # per op
     joined_u = np.array([a is not None for a in attrs] or [False])
-    table = pd.DataFrame([a if a is not None else _BLANK for a in attrs], columns=_ATTR_COLUMNS)
     # control ops (while/call/conditional): not counted when their bodies' ops show up as events
-    counted_u = np.array([not any((int(uniques[u]) >> 32, c) in comps_with_events for c in table.at[u, "called"])
-                          for u in range(len(uniques))] or [True])
-    # GPU: an op execution may launch several kernels (N:M); helper kernels (fills, copies) may run twice in
-    # one execution and autotuning kernels only once in the run. Estimator: executions of an op = the most
-    # common launch count among its kernel names (ties: the larger). Each kernel event carries executions /
-    # events of the op's cost, so sums over rows count executions x cost. CPU and TPU: one per execution.
+    counted_u = np.array([not any((int(uniques[u]) >> 32, c) in comps_with_events for c in called)
+                          for u, called in enumerate(table["called"])] or [True])
     kernel_codes = rows["kernel"].cat.codes.to_numpy() if "kernel" in rows else np.zeros(len(rows), np.int64)
-    counts = pd.DataFrame({"k": keys, "kernel": kernel_codes, "n": n_events}).groupby(
-        ["k", "kernel"], sort=False)["n"].sum().reset_index()
-    freq = counts.groupby(["k", "n"]).size().rename("names").reset_index()
-    mode = freq.sort_values(["k", "names", "n"], ascending=[True, False, False]).drop_duplicates("k")
-    executions = mode.set_index("k")["n"].reindex(range(len(uniques)), fill_value=1).to_numpy(np.float64)
+    executions = _executions_per_op(keys, kernel_codes, n_events, len(uniques))
     events_u = np.bincount(keys, weights=n_events, minlength=len(uniques)).astype(np.float64)
     k_u = np.maximum(events_u / np.maximum(executions, 1.0), 1.0)
-    out = rows
-    out["measured_s"] = rows["duration_ps"].to_numpy(np.float64) * 1e-12
-    out["joined"] = joined_u[keys] if len(rows) else np.zeros(0, bool)
-    out["kernels_per_execution"] = k_u[keys] if len(rows) else np.zeros(0)
-    out["executions"] = n_events / out["kernels_per_execution"].to_numpy() if len(rows) else np.zeros(0)
-    collectives = list(table["collective"])
+    collectives = table["collective"]
     coll_id = np.array([i if c is not None else -1 for i, c in enumerate(collectives)] or [-1], dtype=np.int64)
-    out["collective_id"] = coll_id[keys] if len(rows) else np.zeros(0, np.int64)
-    out.attrs["collectives"] = SharedList(collectives)
-    out["collective_group"] = _broadcast([f"{c.kind}/{c.group_size}x{c.num_groups}" if c is not None else ""
-                                          for c in collectives] or [""], keys)
+    cols: dict[str, object] = {c: rows[c].array for c in rows.columns}
+    cols["measured_s"] = rows["duration_ps"].to_numpy(np.float64) * 1e-12
+    cols["joined"] = joined_u[keys] if len(rows) else np.zeros(0, bool)
+    cols["kernels_per_execution"] = k_u[keys] if len(rows) else np.zeros(0)
+    cols["executions"] = n_events / cols["kernels_per_execution"] if len(rows) else np.zeros(0)
+    cols["collective_id"] = coll_id[keys] if len(rows) else np.zeros(0, np.int64)
+    cols["collective_group"] = _broadcast([f"{c.kind}/{c.group_size}x{c.num_groups}" if c is not None else ""
+                                           for c in collectives] or [""], keys)
     for col in _ATTR_COLUMNS:
         if col in ("called", "collective"):
             continue
-        vals = table[col].to_numpy()
         if col in ADDITIVE:
-            out[col] = (vals.astype(np.float64) / k_u)[keys] * n_events if len(rows) else np.zeros(0)
+            cols[col] = (np.array(table[col], np.float64) / k_u)[keys] * n_events if len(rows) else np.zeros(0)
         elif col in ("opaque", "retiling"):
-            out[col] = vals.astype(bool)[keys] if len(rows) else np.zeros(0, bool)
+            cols[col] = np.array(table[col], bool)[keys] if len(rows) else np.zeros(0, bool)
         else:
-            out[col] = _broadcast(vals, keys)
-    out["counted"] = counted_u[keys] if len(rows) else np.zeros(0, bool)
-    out["op_key"] = keys.astype(np.int64)  # one per (module, HLO op): what :func:`per_op` groups by
+            cols[col] = _broadcast(table[col], keys)
+    cols["counted"] = counted_u[keys] if len(rows) else np.zeros(0, bool)
+    cols["op_key"] = keys.astype(np.int64)  # one per (module, HLO op): what :func:`per_op` groups by
     if "profile_flops" in rows:  # TPU: libtpu's own per-op FLOPs and bytes win where present; ours kept beside
-        out["traceroof_flops"] = out["flops"]
-        out["traceroof_hbm_bytes"] = out["hbm_bytes"]
+        cols["traceroof_flops"] = cols["flops"]
+        cols["traceroof_hbm_bytes"] = cols["hbm_bytes"]
         pf, pb = rows["profile_flops"].to_numpy(np.float64), rows["profile_bytes_accessed"].to_numpy(np.float64)
-        out["flops"] = np.where(np.isnan(pf), out["flops"], pf)
-        out["hbm_bytes"] = np.where(np.isnan(pb), out["hbm_bytes"], pb)
+        cols["flops"] = np.where(np.isnan(pf), cols["flops"], pf)
+        cols["hbm_bytes"] = np.where(np.isnan(pb), cols["hbm_bytes"], pb)
     if "framework_scope" in rows:  # framework ops without HLO: scope and phase from the framework op path
         scopes = rows["framework_scope"].astype(str)
-        out["scope"] = pd.Categorical(scopes)
+        cols["scope"] = pd.Categorical(scopes)
         phases = {sc: phase_of(sc.split("/"), False, optimizer_pattern) for sc in scopes.unique()}
-        out["phase"] = pd.Categorical(scopes.map(phases))
-        out["category"] = pd.Categorical(["framework op"] * len(rows))
+        cols["phase"] = pd.Categorical(scopes.map(phases))
+        cols["category"] = pd.Categorical(["framework op"] * len(rows))
     elif "attributed" in rows and not rows["attributed"].all():
         un = ~rows["attributed"].to_numpy(bool)
         for col, label in (("category", "unattributed kernel"), ("scope", "(unattributed kernels)")):
-            out[col] = out[col].cat.add_categories([label]) if label not in out[col].cat.categories else out[col]
-            out.loc[un, col] = label
-    scope_events = out.groupby("scope", observed=True)["events"].sum() if len(rows) else pd.Series(dtype=float)
-    namer = LayerNamer.build({str(k): int(v) for k, v in scope_events.items()},
+            cat = cols[col] if label in cols[col].categories else cols[col].add_categories([label])
+            cat[un] = label
+            cols[col] = cat
+    scope = cols["scope"]
+    named = scope.codes >= 0
+    scope_events = np.bincount(scope.codes[named], weights=n_events[named], minlength=len(scope.categories))
+    rows_of = np.bincount(scope.codes[named], minlength=len(scope.categories))
+    namer = LayerNamer.build({str(sc): int(e) for sc, e, r in zip(scope.categories, scope_events, rows_of) if r},
                              {k: v for ms in module_scopes.values() for k, v in ms.repeats.items()})
-    scope_codes = out["scope"].cat.codes.to_numpy()
-    for col, name in (("layer", lambda sc: namer.layer(sc, depth, expand)),
-                      ("instance", lambda sc: "" if expand else namer.instance(sc, depth))):
-        out[col] = _broadcast([name(str(sc)) for sc in out["scope"].cat.categories], scope_codes)
-    joined_mask = out["joined"].to_numpy(bool)
+    cols["layer"] = _broadcast([namer.layer(str(sc), depth, expand) for sc in scope.categories], scope.codes)
+    cols["instance"] = _broadcast(["" if expand else namer.instance(str(sc), depth) for sc in scope.categories],
+                                  scope.codes)
+    out = pd.DataFrame(cols, copy=False)  # every column is a new array
+    out.attrs["collectives"] = SharedList(collectives)
+    joined_mask = cols["joined"]
     report = JoinReport(partial.events_total, int(n_events[joined_mask].sum()), partial.time_total_ps,
                         int(rows["duration_ps"].to_numpy()[joined_mask].sum()), partial.unmatched_modules,
                         int(sum(1 for u, a in enumerate(attrs) if a is None and 0 <= int(uniques[u]) >> 32
                                 < len(modules))),
                         partial.ambiguous_modules, partial.matched_sources)
     return out, report, timeline
+
+
+def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:
+    """``pd.Categorical(values)`` taken at ``at``: a column of text ``values`` (one per distinct op or scope;
+    code -1 in ``at``: missing). Categories sorted, found with ``np.unique`` (pandas' factorize and category
+    checks cost 0.1 ms a column on small tables)."""
+    if not len(at):
+        return pd.Categorical([])
+    names, codes = np.unique(np.asarray(values, dtype=object), return_inverse=True)
+    codes = np.append(codes, -1)  # at -1 -> -1
+    return pd.Categorical.from_codes(codes[at], dtype=pd.CategoricalDtype(names), validate=False)
+
+
+def _executions_per_op(op: np.ndarray, kernel: np.ndarray, n_events: np.ndarray, n_ops: int) -> np.ndarray:
+    """Per op (codes ``op`` of the rows, 0..n_ops-1), its executions. GPU: an op execution may launch several
+    kernels (N:M); helper kernels (fills, copies) may run twice in one execution and autotuning kernels only once
+    in the run. Estimator: executions of an op = the most common launch count among its kernel names (ties: the
+    larger). Each kernel event carries executions / events of the op's cost, so sums over rows count executions x
+    cost. CPU and TPU (one kernel name per op): one per event."""
+    pair = group_codes([op, kernel])  # (op, kernel name)
+    first = first_rows(pair)
+    launches = np.bincount(pair, weights=n_events)  # events of each kernel name of each op
+    op_of = op[first]
+    count = group_codes([op_of, launches])  # (op, launch count)
+    names = np.bincount(count)[count]  # kernel names of the op sharing this launch count
+    order = np.lexsort((-launches, -names, op_of))  # per op: the most common count, ties the larger
+    best = order[np.flatnonzero(np.diff(op_of[order], prepend=-1))]
+    out = np.ones(n_ops)
+    out[op_of[best]] = launches[best]
+    return out
 
 
 # numeric columns that are not sums over events: per-op constants or ratios, taken from the op's first row
@@ -259,19 +280,20 @@ def per_op(rows: pd.DataFrame) -> pd.DataFrame:
     n = int(key.max()) + 1
     order = np.argsort(key, kind="stable")
     bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
-    out = rows.iloc[order[bounds]].copy()
-    for c in rows.columns:
-        v = rows[c]
-        if c in _NOT_ADDITIVE or not pd.api.types.is_numeric_dtype(v) or pd.api.types.is_bool_dtype(v):
+    first = order[bounds]  # each op's first row, in order of first appearance
+    out = rows.take(first)
+    out.index = pd.RangeIndex(n)
+    for c, dtype in rows.dtypes.items():
+        if c in _NOT_ADDITIVE or dtype.kind not in "iuf":  # bool, text, categories: the op's own
             continue
         if c == "start_ps":
-            out[c] = np.minimum.reduceat(v.to_numpy(np.int64)[order], bounds)
-        elif pd.api.types.is_integer_dtype(v):
-            out[c] = np.add.reduceat(v.to_numpy(np.int64)[order], bounds)
+            out[c] = np.minimum.reduceat(rows[c].to_numpy(np.int64)[order], bounds)
+        elif dtype.kind in "iu":
+            out[c] = np.add.reduceat(rows[c].to_numpy(np.int64)[order], bounds)
         else:
-            out[c] = np.bincount(key, weights=v.to_numpy(np.float64), minlength=n)[key[order[bounds]]]
+            out[c] = np.bincount(key, weights=rows[c].to_numpy(np.float64), minlength=n)  # ids: first-seen
     if "efficiency" in out:
         m = out["measured_s"].to_numpy(np.float64)
         with np.errstate(divide="ignore", invalid="ignore"):
             out["efficiency"] = np.where(m > 0, out["expected_s"].to_numpy(np.float64) / m, np.nan)
-    return out.reset_index(drop=True)
+    return out

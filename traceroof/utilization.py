@@ -3,9 +3,12 @@ right."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import as_text
 from traceroof.units import fmt_si
 
 
@@ -72,21 +75,23 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
     """
 
-    executed = float(counted["flops"].sum()) / per if per else float("nan")
+    flops = counted["flops"].to_numpy(np.float64)
+    flops = np.where(np.isnan(flops), 0.0, flops)  # NaN skipped, as pandas' sum
+    executed = float(flops.sum()) / per if per else float("nan")
     if model_flops_per_step is not None:
         model = float(model_flops_per_step) / max(program_devices, 1)
         source = (f"given: {fmt_si(float(model_flops_per_step), 'FLOP')} per step over {program_devices} device(s) "
                   "(--model-flops-per-step)")
     else:
-        remat = counted["phase"].astype(str).to_numpy() == "remat"
+        remat = as_text(counted["phase"]) == "remat"
         if "remat" in counted:
             remat |= counted["remat"].fillna(False).to_numpy(bool)
         rng = _random_bits(counted) & ~remat
-        model = float(counted.loc[~remat & ~rng, "flops"].sum()) / per if per else float("nan")
-        recomputed = float(counted.loc[remat, "flops"].sum()) / per if per else 0.0
+        model = float(flops[~remat & ~rng].sum()) / per if per else float("nan")
+        recomputed = float(flops[remat].sum()) / per if per else 0.0
         source = f"counted: executed FLOPs less {fmt_si(recomputed, 'FLOP')} of rematerialised forward"
         if rng.any():
-            random = float(counted.loc[rng, "flops"].sum()) / per if per else 0.0
+            random = float(flops[rng].sum()) / per if per else 0.0
             source += f" and {fmt_si(random, 'FLOP')} of random-bit generation (unsigned-integer ops)"
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
@@ -98,9 +103,11 @@ def _random_bits(counted: pd.DataFrame) -> np.ndarray:
     result is an unsigned integer, and RNG work outside any layer (phase ``other``). They are executed work (HFU)
     but not model FLOPs (the 6·N·T of How to Scale Your Model §4 counts the matmuls' multiply-adds): dropout's
     bits can be a third of a small transformer's counted FLOPs."""
-    rng = counted["phase"].astype(str).to_numpy() == "other"
+    rng = as_text(counted["phase"]) == "other"
     if "dtype" in counted:
-        rng |= counted["dtype"].astype(str).str.fullmatch(r"u\d+").fillna(False).to_numpy(bool)
+        dtypes = as_text(counted["dtype"])
+        unsigned = {t for t in set(dtypes) if isinstance(t, str) and re.fullmatch(r"u\d+", t)}
+        rng |= np.array([t in unsigned for t in dtypes], bool)
     return rng
 
 
