@@ -162,3 +162,21 @@ def test_wider_mlp_matches_every_resized_op(sides):
     assert how["dot.2"] == how["dot.3"] == "name (shapes changed)"
     assert how["ynn_fusion.3"] == "shape (operands changed)"
     assert (r.ops["hlo_ops_base"] == r.ops["hlo_ops_new"])[r.ops["matched_by"].str.startswith("name")].all()
+
+
+@pytest.mark.parametrize("hlo_ops", [["a", "b", None, "d"], [1, 2, None, 4]])
+def test_pairing_is_what_an_outer_merge_pairs(hlo_ops):
+    # text keys are paired in plain Python, other key dtypes by pandas: both as the merge does it (order, nulls
+    # paired with nulls, integer and boolean columns of a side whose partner has unpaired rows made float / object)
+    from traceroof.diff import _match
+    b = pd.DataFrame({"k": pd.Series(["z", "y", None, "x"], dtype="str"), "h": hlo_ops, "n": [1, 2, 3, 4],
+                      "f": [True, False, True, True]})
+    n = pd.DataFrame({"k": pd.Series(["y", "w", "z", None], dtype="str"), "h": hlo_ops[1:] + hlo_ops[:1],
+                      "n": [5, 6, 7, 8], "f": [False] * 4})
+    for key in (["k"], ["k", "h"]):
+        want = b.merge(n, on=key, how="outer", suffixes=("_base", "_new"), indicator=True)
+        want = want[want["_merge"] == "both"].drop(columns="_merge").reset_index(drop=True)
+        got, rows_b, rows_n = _match(b, n, key)
+        pd.testing.assert_frame_equal(got, want)
+        assert b["n"].iloc[rows_b].tolist() == want["n_base"].tolist()
+        assert n["n"].iloc[rows_n].tolist() == want["n_new"].tolist()

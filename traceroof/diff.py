@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -183,16 +184,72 @@ def step_delta(base: Side, new: Side) -> StepDelta:
                      abs(d) <= NOISE_SIGMAS * err)
 
 
+_NULL = object()  # every null key value (None, NaN): pandas' merge and duplicated take nulls as equal
+_ROW = "_traceroof_row"  # row positions carried through a pandas merge
 
 
-def _match(b: pd.DataFrame, n: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    m = b.merge(n, on=key, how="outer", suffixes=("_base", "_new"), indicator=True)
-    both = m[m["_merge"] == "both"].drop(columns="_merge")
-    only_b = b.merge(n[key].drop_duplicates(), on=key, how="left", indicator=True)
-    only_b = only_b[only_b["_merge"] == "left_only"].drop(columns="_merge")
-    only_n = n.merge(b[key].drop_duplicates(), on=key, how="left", indicator=True)
-    only_n = only_n[only_n["_merge"] == "left_only"].drop(columns="_merge")
-    return both, only_b, only_n
+def _key_rows(df: pd.DataFrame, cols: list[str]) -> list[tuple]:
+    """Each row's values of ``cols`` as a tuple, nulls as :data:`_NULL`: tuples are equal where pandas' merge and
+    ``duplicated`` call the rows' keys equal."""
+    columns = [[_NULL if v is None or v is pd.NA or (isinstance(v, float) and v != v) else v
+                for v in df[c].tolist()] for c in cols]
+    return list(zip(*columns))
+
+
+def _merge_order(rows: list[tuple]) -> list[int]:
+    """Positions of ``rows`` (text key tuples, nulls as :data:`_NULL`) in the order pandas' outer merge gives its
+    keys: sorted column by column, nulls last."""
+    return sorted(range(len(rows)), key=lambda i: tuple((v is _NULL, "" if v is _NULL else v) for v in rows[i]))
+
+
+def _with_missing(df: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
+    """``df`` with the dtypes pandas' outer merge gives a side's ``cols`` where the other side has unpaired rows
+    (filled with NaN there): integers become floats, booleans objects."""
+    promoted = {c: "float64" if df[c].dtype.kind in "iu" else object for c in cols if df[c].dtype.kind in "iub"}
+    return df.astype(promoted) if promoted else df
+
+
+def _unique_rows(df: pd.DataFrame, cols: list[str]) -> list[int]:
+    """Positions of the rows whose ``cols`` no other row of ``df`` has (``~df.duplicated(cols, keep=False)``)."""
+    rows = _key_rows(df, cols)
+    counts = Counter(rows)
+    return [i for i, k in enumerate(rows) if counts[k] == 1]
+
+
+def _match(b: pd.DataFrame, n: pd.DataFrame, key: list[str]) -> tuple[pd.DataFrame, list[int], list[int]]:
+    """The rows of ``b`` and ``n`` (each unique on ``key``) whose keys agree, as
+    ``b.merge(n, on=key, how="outer", suffixes=("_base", "_new"))`` gives them (its order, its dtypes), and their
+    positions in ``b`` and in ``n``. Text keys are paired in plain Python (a merge costs milliseconds even on a few
+    rows); other key dtypes (a damaged report's ``hlo_ops``) go through the merge and its rules for them."""
+    if not all(isinstance(b[c].dtype, pd.StringDtype) and b[c].dtype == n[c].dtype for c in key):
+        m = b.assign(**{_ROW: range(len(b))}).merge(n.assign(**{_ROW: range(len(n))}), on=key, how="outer",
+                                                    suffixes=("_base", "_new"), indicator=True)
+        m = m[m["_merge"] == "both"].reset_index(drop=True)
+        return (m.drop(columns=["_merge", f"{_ROW}_base", f"{_ROW}_new"]), m[f"{_ROW}_base"].astype(int).tolist(),
+                m[f"{_ROW}_new"].astype(int).tolist())
+    kb, kn = _key_rows(b, key), _key_rows(n, key)
+    where_n = {k: j for j, k in enumerate(kn)}
+    pairs = [(i, where_n[k]) for i, k in enumerate(kb) if k in where_n]
+    pairs = [pairs[p] for p in _merge_order([kb[i] for i, _ in pairs])]
+    rows_b, rows_n = [i for i, _ in pairs], [j for _, j in pairs]
+    values_b = [c for c in b.columns if c not in key]
+    values_n = [c for c in n.columns if c not in key]
+    left = b.iloc[rows_b].reset_index(drop=True)
+    right = n[values_n].iloc[rows_n].reset_index(drop=True)
+    if len(n) > len(pairs):
+        left = _with_missing(left, values_b)
+    if len(b) > len(pairs):
+        right = _with_missing(right, values_n)
+    left = left.rename(columns={c: f"{c}_base" for c in values_b if c in values_n})
+    right = right.rename(columns={c: f"{c}_new" for c in values_n if c in values_b})
+    return pd.concat([left, right], axis=1), rows_b, rows_n
+
+
+def _without(df: pd.DataFrame, rows: list[int]) -> pd.DataFrame:
+    """``df`` less the rows at positions ``rows``."""
+    keep = np.ones(len(df), dtype=bool)
+    keep[rows] = False
+    return df[keep]
 
 
 def diff(base: Side, new: Side) -> DiffResult:
@@ -209,8 +266,9 @@ def diff(base: Side, new: Side) -> DiffResult:
             df["hlo_ops"] = ""
     b = b.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
     n = n.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
-    both, only_b, only_n = _match(b, n, key)
+    both, rows_b, rows_n = _match(b, n, key)
     both = both.assign(matched_by="identity")
+    only_b, only_n = _without(b, rows_b), _without(n, rows_n)
     # later passes, on what is left and unique on both sides: the scope was renamed (same op and shapes); the
     # operands changed (same result shape and place: a consumer that reads a saved activation through a fused
     # dynamic-slice of the scan's stacked buffer where it read the rematerialised value); the shapes changed (same
@@ -220,20 +278,19 @@ def diff(base: Side, new: Side) -> DiffResult:
                                   (("operand_shapes",), "name (operands changed)", True),
                                   (("shape", "operand_shapes"), "scope (shapes changed)", False),
                                   (("shape", "operand_shapes"), "name (shapes changed)", True)):
+        if only_b.empty or only_n.empty:
+            break
         loose = [c for c in key if c not in dropped] + (["hlo_ops"] if by_name else [])
-        ub = only_b[~only_b.duplicated(loose, keep=False)]
-        un = only_n[~only_n.duplicated(loose, keep=False)]
-        pairs, _, _ = _match(ub.drop(columns=list(dropped)), un.drop(columns=list(dropped)), loose)
+        ub, un = (df.iloc[_unique_rows(df, loose)] for df in (only_b, only_n))
+        pairs, rows_b, rows_n = _match(ub.drop(columns=list(dropped)), un.drop(columns=list(dropped)), loose)
         if pairs.empty:
             continue
-        pairs = pairs.merge(ub.merge(pairs[loose], on=loose)[list(dropped) + loose], on=loose)
+        pairs = pd.concat([pairs, ub[list(dropped)].iloc[rows_b].reset_index(drop=True)], axis=1)
         named = pairs.assign(hlo_ops_base=pairs["hlo_ops"], hlo_ops_new=pairs["hlo_ops"]) if by_name else pairs
         both = pd.concat([both, named.drop(columns="hlo_ops", errors="ignore").assign(matched_by=how)],
                          ignore_index=True)
-        only_b = only_b.merge(pairs[loose], on=loose, how="left", indicator=True)
-        only_b = only_b[only_b["_merge"] == "left_only"].drop(columns="_merge")
-        only_n = only_n.merge(pairs[loose], on=loose, how="left", indicator=True)
-        only_n = only_n[only_n["_merge"] == "left_only"].drop(columns="_merge")
+        only_b = only_b.drop(index=ub.index[rows_b])
+        only_n = only_n.drop(index=un.index[rows_n])
     for c in METRICS:
         both[f"{c}_delta"] = both[f"{c}_new"] - both[f"{c}_base"]
     both["flops_ratio"] = both["flops_per_step_new"] / both["flops_per_step_base"].replace(0, np.nan)
