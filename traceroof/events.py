@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import InputError
+from parsers.trace_json import text_categorical
 from parsers.xspace import AGGREGATE_START_PS
 from traceroof.codes import constant_categorical, na_int64
 from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
@@ -316,22 +317,25 @@ def _framework_ops(planes: Sequence, host: str) -> tuple[pd.DataFrame, pd.DataFr
 
 
 def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
-    empty = pd.DataFrame({"host": pd.Series([], dtype=object), "step": pd.array([], "Int64"),
-                          "start_ps": np.zeros(0, np.int64), "end_ps": np.zeros(0, np.int64)})
-    if ev.empty or "step_num" not in ev:
-        return empty, ""
+    """The step-marker events (``step_num`` set) of the most frequent name (the step annotation), by start, as
+    steps (``host``, ``step``, ``start_ps``, ``end_ps``), and that name."""
+    if ev.empty or "step_num" not in ev or not ev["step_num"].notna().any():
+        return pd.DataFrame({"host": pd.Series([], dtype=object), "step": pd.array([], "Int64"),
+                             "start_ps": np.zeros(0, np.int64), "end_ps": np.zeros(0, np.int64)}), ""
     marked = ev[ev["step_num"].notna()]
-    if marked.empty:
-        return empty, ""
     names = marked["name"].astype(object).where(marked["name"].notna(), "").astype(str)  # a corrupt event: no name
-    name = names.value_counts().idxmax()
-    marked = marked[(names == name).to_numpy(bool)]
+    distinct = set(names)
+    name = distinct.pop() if len(distinct) == 1 else names.value_counts().idxmax()
+    if distinct:
+        marked = marked[(names == name).to_numpy(bool)]
+    start = marked["start_ps"].to_numpy(np.int64)
+    order = np.argsort(start, kind="stable")
     steps = pd.DataFrame({
         "host": host,
-        "step": pd.array(pd.to_numeric(marked["step_num"]).astype("int64"), "Int64"),
-        "start_ps": marked["start_ps"].to_numpy(np.int64),
-        "end_ps": (marked["start_ps"] + marked["duration_ps"]).to_numpy(np.int64),
-    }).sort_values("start_ps", kind="stable").reset_index(drop=True)
+        "step": pd.array(pd.to_numeric(marked["step_num"]).to_numpy(np.int64)[order], "Int64"),
+        "start_ps": start[order],
+        "end_ps": (start + marked["duration_ps"].to_numpy(np.int64))[order],
+    })
     return steps, name
 
 
@@ -393,29 +397,42 @@ def _checked_ids(df: pd.DataFrame, counts: dict[str, int]) -> pd.DataFrame:
     return df.assign(**cols) if cols else df
 
 
+def _text_category(values: pd.Series) -> pd.Categorical:
+    """A categorical column as text, a category per text value present (``values.astype(str).astype("category")``;
+    without the round trip where the categories are text already)."""
+    if isinstance(values.dtype, pd.CategoricalDtype) and isinstance(values.cat.categories.dtype, pd.StringDtype):
+        return values.array.remove_unused_categories()
+    return values.astype(str).astype("category").array
+
+
 def _trace_json_events(tj, path: Path, counts: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     host = _host_of(str(path))
     ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num", "run_id"))
     ev = _checked_ids(ev, counts)
-    ops = ev[ev["hlo_op"].notna() & ev["plane"].astype(str).str.startswith(("/host:CPU", "/device:"))]
+    has_op = ev["hlo_op"].notna().to_numpy()
+    ops = ev[has_op & _name_mask(ev["plane"], "/host:CPU|/device:")]
     run_id = ops["run_id"].array
-    named = ev[ev["name"].astype(str).str.match(HOST_EVENT_NAMES).to_numpy(bool) & ev["hlo_op"].isna().to_numpy()]
-    launches = launch_events(named.assign(line_id=named["tid"]))
-    launch, _ = launch_times(pd.DataFrame({"module": ops["hlo_module"].astype(str).to_numpy(), "run_id": run_id,
+    named = _name_mask(ev["name"], HOST_EVENT_NAMES) & ~has_op
+    launches = launch_events(pd.DataFrame({"line_id": ev["tid"].to_numpy()[named], "name": ev["name"].array[named],
+                                           **{c: ev[c].to_numpy()[named] for c in ("start_ps", "duration_ps")}}))
+    module = _text_category(ops["hlo_module"])
+    launch, _ = launch_times(pd.DataFrame({"module": np.asarray(module, dtype=object), "run_id": run_id,
                                            "start_ps": ops["start_ps"].to_numpy(np.int64)}), launches)
-    ordinal = ops["device_ordinal"].fillna(0).astype("int64")
+    ordinal = ops["device_ordinal"].to_numpy(np.int64, na_value=0).tolist()
+    cpus = {o: f"{host}/cpu:{o}" for o in set(ordinal)}
+    known = ~np.isnan(launch)
     out = pd.DataFrame({
         "host": constant_categorical(host, len(ops)),
-        "device": pd.Categorical(host + "/cpu:" + ordinal.astype(str)),
+        "device": text_categorical([cpus[o] for o in ordinal]) if len(ops) else pd.Categorical(pd.array([], "str")),
         "program_id": ops["program_id"].array,
-        "module": ops["hlo_module"].astype(str).astype("category"),
-        "hlo_op": ops["hlo_op"].astype(str).astype("category"),
+        "module": module,
+        "hlo_op": _text_category(ops["hlo_op"]),
         "start_ps": ops["start_ps"].to_numpy(np.int64),
         "duration_ps": ops["duration_ps"].to_numpy(np.int64),
         "kernel": constant_categorical("", len(ops)),
         "attributed": np.ones(len(ops), bool),
         "run_id": run_id,
-        "launch_ps": pd.array(launch, "Float64").astype("Int64"),
-    })
-    steps, ann = _steps_from_events(ev[ev["step_num"].notna()], host)
+        "launch_ps": pd.arrays.IntegerArray(np.where(known, launch, 0).astype(np.int64), ~known),
+    }, index=ops.index)
+    steps, ann = _steps_from_events(ev, host)
     return out, steps, ann
