@@ -222,7 +222,15 @@ def _looks_text(v: bytes) -> bool:
     return all(32 <= c < 127 for c in v[:64])
 
 
+# serialized bytes of the (never modified) parsed seed trees' messages, by id of their field list: a mutation
+# re-serializes only the path it changed
+_SERIALIZED: dict[int, bytes] = {}
+
+
 def serialize(fields: list[Field | Raw]) -> bytes:
+    cached = _SERIALIZED.get(id(fields))
+    if cached is not None:
+        return cached
     out = bytearray()
     for f in fields:
         if isinstance(f, Raw):
@@ -254,9 +262,25 @@ def _at(fields: list, path: tuple[int, ...]) -> tuple[list, int]:
     return fields, path[-1]
 
 
-def _copy_fields(fields: list) -> list:
-    return [Field(f.number, f.wire, _copy_fields(f.value) if isinstance(f.value, list) else f.value)
-            if isinstance(f, Field) else f for f in fields]
+def _copy_path(tree: list, path: tuple[int, ...]) -> list:
+    """A copy of ``tree`` in which the field lists along ``path`` and the field at its end are new objects (the
+    rest is shared with ``tree``, which is never modified)."""
+    root = cur = list(tree)
+    for k in path[:-1]:
+        f = cur[k]
+        cur[k] = Field(f.number, f.wire, list(f.value))
+        cur = cur[k].value
+    f = cur[path[-1]]
+    cur[path[-1]] = Field(f.number, f.wire, f.value)
+    return root
+
+
+def _cache_serialized(fields: list) -> bytes:
+    for f in fields:
+        if isinstance(f.value, list):
+            _cache_serialized(f.value)
+    _SERIALIZED[id(fields)] = serialize(fields)
+    return _SERIALIZED[id(fields)]
 
 
 _PROTO_TREES: dict[bytes, tuple[list, list]] = {}
@@ -269,10 +293,11 @@ def mutate_protobuf(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     so the change reaches where it is."""
     if data not in _PROTO_TREES:
         tree = parse_message(data)
+        _cache_serialized(tree)
         _PROTO_TREES[data] = (tree, list(_nodes(tree)))
     tree, paths = _PROTO_TREES[data]
-    fields = _copy_fields(tree)
     path = rng.choice(paths)
+    fields = _copy_path(tree, path)
     parent, k = _at(fields, path)
     f = parent[k]
     choices = ["drop", "dup", "field0", "wiretype", "repeat"]
@@ -299,7 +324,7 @@ def mutate_protobuf(rng: random.Random, data: bytes) -> tuple[bytes, str]:
     elif op == "drop":
         del parent[k]
     elif op == "dup":
-        parent.insert(k, Field(f.number, f.wire, _copy_fields(f.value) if isinstance(f.value, list) else f.value))
+        parent.insert(k, Field(f.number, f.wire, f.value))
     elif op == "field0":
         parent.insert(k, Raw(_varint(0 << 3 | rng.choice((0, 2))) + b"\x01" + (b"\x00" if rng.random() < .5 else b"")))
     elif op == "wiretype":
