@@ -304,3 +304,37 @@ def test_same_shape_instances_at_different_call_sites_collapse():
     namer = LayerNamer.build(Counter(i.scope for i in ms.infos.values()), ms.repeats)
     assert namer.layer("Net/Block_1/Linear", 2) == "Block_*/Linear"
     assert namer.instance("Net/Block_1/Linear", 2) == "Block_1/Linear"
+
+
+def test_unnamed_forward_convolutions_read_by_backward_fusions_stay_forward():
+    """A new user's Equinox conv encoder under two vmaps (/work/trial_s21 finding 1): XLA drops the forward
+    convolutions' metadata, the input's layout copy is read first by the weight-gradient convolution, and the
+    second convolution's only user is a fusion that holds its bias-add and ReLU (forward) and the ReLU's gradient
+    (backward, the fusion's name). Both forward convolutions were labelled backward (41 % of the FLOPs)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Encoder(eqx.Module):
+        conv1: eqx.nn.Conv2d
+        conv2: eqx.nn.Conv2d
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.conv1 = eqx.nn.Conv2d(1, 8, 3, padding=1, key=k1)
+            self.conv2 = eqx.nn.Conv2d(8, 8, 3, stride=2, padding=1, key=k2)
+
+        def __call__(self, img):
+            return jax.nn.relu(self.conv2(jax.nn.relu(self.conv1(img)))).reshape(-1)
+
+    params, static = eqx.partition(Encoder(jax.random.PRNGKey(0)), eqx.is_array)
+
+    def step(params, x):
+        g = jax.grad(lambda p: jnp.mean(jax.vmap(jax.vmap(eqx.combine(p, static)))(x) ** 2))(params)
+        return jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, params, g)
+
+    m, ms = _module(jax.jit(step).lower(params, jnp.ones((8, 12, 1, 8, 8))).compile().as_text())
+    convs = [i for _, i in _executed(m) if _holds(m, i, "convolution")]
+    forward = [i for i in convs if ms.get(i.name).phase == "forward"]
+    # two layers: two forward convolutions; backward: two weight gradients and conv2's input gradient
+    assert len(forward) == 2 and len(convs) == 5, [(i.name, ms.get(i.name)) for i in convs]
+    # the forward ones are those that read the batch or the first layer's activations, not a gradient
+    assert all(ms.get(i.name).scope.startswith("Encoder") for i in forward)
