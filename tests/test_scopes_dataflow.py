@@ -338,3 +338,45 @@ def test_unnamed_forward_convolutions_read_by_backward_fusions_stay_forward():
     assert len(forward) == 2 and len(convs) == 5, [(i.name, ms.get(i.name)) for i in convs]
     # the forward ones are those that read the batch or the first layer's activations, not a gradient
     assert all(ms.get(i.name).scope.startswith("Encoder") for i in forward)
+
+
+def test_weight_gradients_of_the_last_block_under_global_norm_clipping():
+    """A new user's linen ResNet with ``optax.chain(clip_by_global_norm, adamw)`` (trial finding 3): the global
+    norm links every gradient to every parameter's update two ops on, and the last block's unnamed
+    weight-gradient convolutions went to its BatchNorm rows (10 % of the FLOPs; ``res_*`` then missed it)."""
+    nn = pytest.importorskip("flax.linen")
+
+    class ResBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.relu(nn.BatchNorm(use_running_average=False, name="bn1")(nn.Conv(8, (3, 3), name="conv1")(x)))
+            return nn.relu(x + nn.BatchNorm(use_running_average=False, name="bn2")(nn.Conv(8, (3, 3), name="conv2")(y)))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(8, (3, 3), name="stem")(x)
+            for i in range(3):
+                x = ResBlock(name=f"res_{i}")(x)
+            return nn.Dense(4, name="head")(jnp.mean(x, axis=(1, 2)))
+
+    model, x = Net(), jnp.ones((4, 8, 8, 3))
+    v = model.init(jax.random.PRNGKey(0), x)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+
+    def step(params, stats, opt):
+        def loss(p):
+            out, upd = model.apply({"params": p, "batch_stats": stats}, x, mutable=["batch_stats"])
+            return jnp.mean(out ** 2), upd
+        g, upd = jax.grad(loss, has_aux=True)(params)
+        u, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, u), upd["batch_stats"], opt
+
+    m, ms = _module(jax.jit(step).lower(v["params"], v["batch_stats"], tx.init(v["params"])).compile().as_text())
+    kernel = Counter()
+    for _, i in _executed(m):
+        info = ms.get(i.name)
+        if _holds(m, i, "convolution") and info.phase == "backward" and i.shape.elements == 3 * 3 * 8 * 8:
+            kernel[info.scope.split("/", 1)[1]] += 1  # a weight gradient: the kernel's shape
+    # one weight gradient per block convolution, each in its own conv's row (none in a BatchNorm row)
+    assert kernel == {f"res_{b}/conv{c}": 1 for b in range(3) for c in (1, 2)}, kernel

@@ -386,8 +386,8 @@ def _params_read(entry: Computation, inst: Instruction) -> set[str]:
 def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contractions: set[str]
                       ) -> dict[str, ScopeInfo]:
     """Labels of the unnamed dots / convolutions of the entry computation that are weight gradients: one whose
-    users (up to 3 ops on: the optimizer's update) read an entry parameter with as many elements as it has, read
-    in the differentiated forward pass by ops of one scope only, is that scope's backward (XLA CPU's
+    users (up to 3 ops on, the nearest that do: the optimizer's update) read an entry parameter with as many
+    elements as it has, read in the differentiated forward pass by ops of one scope only, is that scope's backward (XLA CPU's
     weight-gradient convolution of a conv kernel has no metadata; its operands are the layer's input and the
     gradient of its output, which the neighbours would give to the next layer's backward)."""
     owners: dict[str, set[str]] = {}  # parameter -> scopes of the forward ops that read it
@@ -414,6 +414,8 @@ def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contra
                 for p in _params_read(entry, entry.by_name[f]):
                     if entry.by_name[p].shape.elements == inst.shape.elements:
                         scopes |= owners.get(p, set())
+            if scopes:  # the nearest update: farther on, a global-norm clip links every parameter's update
+                break
         if len(scopes) == 1:
             out[inst.name] = ScopeInfo(scopes.pop(), "backward", "", "weight", True)
     return out
