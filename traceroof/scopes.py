@@ -387,9 +387,9 @@ def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contra
                       ) -> dict[str, ScopeInfo]:
     """Labels of the unnamed dots / convolutions of the entry computation that are weight gradients: one whose
     users (up to 3 ops on, the nearest that do: the optimizer's update) read an entry parameter with as many
-    elements as it has, read in the differentiated forward pass by ops of one scope only, is that scope's backward (XLA CPU's
-    weight-gradient convolution of a conv kernel has no metadata; its operands are the layer's input and the
-    gradient of its output, which the neighbours would give to the next layer's backward)."""
+    elements as it has, read in the differentiated forward pass by ops of one scope only, is that scope's
+    backward (XLA CPU's weight-gradient convolution of a conv kernel has no metadata; its operands are the layer's
+    input and the gradient of its output, which the neighbours would give to the next layer's backward)."""
     owners: dict[str, set[str]] = {}  # parameter -> scopes of the forward ops that read it
     for inst in entry.instructions:
         i = infos.get(inst.name)
