@@ -380,3 +380,28 @@ def test_weight_gradients_of_the_last_block_under_global_norm_clipping():
             kernel[info.scope.split("/", 1)[1]] += 1  # a weight gradient: the kernel's shape
     # one weight gradient per block convolution, each in its own conv's row (none in a BatchNorm row)
     assert kernel == {f"res_{b}/conv{c}": 1 for b in range(3) for c in (1, 2)}, kernel
+
+
+def test_checkpointed_named_scopes_are_one_scope_and_collapse():
+    """``with jax.named_scope(f"block_{i}"): x = jax.checkpoint(block)(p, x)`` (trial finding 4): the backward's
+    names repeat the scope (``transpose(jvp(block_0))/jvp(block_0)/checkpoint/...``) and gave ``block_0/block_0``
+    rows beside the forward's ``block_0``; three identical leaf blocks never collapsed into ``block_*``."""
+
+    def block(p, x):
+        return x + jnp.tanh(x @ p["w_in"]) @ p["w_out"]
+
+    def loss(params, x):
+        with jax.named_scope("embed"):
+            x = x @ params["embed"]  # so that the first block's input has a gradient too, as in a real model
+        for i, p in enumerate(params["blocks"]):
+            with jax.named_scope(f"block_{i}"):
+                x = jax.checkpoint(block)(p, x)
+        return jnp.mean(x ** 2)
+
+    params = {"embed": jnp.ones((8, 16)),
+              "blocks": [{"w_in": jnp.ones((16, 32)), "w_out": jnp.ones((32, 16))} for _ in range(3)]}
+    m, ms = _module(jax.jit(jax.grad(loss)).lower(params, jnp.ones((8, 8))).compile().as_text())
+    dots = {(ms.get(i.name).scope, ms.get(i.name).phase) for _, i in _executed(m) if _holds(m, i, "dot")}
+    assert {s for s, _ in dots} == {"embed", "block_0", "block_1", "block_2"}, dots
+    assert {p for _, p in dots} >= {"forward", "backward"}
+    assert ms.repeats == {f"block_{i}": "block_*" for i in range(3)}

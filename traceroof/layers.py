@@ -98,12 +98,16 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     backward = "transpose(" in first or any(s in GRADIENT_SEGMENTS for s in segs)
     scopes: list[str] = []
     prev = ""
+    prev_wrapped = False
     for s in segs[:-1]:
         inner, _ = _unwrap(s)
         if RNG_JIT.fullmatch(inner):
             break
         after_while, prev = prev == "while", inner
-        if not inner or re.fullmatch(r"jit\(.*\)", inner) or _EINSUM_SPEC.fullmatch(inner) \
+        # the backward of a jax.checkpoint-ed scope repeats it: ``transpose(jvp(block_0))/jvp(block_0)/...``
+        repeated = prev_wrapped and inner != s and bool(scopes) and scopes[-1] == inner
+        prev_wrapped = inner != s
+        if not inner or re.fullmatch(r"jit\(.*\)", inner) or _EINSUM_SPEC.fullmatch(inner) or repeated \
                 or inner in STRUCTURAL_SEGMENTS or inner in GRADIENT_SEGMENTS or (after_while and inner in LOOP_PARTS):
             continue
         m = _METHOD_SEGMENT.fullmatch(inner)

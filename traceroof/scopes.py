@@ -37,10 +37,11 @@ transformers FlaxGPT2, Keras on JAX):
    of the model. A dropout's own bits stay in its layer's forward.
 
 Repeated blocks (``h/0``…``h/11``, ``Block_3``, ``layers_2``) are found here too, since telling a block stack
-from ``Conv_0``/``Conv_1`` needs the HLO: instances (a numbered scope with child scopes) collapse when their
-dot / convolution ops — relative scope, phase, opcode and shape — are the same. Frame scopes have no instance
-names: a class called from several call sites is numbered per call site (:func:`_number_call_sites`), a list of
-blocks called in a loop is split by the data flow (:func:`_frame_instances`).
+from ``Conv_0``/``Conv_1`` needs the HLO: instances (a numbered scope with child scopes, or a stack of 3 or more
+without) collapse when their dot / convolution ops — relative scope, phase (remat counted as forward: XLA may
+CSE a recomputation away), opcode and shape — are the same. Frame scopes have no instance names: a class called
+from several call sites is numbered per call site (:func:`_number_call_sites`), a list of blocks called in a
+loop is split by the data flow (:func:`_frame_instances`).
 
 Labels inherited from a neighbour carry no source line: the ``source`` of an op is its own metadata's or empty.
 """
@@ -975,17 +976,19 @@ def _repeats(module: HloModule, infos: Mapping[str, ScopeInfo]) -> dict[str, str
                 rel = info.scope[len(prefix) + 1:]
                 if rel:
                     children.setdefault(prefix, set()).add(rel.split("/")[0])
-                if inst.opcode in ("dot", "convolution"):
-                    sig.setdefault(prefix, Counter())[(rel, info.phase, inst.opcode, str(inst.shape))] += 1
+                if inst.opcode in ("dot", "convolution"):  # a rematerialised forward matmul may be CSE-d away
+                    phase = "forward" if info.phase == "remat" else info.phase
+                    sig.setdefault(prefix, Counter())[(rel, phase, inst.opcode, str(inst.shape))] += 1
     out: dict[str, str] = {}
     for collapsed, ms in sorted(groups.items()):
-        composite = [m for m in sorted(ms) if children.get(m)]
         by_sig: dict[tuple, list[str]] = {}
-        for m in composite:
-            key = (tuple(sorted(sig.get(m, Counter()).items())), tuple(sorted(children[m])))
+        for m in sorted(ms):
+            key = (tuple(sorted(sig.get(m, Counter()).items())), tuple(sorted(children.get(m, ()))))
             by_sig.setdefault(key, []).append(m)
-        for same in by_sig.values():
-            if len(same) > 1:
+        for (contractions, kids), same in by_sig.items():
+            # leaf instances (no child scopes) only as a stack of 3 or more with matmuls: a block's Conv_0 and
+            # Conv_1 stay apart; jax.named_scope(f"block_{i}") around 3 identical blocks collapses
+            if len(same) > 1 and kids or len(same) > 2 and contractions:
                 out.update({m: collapsed for m in same})
     return out
 
