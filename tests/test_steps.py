@@ -66,6 +66,13 @@ JOB = textwrap.dedent("""
             w = train_step(w, x)
         jax.block_until_ready(w)
         jax.profiler.stop_trace()
+    if "noblock" in loops:  # the README's loop without block_until_ready: steps may run after the trace stops
+        jax.profiler.start_trace(f"{out}/noblock")
+        for i in range(5):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                w = train_step(w, x)
+        jax.profiler.stop_trace()
+        jax.block_until_ready(w)
     cost = train_step.lower(w, x).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     json.dump({"flops": cost["flops"]}, open(f"{out}/facts.json", "w"))
@@ -82,7 +89,7 @@ def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("job")
-    _run(root / "run", 128, "readme,blocking,unmarked")
+    _run(root / "run", 128, "readme,blocking,unmarked,noblock")
     _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
     return root
 
@@ -117,6 +124,24 @@ def test_readme_loop_equals_blocking_loop(job):
              for a in (readme, blocking)]
     assert train[0]["flops"].sum() / 4 == pytest.approx(train[1]["flops"].sum() / 4, rel=0.01)
     assert blocking.summary.flops_per_step == pytest.approx(_flops(job), rel=1e-6)
+
+
+def test_loop_that_never_blocks_gets_no_empty_steps(job):
+    """Without ``block_until_ready`` before ``stop_trace`` the steps' device work may run after the trace stopped
+    (a new user's profile: 5 steps of 0 FLOP, a host-bound finding, exit 0): steps without op events are left out
+    with a note, or, when no step after the warm-up holds any, one line and exit 2."""
+    r = subprocess.run([sys.executable, "-m", "traceroof.cli", "analyze", str(job / "run" / "noblock"), "--chip",
+                        str(HOST_CHIP), "--format", "json"], capture_output=True, text=True, timeout=300)
+    if r.returncode == 2:
+        assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert "no XLA op events" in r.stderr and "block_until_ready" in r.stderr
+        return
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    s = report["summary"]
+    assert s["flops_per_step"] > 0
+    left_out = s["steps_total"] - s["warmup_steps"] - len(s["steps_used"])
+    assert left_out == 0 or any("hold no op events" in n for n in s["notes"]), s["notes"]
 
 
 def test_unmarked_profile_makes_each_execution_a_step(job):

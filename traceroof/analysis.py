@@ -182,7 +182,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     if len(all_steps) <= warmup_steps and warmup_steps:
         notes.append(f"only {len(all_steps)} step(s) marked: none excluded as warm-up")
         warmup_steps = 0
-    used = tuple(all_steps[warmup_steps:])
+    used = _steps_with_ops(tuple(all_steps[warmup_steps:]), ops, profile, notes)
     sel = steps[steps["step"].isin(used)]
     durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
     step_mean = float(durations.mean()) if len(durations) else float("nan")
@@ -231,6 +231,32 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")), parallelism=par)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
                                           tuple(profile.modules)))
+
+
+def _steps_with_ops(used: tuple[int, ...], ops: pd.DataFrame, profile: Profile, notes: list[str]
+                    ) -> tuple[int, ...]:
+    """The marked steps among ``used`` that hold op events; the others are left out with a note. Under JAX's
+    asynchronous dispatch a loop that never blocks before ``jax.profiler.stop_trace()`` leaves its steps'
+    device work outside the profile: their annotations are there, their ops are not (a new user's README loop
+    without ``block_until_ready`` reported 5 steps of 0 FLOP and a host-bound device).
+
+    :raises InputError: no used step holds op events (one line saying to block before stopping the trace).
+    """
+    if not used or not profile.step_annotation or profile.step_annotation.startswith("executions of"):
+        return used
+    with_ops = set(ops["step"].dropna().astype("int64").tolist())
+    empty = [s for s in used if s not in with_ops]
+    if not empty:
+        return used
+    span = f"{empty[0]}" if len(empty) == 1 else f"{empty[0]}-{empty[-1]}" if empty[-1] - empty[0] == len(empty) - 1 \
+        else ", ".join(map(str, empty[:6])) + (" ..." if len(empty) > 6 else "")
+    advice = ("their device work ran after the trace stopped: call jax.block_until_ready() on the last step's "
+              "outputs before jax.profiler.stop_trace()")
+    if len(empty) == len(used):
+        raise InputError(f"{profile.inputs.description}: the {len(used)} marked step(s) after the warm-up "
+                         f"(steps {span}) hold no XLA op events; {advice}")
+    notes.append(f"{len(empty)} marked step(s) hold no op events (steps {span}): left out; if {advice}")
+    return tuple(s for s in used if s in with_ops)
 
 
 def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
