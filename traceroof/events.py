@@ -444,42 +444,44 @@ def _checked_ids(table: Any, counts: dict[str, int]) -> Any:
     return table.assign(**cols) if cols else table
 
 
-def _text_category(values: pd.Series) -> pd.Categorical:
+def _text_category(values: Any) -> pd.Categorical:
     """A categorical column as text, a category per text value present (``values.astype(str).astype("category")``;
-    without the round trip where the categories are text already)."""
-    if isinstance(values.dtype, pd.CategoricalDtype) and isinstance(values.cat.categories.dtype, pd.StringDtype):
-        return values.array.remove_unused_categories()
-    return values.astype(str).astype("category").array
+    without the round trip where the categories are text already). ``values``: a Series or an array."""
+    values = values.array if isinstance(values, pd.Series) else values
+    if isinstance(values, pd.Categorical) and isinstance(values.categories.dtype, pd.StringDtype):
+        return values.remove_unused_categories()
+    return pd.Series(values).astype(str).astype("category").array
 
 
 def _trace_json_events(tj, path: Path, counts: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     host = _host_of(str(path))
-    ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num", "run_id"))
-    ev = _checked_ids(ev, counts)
-    has_op = ev["hlo_op"].notna().to_numpy()
-    ops = ev[has_op & _name_mask(ev["plane"], "/host:CPU|/device:")]
-    run_id = ops["run_id"].array
+    ids = ("program_id", "device_ordinal", "step_num", "run_id")  # made Int64 by _checked_ids
+    ev = _checked_ids(tj.columns(args=("hlo_op", "hlo_module", *ids), raw=ids), counts)
+    has_op = ~np.asarray(pd.isna(ev["hlo_op"]), bool)
+    ops = _take(ev, has_op & _name_mask(ev["plane"], "/host:CPU|/device:"))
+    run_id = ops["run_id"]
     named = _name_mask(ev["name"], HOST_EVENT_NAMES) & ~has_op
-    launches = launch_events(pd.DataFrame({"line_id": ev["tid"].to_numpy()[named], "name": ev["name"].array[named],
-                                           **{c: ev[c].to_numpy()[named] for c in ("start_ps", "duration_ps")}}))
+    launches = launch_events({"line_id": ev["tid"][named], "name": ev["name"][named],
+                              "start_ps": ev["start_ps"][named], "duration_ps": ev["duration_ps"][named]})
     module = _text_category(ops["hlo_module"])
-    launch, _ = launch_times(pd.DataFrame({"module": np.asarray(module, dtype=object), "run_id": run_id,
-                                           "start_ps": ops["start_ps"].to_numpy(np.int64)}), launches)
+    launch, _ = launch_times({"module": np.asarray(module, dtype=object), "run_id": run_id,
+                              "start_ps": ops["start_ps"]}, launches)
+    n = len(ops["start_ps"])
     ordinal = ops["device_ordinal"].to_numpy(np.int64, na_value=0).tolist()
     cpus = {o: f"{host}/cpu:{o}" for o in set(ordinal)}
     known = ~np.isnan(launch)
     out = pd.DataFrame({
-        "host": constant_categorical(host, len(ops)),
-        "device": text_categorical([cpus[o] for o in ordinal]) if len(ops) else pd.Categorical(pd.array([], "str")),
-        "program_id": ops["program_id"].array,
+        "host": constant_categorical(host, n),
+        "device": text_categorical([cpus[o] for o in ordinal]) if n else pd.Categorical(pd.array([], "str")),
+        "program_id": ops["program_id"],
         "module": module,
         "hlo_op": _text_category(ops["hlo_op"]),
-        "start_ps": ops["start_ps"].to_numpy(np.int64),
-        "duration_ps": ops["duration_ps"].to_numpy(np.int64),
-        "kernel": constant_categorical("", len(ops)),
-        "attributed": np.ones(len(ops), bool),
+        "start_ps": ops["start_ps"],
+        "duration_ps": ops["duration_ps"],
+        "kernel": constant_categorical("", n),
+        "attributed": np.ones(n, bool),
         "run_id": run_id,
         "launch_ps": pd.arrays.IntegerArray(np.where(known, launch, 0).astype(np.int64), ~known),
-    }, index=ops.index)
+    }, copy=False)
     steps, ann = _steps_from_events(ev, host)
     return out, steps, ann
