@@ -186,6 +186,8 @@ def host_activity(xs, host: str) -> pd.DataFrame:
 
 def shifted_activity(parts: list[tuple[pd.DataFrame | None, int]]) -> pd.DataFrame:
     """The hosts' activity tables, each shifted by its offset (ps) onto the profile's one clock, as one table."""
-    frames = [a.assign(start_ps=a["start_ps"] + off, end_ps=a["end_ps"] + off) for a, off in parts
+    frames = [a.assign(start_ps=a["start_ps"] + off, end_ps=a["end_ps"] + off) if off else a for a, off in parts
               if a is not None and len(a)]
+    if len(frames) == 1:
+        return frames[0].reset_index(drop=True)
     return pd.concat(frames, ignore_index=True) if frames else empty_activity()
