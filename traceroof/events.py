@@ -187,7 +187,9 @@ def _name_mask(names: pd.Series | pd.Categorical, pattern: str) -> np.ndarray:
 
 def _take(columns: dict[str, Any], rows: np.ndarray, names: Sequence[str] | None = None) -> dict[str, Any]:
     """The ``rows`` (a boolean mask or positions) of equally long columns (numpy or pandas arrays), of the columns
-    ``names`` (default: all)."""
+    ``names`` (default: all); every row of a mask: the same arrays."""
+    if rows.dtype == bool and rows.all():
+        return {k: columns[k] for k in (columns if names is None else names)}
     return {k: columns[k][rows] for k in (columns if names is None else names)}
 
 
