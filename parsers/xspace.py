@@ -206,6 +206,7 @@ class Plane:
     _scan: ModuleType = field(repr=False, default=_wirescan_py)  # the wire scanner (see scanner())
     _dtypes: dict[tuple[str, ...], tuple[pd.CategoricalDtype, np.ndarray | None]] = field(
         repr=False, default_factory=dict)  # categories -> (dtype, code remap) of :meth:`_categorical`
+    _meta_stats: dict[str, tuple[list[Any], bool, bool]] = field(repr=False, default_factory=dict)  # _meta_stat
 
     @property
     def notes(self) -> list[str]:
@@ -358,13 +359,21 @@ class Plane:
             codes = remap[np.where(codes >= 0, codes, len(categories))]
         return pd.Categorical.from_codes(codes, dtype=dtype)
 
+    def _meta_stat(self, stat: str) -> tuple[list[Any], bool, bool]:
+        """The value of ``stat`` in each event metadata (by id; ``None`` where absent), whether any has it, and
+        whether every one present is an integer; worked out once per plane and stat."""
+        got = self._meta_stats.get(stat)
+        if got is None:
+            vals = [self.event_metadata[i].stats.get(stat) for i in sorted(self.event_metadata)]
+            got = self._meta_stats[stat] = (vals, any(x is not None for x in vals),
+                                            all(isinstance(x, (int, np.integer)) or x is None for x in vals))
+        return got
+
     def _resolve(self, v: np.ndarray, k: np.ndarray, codes: np.ndarray, stat: str,
                  metas: list[EventMetadata] | None) -> Any:
         present = set(np.unique(k).tolist()) - {0}
-        meta_vals = [m.stats.get(stat) for m in metas] if metas else []
-        has_meta = any(x is not None for x in meta_vals)
-        numeric = present <= {_KIND_INT, _KIND_UINT} and all(
-            isinstance(x, (int, np.integer)) or x is None for x in meta_vals)
+        meta_vals, has_meta, meta_ints = self._meta_stat(stat) if metas else ([], False, True)
+        numeric = present <= {_KIND_INT, _KIND_UINT} and meta_ints
         if numeric and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
             big = v.view(np.uint64)
             return pd.Series([int(big[i]) if k[i] == _KIND_UINT else (int(v[i]) if k[i] else None)

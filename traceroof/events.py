@@ -181,7 +181,8 @@ def _device_steps(plane, host: str) -> list[pd.DataFrame]:
 def _name_mask(names: pd.Series | pd.Categorical, pattern: str) -> np.ndarray:
     """Events whose (categorical) name matches ``pattern`` at its start, tested once per distinct name."""
     cat = names if isinstance(names, pd.Categorical) else pd.Categorical(names)
-    hit = np.array([re.match(pattern, str(c)) is not None for c in cat.categories] + [False])
+    match = re.compile(pattern).match
+    hit = np.array([match(str(c)) is not None for c in cat.categories] + [False])
     return hit[np.where(cat.codes >= 0, cat.codes, len(cat.categories))]
 
 
