@@ -53,9 +53,10 @@ class TraceJson:
 
     def columns(self, args: Sequence[str] = (), raw: Sequence[str] = ()) -> dict[str, Any]:
         """Complete events, one row each, as equally long columns by name: ``pid``, ``tid``, ``plane`` and
-        ``line_name`` (category), ``name``, ``start_ps`` and ``duration_ps`` (int64, from µs floats rounded to the picosecond), then one column per
-        requested ``args`` key (strings or numbers as written; ``None`` where absent or not a JSON scalar): a
-        category, or for the keys in ``raw`` an object array of the values (for a caller that converts them).
+        ``line_name`` (category), ``name``, ``start_ps`` and ``duration_ps`` (int64, from µs floats rounded to the
+        picosecond), then one column per requested ``args`` key (strings or numbers as written; ``None`` where
+        absent or not a JSON scalar): a category, or for the keys in ``raw`` an object array of the values (for a
+        caller that converts them).
         Every event was checked by :func:`read_trace_json`, so the casts cannot fail."""
         ev = self.complete_events
         pid = np.fromiter((e.get("pid", 0) for e in ev), np.int64, len(ev))

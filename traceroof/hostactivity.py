@@ -150,7 +150,8 @@ def host_activity(xs, host: str) -> pd.DataFrame:
         dispatch = by_name(DISPATCH_EVENT)
         # a "python" line counts only when named so, or holding launches or step annotations; else some other
         # thread (GC, a profiler's own): not evidence of host work on the step
-        evidence = np.bincount(line_of[0], weights=(dispatch | ~np.asarray(pd.isna(ev["step_num"]), bool)).astype(float),
+        marks = ~np.asarray(pd.isna(ev["step_num"]), bool)
+        evidence = np.bincount(line_of[0], weights=(dispatch | marks).astype(float),
                                minlength=len(line_of[1])) > 0
         drop_line = np.array([kind_of_id[int(i)] == "python" and not python_line[int(i)] and not evidence[j]
                               for j, i in enumerate(line_of[1])] + [False])

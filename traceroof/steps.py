@@ -50,8 +50,9 @@ def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
     """The launch events among a host's events, with the module each launched where it can be told.
 
     ``events``: ``line_id``, ``name``, ``start_ps``, ``duration_ps`` (launch events and ``PjitFunction(...)``
-    events, any order; a DataFrame or equally long arrays by name). Returns ``line_id``, ``start_ps``, ``end_ps``, ``module`` (the module named in the
-    event, else ``jit_<fn>`` of the innermost enclosing ``PjitFunction(<fn>)`` on the same line, else '').
+    events, any order; a DataFrame or equally long arrays by name). Returns ``line_id``, ``start_ps``, ``end_ps``,
+    ``module`` (the module named in the event, else ``jit_<fn>`` of the innermost enclosing ``PjitFunction(<fn>)``
+    on the same line, else '').
     """
     line = np.asarray(events["line_id"], np.int64)
     ev_start = np.asarray(events["start_ps"], np.int64)
