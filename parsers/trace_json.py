@@ -48,9 +48,15 @@ class TraceJson:
         return len(self.complete_events) in KNOWN_EVENT_CAPS
 
     def events(self, args: Sequence[str] = ()) -> pd.DataFrame:
-        """Complete events, one row each: ``pid``, ``tid``, ``plane`` and ``line_name`` (category), ``name``,
-        ``start_ps`` and ``duration_ps`` (int64, from µs floats rounded to the picosecond), then one column per
-        requested ``args`` key (strings or numbers as written; ``None`` where absent or not a JSON scalar).
+        """Complete events, one row each: :meth:`columns` as a DataFrame."""
+        return pd.DataFrame(self.columns(args), copy=False)
+
+    def columns(self, args: Sequence[str] = (), raw: Sequence[str] = ()) -> dict[str, Any]:
+        """Complete events, one row each, as equally long columns by name: ``pid``, ``tid``, ``plane`` and
+        ``line_name`` (category), ``name``, ``start_ps`` and ``duration_ps`` (int64, from µs floats rounded to the
+        picosecond), then one column per requested ``args`` key (strings or numbers as written; ``None`` where
+        absent or not a JSON scalar): a category, or for the keys in ``raw`` an object array of the values (for a
+        caller that converts them).
         Every event was checked by :func:`read_trace_json`, so the casts cannot fail."""
         ev = self.complete_events
         pid = np.fromiter((e.get("pid", 0) for e in ev), np.int64, len(ev))
@@ -60,18 +66,23 @@ class TraceJson:
         pids, tids = pid.tolist(), tid.tolist()
         planes = {p: self.process_names.get(p, str(p)) for p in set(pids)}
         lines = {k: self.thread_names.get(k, str(k[1])) for k in set(zip(pids, tids))}
-        df = pd.DataFrame({
+        df: dict[str, Any] = {
             "pid": pid, "tid": tid,
             "plane": text_categorical([planes[p] for p in pids]),
             "line_name": text_categorical([lines[k] for k in zip(pids, tids)]),
             "name": text_categorical([e.get("name", "") for e in ev]),
             "start_ps": np.rint(ts * 1e6).astype(np.int64),
             "duration_ps": np.rint(dur * 1e6).astype(np.int64),
-        })
+        }
+        event_args = [e.get("args") or {} for e in ev] if args else []
         for key in args:
-            values = [(e.get("args") or {}).get(key) for e in ev]
-            df[key] = text_categorical([v if isinstance(v, _SCALARS) and not isinstance(v, bool) else None
-                                        for v in values])
+            values = [a.get(key) for a in event_args]
+            values = [v if isinstance(v, _SCALARS) and not isinstance(v, bool) else None for v in values]
+            if key in raw:
+                df[key] = np.empty(len(values), dtype=object)
+                df[key][:] = values
+            else:
+                df[key] = text_categorical(values)
         return df
 
 

@@ -204,6 +204,9 @@ class Plane:
     source: str = ""
     _dropped: dict[int, dict[int, int]] = field(repr=False, default_factory=dict)  # line index -> {code: count}
     _scan: ModuleType = field(repr=False, default=_wirescan_py)  # the wire scanner (see scanner())
+    _dtypes: dict[tuple[str, ...], tuple[pd.CategoricalDtype, np.ndarray | None]] = field(
+        repr=False, default_factory=dict)  # categories -> (dtype, code remap) of :meth:`_categorical`
+    _meta_stats: dict[str, tuple[list[Any], bool, bool]] = field(repr=False, default_factory=dict)  # _meta_stat
 
     @property
     def notes(self) -> list[str]:
@@ -221,7 +224,14 @@ class Plane:
     def events(self, stats: Sequence[str] = (), lines: Iterable[Line] | None = None,
                merge_metadata_stats: bool = True, require: Sequence[str] = (),
                names: str | None = None) -> pd.DataFrame:
-        """Events of this plane (or of the given lines), one row each.
+        """Events of this plane (or of the given lines), one row each: :meth:`columns` as a DataFrame."""
+        return pd.DataFrame(self.columns(stats, lines, merge_metadata_stats, require, names), copy=False)
+
+    def columns(self, stats: Sequence[str] = (), lines: Iterable[Line] | None = None,
+                merge_metadata_stats: bool = True, require: Sequence[str] = (),
+                names: str | None = None) -> dict[str, Any]:
+        """Events of this plane (or of the given lines), one row each, as equally long columns by name (numpy or
+        pandas arrays; a DataFrame costs more than the decode on a small plane).
 
         Columns: ``line_id`` (int64), ``line_name`` (category), ``metadata_id`` (int64), ``name`` and
         ``display_name`` (category, from the event metadata), ``start_ps`` and ``duration_ps`` (int64,
@@ -306,11 +316,10 @@ class Plane:
         metas = [self.event_metadata[int(i)] for i in meta_ids]
         columns: dict[str, object] = {
             "line_id": line_ids[line_idx],
-            "line_name": pd.Categorical.from_codes(line_codes[line_idx], categories=names) if names
-            else pd.Categorical([]),
+            "line_name": self._categorical(line_codes[line_idx], names) if names else pd.Categorical([]),
             "metadata_id": mid,
-            "name": _categorical(codes, [m.name for m in metas]),
-            "display_name": _categorical(codes, [m.display_name or m.name for m in metas]),
+            "name": self._categorical(codes, [m.name for m in metas]),
+            "display_name": self._categorical(codes, [m.display_name or m.name for m in metas]),
             "start_ps": start,
             "duration_ps": dur,
         }
@@ -325,7 +334,7 @@ class Plane:
                     v[set_] = vals2[j][set_]
                     k[set_] = kinds2[j][set_]
             columns[s] = self._resolve(v, k, codes, s, metas if merge_metadata_stats else None)
-        return pd.DataFrame(columns, copy=False)
+        return columns
 
     def _release(self, start: int, end: int) -> None:
         """Let the OS drop decoded pages of a memory-mapped file from RSS (they are re-read if needed)."""
@@ -335,17 +344,40 @@ class Plane:
             if hi > lo:
                 self._buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
+    def _categorical(self, codes: np.ndarray, categories: list[str]) -> pd.Categorical:
+        """Codes into ``categories`` (-1: NA) as a Categorical of the distinct categories (the first of equal ones
+        keeps its place); the dtype is built once per plane and category list."""
+        key = tuple(categories)
+        got = self._dtypes.get(key)
+        if got is None:
+            uniq = list(dict.fromkeys(categories))
+            remap = None if len(uniq) == len(categories) else np.array(
+                [uniq.index(c) for c in categories] + [-1], dtype=np.int32)
+            got = self._dtypes[key] = (pd.CategoricalDtype(uniq), remap)
+        dtype, remap = got
+        if remap is not None:
+            codes = remap[np.where(codes >= 0, codes, len(categories))]
+        return pd.Categorical.from_codes(codes, dtype=dtype)
+
+    def _meta_stat(self, stat: str) -> tuple[list[Any], bool, bool]:
+        """The value of ``stat`` in each event metadata (by id; ``None`` where absent), whether any has it, and
+        whether every one present is an integer; worked out once per plane and stat."""
+        got = self._meta_stats.get(stat)
+        if got is None:
+            vals = [self.event_metadata[i].stats.get(stat) for i in sorted(self.event_metadata)]
+            got = self._meta_stats[stat] = (vals, any(x is not None for x in vals),
+                                            all(isinstance(x, (int, np.integer)) or x is None for x in vals))
+        return got
+
     def _resolve(self, v: np.ndarray, k: np.ndarray, codes: np.ndarray, stat: str,
-                 metas: list[EventMetadata] | None) -> pd.Series:
+                 metas: list[EventMetadata] | None) -> Any:
         present = set(np.unique(k).tolist()) - {0}
-        meta_vals = [m.stats.get(stat) for m in metas] if metas else []
-        has_meta = any(x is not None for x in meta_vals)
-        numeric = present <= {_KIND_INT, _KIND_UINT} and all(
-            isinstance(x, (int, np.integer)) or x is None for x in meta_vals)
+        meta_vals, has_meta, meta_ints = self._meta_stat(stat) if metas else ([], False, True)
+        numeric = present <= {_KIND_INT, _KIND_UINT} and meta_ints
         if numeric and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
             big = v.view(np.uint64)
             return pd.Series([int(big[i]) if k[i] == _KIND_UINT else (int(v[i]) if k[i] else None)
-                              for i in range(len(v))], dtype=object)
+                              for i in range(len(v))], dtype=object).array
         if numeric:
             missing = k == 0
             data = np.where(missing, 0, v)
@@ -354,12 +386,12 @@ class Plane:
                 at = np.where(codes[missing] >= 0, codes[missing], len(meta_vals))
                 data[missing] = fill.to_numpy(np.int64, na_value=0)[at]
                 missing[missing] = fill.isna()[at]
-            return pd.Series(pd.arrays.IntegerArray(data, missing))
+            return pd.arrays.IntegerArray(data, missing)
         if present and present <= {_KIND_INT, _KIND_UINT, _KIND_DOUBLE} and not has_meta:
             out = np.where(k == _KIND_UINT, v.view(np.uint64).astype(np.float64), v.astype(np.float64))
             out = np.where(k == _KIND_DOUBLE, v.view(np.float64), out)
             out[k == 0] = np.nan
-            return pd.Series(out)
+            return out
         # strings (refs, str, bytes) or a mix: categories of distinct values
         values: list[Any] = []
         index: dict[Any, int] = {}
@@ -379,9 +411,8 @@ class Plane:
             cat_codes[missing] = meta_codes[np.where(mc >= 0, mc, len(meta_vals))]
             values = list(index)
         if any(not isinstance(x, str) for x in values):  # mixed kinds: keep each value as decoded
-            return pd.Series([values[c] if c >= 0 else None for c in cat_codes], dtype=object)
-        return pd.Series(pd.Categorical.from_codes(cat_codes, categories=values) if values else
-                         pd.Categorical([None] * len(v)))
+            return pd.Series([values[c] if c >= 0 else None for c in cat_codes], dtype=object).array
+        return self._categorical(cat_codes, values) if values else pd.Categorical([None] * len(v))
 
     def _decode_value(self, kind: int, raw: int) -> Any:
         if kind == _KIND_REF:
@@ -412,13 +443,6 @@ def _membership(ids: np.ndarray) -> Any:
         return member
     return lambda x: np.isin(x, ids)
 
-
-def _categorical(codes: np.ndarray, categories: list[str]) -> pd.Categorical:
-    uniq = list(dict.fromkeys(categories))
-    if len(uniq) == len(categories):
-        return pd.Categorical.from_codes(codes, categories=categories)
-    remap = np.array([uniq.index(c) for c in categories] + [-1], dtype=np.int32)
-    return pd.Categorical.from_codes(remap[np.where(codes >= 0, codes, len(categories))], categories=uniq)
 
 
 @dataclass(eq=False)

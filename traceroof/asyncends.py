@@ -24,7 +24,8 @@ NO_BOUND_PS = np.iinfo(np.int64).max
 
 def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], facts: dict[str, int]) -> pd.DataFrame:
     """Stretch async-thunk launches to the ends :func:`_async_thunk_ends` found, bounded by later work that
-    needed the result; drop ``async_end_ps``. What was stretched and cut is added to ``facts`` (summed over hosts;
+    needed the result (``async_end_ps`` is left in place: :func:`traceroof.host.read_host` keeps only the
+    columns that leave the host). What was stretched and cut is added to ``facts`` (summed over hosts;
     :func:`async_notes` states it).
 
     The ``end:`` event is not the thunk's completion but when the completion callback ran, which can be much
@@ -52,7 +53,6 @@ def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], facts:
     if "async_end_ps" not in events:
         return events
     implied_col = pd.array(events["async_end_ps"], "Int64")
-    events = events.drop(columns="async_end_ps")
     start = events["start_ps"].to_numpy(np.int64)
     end = start + events["duration_ps"].to_numpy(np.int64)
     grow = ~implied_col.isna()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -102,50 +102,60 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         kind = "cpu"
         if cpu is None:
             raise InputError(f"{xs.path}: no /host:CPU or device plane: not a JAX/XLA profile")
-        both = _checked_ids(cpu.events(stats=(*OP_STATS, "run_id", "_p", "_c"), require=("hlo_op", "step_num"),
-                                       names=HOST_EVENT_NAMES), info)
-        step_events = both[both["step_num"].notna()]
-        ev = both[both["hlo_op"].notna() & (both["start_ps"] != AGGREGATE_START_PS)]
+        # the CPU plane's events as columns (no DataFrame until the op table: on a small profile pandas' fixed
+        # cost per frame operation is most of the time)
+        both = _checked_ids(cpu.columns(stats=(*OP_STATS, "run_id", "_p", "_c"), require=("hlo_op", "step_num"),
+                                        names=HOST_EVENT_NAMES), info)
+        no_op = np.asarray(pd.isna(both["hlo_op"]), bool)
+        step_events = _take(both, ~np.asarray(pd.isna(both["step_num"]), bool))
+        ev = _take(both, ~no_op & (both["start_ps"] != AGGREGATE_START_PS))
         ends = _name_mask(both["name"], r"end: ")
-        ev = _async_thunk_ends(ev, both[ends])
-        launches = launch_events(both[_name_mask(both["name"], HOST_EVENT_NAMES) & ~ends
-                                      & both["hlo_op"].isna().to_numpy()])
+        ev["async_end_ps"] = _async_thunk_ends(ev, _take(both, ends))
+        launches = launch_events(_take(both, _name_mask(both["name"], HOST_EVENT_NAMES) & ~ends & no_op,
+                                       ("line_id", "name", "start_ps", "duration_ps")))
         info["launches"] = len(launches)
-        host_ops = ev.assign(module=ev["hlo_module"])
-        launch, info["executions_matched"] = launch_times(host_ops, launches)
-        ev = ev.assign(launch_ps=launch)
-        del both, host_ops
+        launch, info["executions_matched"] = launch_times({**ev, "module": ev["hlo_module"]}, launches)
+        known = ~np.isnan(launch)
+        ev["launch_ps"] = pd.arrays.IntegerArray(np.where(known, launch, 0).astype(np.int64), ~known)
+        del both
         ordinal = ev["device_ordinal"].to_numpy(dtype="int64", na_value=0)
         uniq, inv = np.unique(ordinal, return_inverse=True)
-        ev = ev.assign(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]))
+        n = len(ordinal)
+        ev.update(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]),
+                  kernel=constant_categorical("", n), attributed=np.ones(n, bool))
         frames.append(ev)
         meta = xs.plane("/host:metadata")
         version = meta.stats.get("jax_version", "") if meta else ""
         desc = f"XLA:CPU host threads{f' (jax {version})' if version else ''}"
-    events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    if len(events) and "kernel" not in events:
-        events = events.assign(kernel="", attributed=True)
+    if kind == "cpu":
+        events = frames[0]
+    else:
+        events = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+        if len(events) and "kernel" not in events:
+            events = events.assign(kernel="", attributed=True)
+    n = len(events["start_ps"]) if "start_ps" in events else 0
     out = pd.DataFrame({
-        "host": constant_categorical(host, len(events)),
-        "device": pd.Categorical(events["device"]) if len(events) else pd.Categorical([]),
-        "program_id": events["program_id"].astype("Int64") if len(events) else pd.array([], "Int64"),
-        "module": events["hlo_module"].astype("category") if len(events) else pd.Categorical([]),
-        "hlo_op": events["hlo_op"].astype("category") if len(events) else pd.Categorical([]),
-        "start_ps": events["start_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
-        "duration_ps": events["duration_ps"].to_numpy(np.int64) if len(events) else np.zeros(0, np.int64),
-        "kernel": pd.Categorical(events["kernel"]) if len(events) else pd.Categorical([]),
-        "attributed": events["attributed"].to_numpy(bool) if len(events) else np.zeros(0, bool),
-        "run_id": pd.array(events["run_id"], "Int64") if "run_id" in events else na_int64(len(events)),
-        "launch_ps": pd.array(events["launch_ps"].to_numpy(np.float64), "Float64").astype("Int64")
-        if "launch_ps" in events else na_int64(len(events)),
-    })
-    if len(events) and "async_end_ps" in events:
+        "host": constant_categorical(host, n),
+        "device": _category(events["device"]) if n else pd.Categorical([]),
+        "program_id": pd.array(events["program_id"], "Int64") if n else pd.array([], "Int64"),
+        "module": _category(events["hlo_module"]) if n else pd.Categorical([]),
+        "hlo_op": _category(events["hlo_op"]) if n else pd.Categorical([]),
+        "start_ps": np.asarray(events["start_ps"], np.int64) if n else np.zeros(0, np.int64),
+        "duration_ps": np.asarray(events["duration_ps"], np.int64) if n else np.zeros(0, np.int64),
+        "kernel": _category(events["kernel"]) if n else pd.Categorical([]),
+        "attributed": np.asarray(events["attributed"], bool) if n else np.zeros(0, bool),
+        "run_id": pd.array(events["run_id"], "Int64") if "run_id" in events else na_int64(n),
+        "launch_ps": (events["launch_ps"] if isinstance(events["launch_ps"], pd.arrays.IntegerArray) else
+                      pd.array(np.asarray(events["launch_ps"], np.float64), "Float64").astype("Int64"))
+        if "launch_ps" in events else na_int64(n),
+    }, copy=False)
+    if n and "async_end_ps" in events:
         out["async_end_ps"] = pd.array(events["async_end_ps"], "Int64")
-    if len(events) and "framework_scope" in events:
+    if n and "framework_scope" in events:
         out["framework_scope"] = pd.Categorical(events["framework_scope"])
     for st in TPU_COST_STATS:
-        if len(events) and f"profile_{st}" in events:
-            out[f"profile_{st}"] = events[f"profile_{st}"].to_numpy(np.float64)
+        if n and f"profile_{st}" in events:
+            out[f"profile_{st}"] = np.asarray(events[f"profile_{st}"], np.float64)
     if fw_steps is not None and len(fw_steps):
         return out, fw_steps.reset_index(drop=True), kind, desc, "Steps", stats, info
     if kind == "tpu":
@@ -168,51 +178,78 @@ def _device_steps(plane, host: str) -> list[pd.DataFrame]:
     return out
 
 
-def _name_mask(names: pd.Series, pattern: str) -> np.ndarray:
+def _name_mask(names: pd.Series | pd.Categorical, pattern: str) -> np.ndarray:
     """Events whose (categorical) name matches ``pattern`` at its start, tested once per distinct name."""
-    cat = pd.Categorical(names)
-    hit = np.array([re.match(pattern, str(c)) is not None for c in cat.categories] + [False])
+    cat = names if isinstance(names, pd.Categorical) else pd.Categorical(names)
+    match = re.compile(pattern).match
+    hit = np.array([match(str(c)) is not None for c in cat.categories] + [False])
     return hit[np.where(cat.codes >= 0, cat.codes, len(cat.categories))]
 
 
-def _async_thunk_ends(ops: pd.DataFrame, ends: pd.DataFrame) -> pd.DataFrame:
+def _take(columns: dict[str, Any], rows: np.ndarray, names: Sequence[str] | None = None) -> dict[str, Any]:
+    """The ``rows`` (a boolean mask or positions) of equally long columns (numpy or pandas arrays), of the columns
+    ``names`` (default: all); every row of a mask: the same arrays."""
+    if rows.dtype == bool and rows.all():
+        return {k: columns[k] for k in (columns if names is None else names)}
+    return {k: columns[k][rows] for k in (columns if names is None else names)}
+
+
+def _category(values: Any) -> pd.Categorical:
+    """A column as categorical (``Series.astype("category")``): a Categorical as it is (its categories kept)."""
+    if isinstance(values, pd.Categorical):
+        return values
+    if isinstance(values, pd.Series) and isinstance(values.dtype, pd.CategoricalDtype):
+        return values.array
+    return pd.Series(values).astype("category").array
+
+
+def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.IntegerArray:
     """XLA:CPU async thunks: an op event may be only the launch of a thunk that completes later; its ``end: <op>``
     event is linked by the flow stats (the op's producer ``_p`` = the end event's consumer ``_c``; xla
     ``backends/cpu/runtime/thunk_executor.cc`` ``TracedExecute``). Returns the ops with ``async_end_ps``: the end
     that event implies, less the time the completing thread spent in other op events meanwhile (a completion
     delayed because that thread ran other ops is scheduling, not this op's work); NA where the event does not
-    end after the op event. Durations are unchanged: :func:`_bound_async_ends` bounds these ends by the HLO."""
-    implied = na_int64(len(ops))
-    if ops.empty or ends.empty or "_p" not in ops or "_c" not in ends:
-        return ops.assign(async_end_ps=implied)
-    c = ends["_c"].to_numpy(dtype="float64", na_value=np.nan)
+    end after the op event. Durations are unchanged: :func:`_bound_async_ends` bounds these ends by the HLO.
+    ``ops`` and ``ends``: columns as :meth:`parsers.xspace.Plane.columns` gives them (``_p`` / ``_c`` float64)."""
+    n_ops = len(ops["start_ps"])
+    implied = na_int64(n_ops)
+    if not n_ops or not len(ends["start_ps"]) or "_p" not in ops or "_c" not in ends:
+        return implied
+    c = _floats(ends["_c"])
     valid = ~np.isnan(c)
     c = c[valid]
-    e_end = (ends["start_ps"] + ends["duration_ps"]).to_numpy(np.int64)[valid]
-    e_line = ends["line_id"].to_numpy(np.int64)[valid]
+    e_end = (np.asarray(ends["start_ps"], np.int64) + np.asarray(ends["duration_ps"], np.int64))[valid]
+    e_line = np.asarray(ends["line_id"], np.int64)[valid]
     flows, first_rev = np.unique(c[::-1], return_index=True)  # the last end event of each flow id
     last = len(c) - 1 - first_rev
-    k = ops["_p"].to_numpy(dtype="float64", na_value=np.nan)
+    k = _floats(ops["_p"])
     pos = np.minimum(np.searchsorted(flows, k), max(len(flows) - 1, 0))
     has = (flows[pos] == k) if len(flows) else np.zeros(len(k), bool)  # NaN never equals
-    start = ops["start_ps"].to_numpy(np.int64)
-    dur = ops["duration_ps"].to_numpy(np.int64)
+    start = np.asarray(ops["start_ps"], np.int64)
+    dur = np.asarray(ops["duration_ps"], np.int64)
     old_end = start + dur
-    done = np.zeros(len(ops), np.int64)
+    done = np.zeros(n_ops, np.int64)
     done[has] = e_end[last[pos[has]]]
     grow = has & (done > old_end)
     if not grow.any():
-        return ops.assign(async_end_ps=implied)
+        return implied
     extra = (done - old_end).astype(np.float64)
-    end_line = np.full(len(ops), -1, np.int64)
+    end_line = np.full(n_ops, -1, np.int64)
     end_line[has] = e_line[last[pos[has]]]
-    lines = ops["line_id"].to_numpy(np.int64)
+    lines = np.asarray(ops["line_id"], np.int64)
     sel = np.flatnonzero(grow)
     busy = _busy(lines, start, old_end, np.tile(end_line[sel], 2), np.concatenate([done[sel], old_end[sel]]))
     extra[sel] -= busy[:len(sel)] - busy[len(sel):]  # the completing thread's time in other ops meanwhile
     extra = np.maximum(extra, 0).astype(np.int64)
     grow &= extra > 0
-    return ops.assign(async_end_ps=pd.arrays.IntegerArray(old_end + extra, ~grow))
+    return pd.arrays.IntegerArray(old_end + extra, ~grow)
+
+
+def _floats(values: Any) -> np.ndarray:
+    """A numeric column (numpy, nullable or Series) as float64, NaN where missing."""
+    if isinstance(values, np.ndarray):
+        return values.astype(np.float64, copy=False)
+    return values.to_numpy(dtype="float64", na_value=np.nan)
 
 
 def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndarray, q_t: np.ndarray) -> np.ndarray:
@@ -316,25 +353,34 @@ def _framework_ops(planes: Sequence, host: str) -> tuple[pd.DataFrame, pd.DataFr
     return pd.concat(frames, ignore_index=True), st.dropna(subset=["step"]).reset_index(drop=True)
 
 
-def _steps_from_events(ev: pd.DataFrame, host: str) -> tuple[pd.DataFrame, str]:
+def _steps_from_events(ev: Any, host: str) -> tuple[pd.DataFrame, str]:
     """The step-marker events (``step_num`` set) of the most frequent name (the step annotation), by start, as
-    steps (``host``, ``step``, ``start_ps``, ``end_ps``), and that name."""
-    if ev.empty or "step_num" not in ev or not ev["step_num"].notna().any():
+    steps (``host``, ``step``, ``start_ps``, ``end_ps``), and that name. ``ev``: a DataFrame or columns by
+    name (:meth:`parsers.xspace.Plane.columns`)."""
+    num = ev["step_num"] if "step_num" in ev else None
+    num = num.array if isinstance(num, pd.Series) else num
+    marked = np.flatnonzero(~np.asarray(pd.isna(num), bool)) if num is not None else []
+    if not len(marked):
         return pd.DataFrame({"host": pd.Series([], dtype=object), "step": pd.array([], "Int64"),
                              "start_ps": np.zeros(0, np.int64), "end_ps": np.zeros(0, np.int64)}), ""
-    marked = ev[ev["step_num"].notna()]
-    names = marked["name"].astype(object).where(marked["name"].notna(), "").astype(str)  # a corrupt event: no name
-    distinct = set(names)
-    name = distinct.pop() if len(distinct) == 1 else names.value_counts().idxmax()
-    if distinct:
-        marked = marked[(names == name).to_numpy(bool)]
-    start = marked["start_ps"].to_numpy(np.int64)
+    name_col = ev["name"].array if isinstance(ev["name"], pd.Series) else ev["name"]
+    codes = np.unique(name_col.codes[marked]) if isinstance(name_col, pd.Categorical) else []
+    if len(codes) == 1:  # one name (the usual case)
+        name = "" if codes[0] < 0 else str(name_col.categories[codes[0]])
+    else:
+        names = pd.Series(name_col[marked]).astype(object)
+        names = names.where(names.notna(), "").astype(str)  # a corrupt event: no name
+        distinct = set(names)
+        name = distinct.pop() if len(distinct) == 1 else names.value_counts().idxmax()
+        if distinct:
+            marked = marked[(names == name).to_numpy(bool)]
+    start = np.asarray(ev["start_ps"], np.int64)[marked]
     order = np.argsort(start, kind="stable")
     steps = pd.DataFrame({
         "host": host,
-        "step": pd.array(pd.to_numeric(marked["step_num"]).to_numpy(np.int64)[order], "Int64"),
+        "step": pd.array(np.asarray(pd.to_numeric(num[marked]), np.int64)[order], "Int64"),
         "start_ps": start[order],
-        "end_ps": (start + marked["duration_ps"].to_numpy(np.int64))[order],
+        "end_ps": (start + np.asarray(ev["duration_ps"], np.int64)[marked])[order],
     })
     return steps, name
 
@@ -360,16 +406,18 @@ def as_id(x: object, lo: int) -> int | None:
     return int(x) if lo <= int(x) < 2**63 else None
 
 
-def _ids(values: pd.Series, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, int]:
+def _ids(values: Any, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, int]:
     """Integer ids (program, run, correlation ids, step numbers, ordinals) as ``Int64``: anything that is not an
     integer in [lo, 2^63) (text, fractions, NaN, 2^70, or a negative program id) becomes NA. Also returns how
-    many values were present but invalid. Exact for every int64 (no float round trip)."""
+    many values were present but invalid. Exact for every int64 (no float round trip). ``values``: a Series or
+    an array."""
+    values = values.array if isinstance(values, pd.Series) else values
     if isinstance(values.dtype, pd.Int64Dtype):
         v = values.to_numpy(np.int64, na_value=0)
-        present = values.notna().to_numpy()
+        present = ~values.isna()
         ok = present & (v >= lo)
         return pd.arrays.IntegerArray(np.where(ok, v, 0), ~ok), int((present & ~ok).sum())
-    codes, uniq = pd.factorize(values.astype(object), use_na_sentinel=True)
+    codes, uniq = pd.factorize(np.asarray(values, dtype=object), use_na_sentinel=True)
     conv = [as_id(u, lo) for u in uniq]
     good = np.array([c is not None for c in conv] + [False])
     vals = np.array([c if c is not None else 0 for c in conv] + [0], np.int64)
@@ -377,62 +425,66 @@ def _ids(values: pd.Series, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, i
     return pd.arrays.IntegerArray(vals[idx], ~good[idx]), int(((codes >= 0) & ~good[idx]).sum())
 
 
-def _checked_ids(df: pd.DataFrame, counts: dict[str, int]) -> pd.DataFrame:
-    """``df`` with its integer stats (:data:`ID_STATS`) as valid ``Int64`` ids and its flow ids as float64;
-    invalid values (a corrupt stat of the wrong type or range) become NA and are counted in
-    ``counts["bad:<stat>"]``."""
+def _checked_ids(table: Any, counts: dict[str, int]) -> Any:
+    """``table`` (a DataFrame, or columns by name as :meth:`parsers.xspace.Plane.columns` gives them) with its
+    integer stats (:data:`ID_STATS`) as valid ``Int64`` ids and its flow ids as float64; invalid values (a corrupt
+    stat of the wrong type or range) become NA and are counted in ``counts["bad:<stat>"]``."""
     cols = {}
     for name, lo in ID_STATS.items():
-        if name in df:
-            cols[name], bad = _ids(df[name], lo)
+        if name in table:
+            cols[name], bad = _ids(table[name], lo)
             if bad:
                 counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
     for name in FLOW_STATS:
-        if name in df and not pd.api.types.is_numeric_dtype(df[name].dtype):
-            raw = df[name].astype(object)
-            cols[name] = pd.to_numeric(raw, errors="coerce").astype(np.float64)
-            bad = int((raw.notna() & cols[name].isna()).sum())
+        if name in table and not pd.api.types.is_numeric_dtype(table[name].dtype):
+            raw = np.asarray(table[name], dtype=object)
+            cols[name] = np.asarray(pd.to_numeric(raw, errors="coerce"), dtype=np.float64)
+            bad = int((~np.asarray(pd.isna(raw), bool) & np.isnan(cols[name])).sum())
             if bad:
                 counts[f"bad:{name}"] = counts.get(f"bad:{name}", 0) + bad
-    return df.assign(**cols) if cols else df
+    if isinstance(table, dict):
+        return {**table, **cols}
+    return table.assign(**cols) if cols else table
 
 
-def _text_category(values: pd.Series) -> pd.Categorical:
+def _text_category(values: Any) -> pd.Categorical:
     """A categorical column as text, a category per text value present (``values.astype(str).astype("category")``;
-    without the round trip where the categories are text already)."""
-    if isinstance(values.dtype, pd.CategoricalDtype) and isinstance(values.cat.categories.dtype, pd.StringDtype):
-        return values.array.remove_unused_categories()
-    return values.astype(str).astype("category").array
+    without the round trip where the categories are text already). ``values``: a Series or an array."""
+    values = values.array if isinstance(values, pd.Series) else values
+    if isinstance(values, pd.Categorical) and isinstance(values.categories.dtype, pd.StringDtype):
+        return values.remove_unused_categories()
+    return pd.Series(values).astype(str).astype("category").array
 
 
 def _trace_json_events(tj, path: Path, counts: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     host = _host_of(str(path))
-    ev = tj.events(args=("hlo_op", "hlo_module", "program_id", "device_ordinal", "step_num", "run_id"))
-    ev = _checked_ids(ev, counts)
-    has_op = ev["hlo_op"].notna().to_numpy()
-    ops = ev[has_op & _name_mask(ev["plane"], "/host:CPU|/device:")]
-    run_id = ops["run_id"].array
+    ids = ("program_id", "device_ordinal", "step_num", "run_id")  # made Int64 by _checked_ids
+    ev = _checked_ids(tj.columns(args=("hlo_op", "hlo_module", *ids), raw=ids), counts)
+    has_op = ~np.asarray(pd.isna(ev["hlo_op"]), bool)
+    ops = _take(ev, has_op & _name_mask(ev["plane"], "/host:CPU|/device:"))
+    run_id = ops["run_id"]
     named = _name_mask(ev["name"], HOST_EVENT_NAMES) & ~has_op
-    launches = launch_events(pd.DataFrame({"line_id": ev["tid"].to_numpy()[named], "name": ev["name"].array[named],
-                                           **{c: ev[c].to_numpy()[named] for c in ("start_ps", "duration_ps")}}))
+    launches = launch_events({"line_id": ev["tid"][named], "name": ev["name"][named],
+                              "start_ps": ev["start_ps"][named], "duration_ps": ev["duration_ps"][named]})
     module = _text_category(ops["hlo_module"])
-    launch, _ = launch_times(pd.DataFrame({"module": np.asarray(module, dtype=object), "run_id": run_id,
-                                           "start_ps": ops["start_ps"].to_numpy(np.int64)}), launches)
+    launch, _ = launch_times({"module": np.asarray(module, dtype=object), "run_id": run_id,
+                              "start_ps": ops["start_ps"]}, launches)
+    n = len(ops["start_ps"])
     ordinal = ops["device_ordinal"].to_numpy(np.int64, na_value=0).tolist()
     cpus = {o: f"{host}/cpu:{o}" for o in set(ordinal)}
     known = ~np.isnan(launch)
     out = pd.DataFrame({
-        "host": constant_categorical(host, len(ops)),
-        "device": text_categorical([cpus[o] for o in ordinal]) if len(ops) else pd.Categorical(pd.array([], "str")),
-        "program_id": ops["program_id"].array,
+        "host": constant_categorical(host, n),
+        "device": text_categorical([cpus[o] for o in ordinal]) if n else pd.Categorical(pd.array([], "str")),
+        "program_id": ops["program_id"],
         "module": module,
         "hlo_op": _text_category(ops["hlo_op"]),
-        "start_ps": ops["start_ps"].to_numpy(np.int64),
-        "duration_ps": ops["duration_ps"].to_numpy(np.int64),
-        "kernel": constant_categorical("", len(ops)),
-        "attributed": np.ones(len(ops), bool),
+        "start_ps": ops["start_ps"],
+        "duration_ps": ops["duration_ps"],
+        "kernel": constant_categorical("", n),
+        "attributed": np.ones(n, bool),
         "run_id": run_id,
         "launch_ps": pd.arrays.IntegerArray(np.where(known, launch, 0).astype(np.int64), ~known),
-    }, index=ops.index)
+    }, copy=False)
     steps, ann = _steps_from_events(ev, host)
     return out, steps, ann

@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 from typing import Callable, Sequence
 
+import numpy as np
 import pandas as pd
 
 from parsers import storage
@@ -110,9 +111,20 @@ def _first_difference(a: HloModule, b: HloModule) -> str:
     return f"{extra[0]} is missing from the dump" if extra else "computations differ"
 
 
-def _profiled(events: pd.DataFrame) -> tuple[set[int], set[str]]:
-    ids = {int(x) for x in events["program_id"].dropna().unique()}
-    names = set(events["module"].astype(str).unique())
+def _profiled(events: pd.DataFrame, without_id: bool = False) -> tuple[set[int], set[str]]:
+    """The program ids and module names (missing ones left out) of the events; with ``without_id`` the names
+    only of events without a program id."""
+    pid = events["program_id"].array
+    missing = np.asarray(pid.isna(), bool)
+    ids = set(np.unique(pid.to_numpy("int64", na_value=0)[~missing]).tolist())
+    module = events["module"].array
+    if without_id:
+        module = module[missing]
+    if isinstance(module, pd.Categorical):
+        used = np.unique(module.codes)
+        names = {str(c) for c in module.categories[used[used >= 0]]}
+    else:
+        names = {x for x in pd.Series(module).astype(str).unique() if isinstance(x, str)}
     return ids, names
 
 
@@ -171,8 +183,7 @@ def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, byte
     dump of the program is used instead; else its ops stay unjoined and the report says so); a sidecar file that
     does not decode raises :class:`HloParseError`, as an unparsable dump does.
     """
-    ids, _ = _profiled(events)
-    names = set(events.loc[events["program_id"].isna(), "module"].astype(str).unique())
+    ids, names = _profiled(events, without_id=True)
     candidates: list[tuple[int | None, str, str, Callable[[], HloModule]]] = [
         (pid, name, "embedded", lambda d=data, src=src, pid=pid: module_from_proto(d, src, pid))
         for pid, name, data, src in embedded]

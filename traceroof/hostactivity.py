@@ -135,30 +135,31 @@ def host_activity(xs, host: str) -> pd.DataFrame:
     waits: list[tuple[np.ndarray, np.ndarray]] = []
     chosen = [(line, kind) for line in cpu.lines if line.event_count and (kind := _line_kind(line.name))]
     if chosen:  # every host-thread line decoded in one pass (one call per line cost seconds on many threads)
-        ev = cpu.events(stats=("hlo_op", "step_num"), lines=[line for line, _ in chosen])
-        names = pd.Categorical(ev["name"])
+        ev = cpu.columns(stats=("hlo_op", "step_num"), lines=[line for line, _ in chosen])
+        names = ev["name"]
         cats = [str(c) for c in names.categories]
         codes = np.where(names.codes >= 0, names.codes, len(cats))
 
         def by_name(pattern: re.Pattern) -> np.ndarray:
             return np.array([pattern.match(c) is not None for c in cats] + [False])[codes]
 
-        line_of = pd.factorize(ev["line_id"].to_numpy(np.int64))
+        line_of = pd.factorize(ev["line_id"])
         kind_of_id = {line.id: kind for line, kind in chosen}
         python_line = {line.id: bool(PYTHON_LINE.search(line.name)) for line, kind in chosen if kind == "python"}
         kinds = np.array([kind_of_id[int(i)] for i in line_of[1]] + [""], dtype=object)[line_of[0]]
         dispatch = by_name(DISPATCH_EVENT)
         # a "python" line counts only when named so, or holding launches or step annotations; else some other
         # thread (GC, a profiler's own): not evidence of host work on the step
-        evidence = np.bincount(line_of[0], weights=(dispatch | ev["step_num"].notna().to_numpy()).astype(float),
+        marks = ~np.asarray(pd.isna(ev["step_num"]), bool)
+        evidence = np.bincount(line_of[0], weights=(dispatch | marks).astype(float),
                                minlength=len(line_of[1])) > 0
         drop_line = np.array([kind_of_id[int(i)] == "python" and not python_line[int(i)] and not evidence[j]
                               for j, i in enumerate(line_of[1])] + [False])
         keep = ~drop_line[line_of[0]]
-        work = keep & ev["hlo_op"].isna().to_numpy() & ~by_name(SCAFFOLD_EVENT)
+        work = keep & np.asarray(pd.isna(ev["hlo_op"]), bool) & ~by_name(SCAFFOLD_EVENT)
         wait = keep & by_name(WAIT_EVENT)
-        start = ev["start_ps"].to_numpy(np.int64)
-        end = start + ev["duration_ps"].to_numpy(np.int64)
+        start = ev["start_ps"]
+        end = start + ev["duration_ps"]
         waits.append(merge_intervals(start[wait], end[wait]))
         work &= ~wait
         on_python = kinds == "python"
@@ -186,6 +187,8 @@ def host_activity(xs, host: str) -> pd.DataFrame:
 
 def shifted_activity(parts: list[tuple[pd.DataFrame | None, int]]) -> pd.DataFrame:
     """The hosts' activity tables, each shifted by its offset (ps) onto the profile's one clock, as one table."""
-    frames = [a.assign(start_ps=a["start_ps"] + off, end_ps=a["end_ps"] + off) for a, off in parts
+    frames = [a.assign(start_ps=a["start_ps"] + off, end_ps=a["end_ps"] + off) if off else a for a, off in parts
               if a is not None and len(a)]
+    if len(frames) == 1:
+        return frames[0].reset_index(drop=True)
     return pd.concat(frames, ignore_index=True) if frames else empty_activity()

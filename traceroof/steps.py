@@ -20,6 +20,7 @@ executions in order) to its last op end; :func:`device_step_spans`.
 from __future__ import annotations
 
 import re
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
@@ -45,16 +46,17 @@ def _name_matches(names: pd.Series, pattern: re.Pattern) -> tuple[np.ndarray, li
     return rows, [tried[c] for c in codes[rows].tolist()]
 
 
-def launch_events(events: pd.DataFrame) -> pd.DataFrame:
+def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
     """The launch events among a host's events, with the module each launched where it can be told.
 
     ``events``: ``line_id``, ``name``, ``start_ps``, ``duration_ps`` (launch events and ``PjitFunction(...)``
-    events, any order). Returns ``line_id``, ``start_ps``, ``end_ps``, ``module`` (the module named in the
-    event, else ``jit_<fn>`` of the innermost enclosing ``PjitFunction(<fn>)`` on the same line, else '').
+    events, any order; a DataFrame or equally long arrays by name). Returns ``line_id``, ``start_ps``, ``end_ps``,
+    ``module`` (the module named in the event, else ``jit_<fn>`` of the innermost enclosing ``PjitFunction(<fn>)``
+    on the same line, else '').
     """
-    line = events["line_id"].to_numpy(np.int64)
-    ev_start = events["start_ps"].to_numpy(np.int64)
-    ev_end = ev_start + events["duration_ps"].to_numpy(np.int64)
+    line = np.asarray(events["line_id"], np.int64)
+    ev_start = np.asarray(events["start_ps"], np.int64)
+    ev_end = ev_start + np.asarray(events["duration_ps"], np.int64)
     lau, matches = _name_matches(events["name"], LAUNCH_EVENT)
     o_line, o_start, o_end = line[lau], ev_start[lau], ev_end[lau]
     module = np.array([m.group("module") or "" for m in matches] + [""], dtype=object)[:-1]
@@ -112,27 +114,30 @@ def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.
     return best_o, best
 
 
-def launch_times(ops: pd.DataFrame, launches: pd.DataFrame) -> tuple[np.ndarray, int]:
+def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.ndarray, int]:
     """The launch time (ps) of every op event's execution, NaN where it cannot be told, and how many
     executions were matched to a launch.
 
-    ``ops``: one host's op events with ``program_id``, ``module``, ``run_id`` (nullable), ``start_ps``.
+    ``ops``: one host's op events with ``program_id``, ``module``, ``run_id`` (nullable), ``start_ps`` (a
+    DataFrame or equally long arrays by name).
     ``launches``: :func:`launch_events` of the same host. Executions of each module, ordered by run id, are
     matched to the launches of that module (by name) in time order; the alignment (which launch the first
     execution had: the profile may start after some launches and stop before some executions ran) is the one
     under which the most launches precede their execution's first op (:func:`_best_offset`).
     """
-    out = np.full(len(ops), np.nan)
-    if ops.empty or launches.empty or "run_id" not in ops:
+    n = len(ops["start_ps"])
+    out = np.full(n, np.nan)
+    if not n or launches.empty or "run_id" not in ops:
         return out, 0
-    rid = ops["run_id"].to_numpy(dtype="float64", na_value=np.nan)
+    rid = _numbers(ops["run_id"], np.nan)
     has = ~np.isnan(rid)
     if not has.any():
         return out, 0
-    pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1) if "program_id" in ops else np.full(len(ops), -1.0)
+    pid = _numbers(ops["program_id"], -1) if "program_id" in ops else np.full(n, -1.0)
     rows = np.flatnonzero(has)
-    module, names = pd.factorize(ops["module"][has])  # a missing module: -1, matched to no launch
-    run, start, pid = rid[has].astype(np.int64), ops["start_ps"].to_numpy(np.int64)[has], pid[has]
+    module_col = ops["module"]
+    module, names = pd.factorize((module_col.array if isinstance(module_col, pd.Series) else module_col)[has])
+    run, start, pid = rid[has].astype(np.int64), np.asarray(ops["start_ps"], np.int64)[has], pid[has]
     lau_module = launches["module"].to_numpy(object)
     lau_start = launches["start_ps"].to_numpy(np.int64)
     matched = 0
@@ -157,6 +162,13 @@ def launch_times(ops: pd.DataFrame, launches: pd.DataFrame) -> tuple[np.ndarray,
         matched += int(ok.sum())
         out[rows[mine]] = when[at]
     return out, matched
+
+
+def _numbers(values: Any, na_value: float) -> np.ndarray:
+    """A numeric column (a Series, nullable or numpy array) as float64, ``na_value`` where missing."""
+    if isinstance(values, np.ndarray):
+        return np.where(np.isnan(values), na_value, values) if values.dtype.kind == "f" else values.astype(np.float64)
+    return values.to_numpy(dtype="float64", na_value=na_value)
 
 
 def kernel_launch_times(kernel_correlation: np.ndarray, api_correlation: np.ndarray,
