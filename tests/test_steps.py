@@ -66,6 +66,16 @@ JOB = textwrap.dedent("""
             w = train_step(w, x)
         jax.block_until_ready(w)
         jax.profiler.stop_trace()
+    if "midstep" in loops:  # the trace stopped inside the last step's annotation, right after its launch
+        jax.profiler.start_trace(f"{out}/midstep")
+        for i in range(5):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                w = train_step(w, x)
+                if i < 4:
+                    w = jax.block_until_ready(w)
+                else:
+                    jax.profiler.stop_trace()
+        jax.block_until_ready(w)
     if "noblock" in loops:  # the README's loop without block_until_ready: steps may run after the trace stops
         jax.profiler.start_trace(f"{out}/noblock")
         for i in range(5):
@@ -89,7 +99,7 @@ def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("job")
-    _run(root / "run", 128, "readme,blocking,unmarked,noblock")
+    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock")
     _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
     return root
 
@@ -142,6 +152,14 @@ def test_loop_that_never_blocks_gets_no_empty_steps(job):
     assert s["flops_per_step"] > 0
     left_out = s["steps_total"] - s["warmup_steps"] - len(s["steps_used"])
     assert left_out == 0 or any("hold no op events" in n for n in s["notes"]), s["notes"]
+
+
+def test_step_open_when_the_trace_stopped_is_left_out_with_a_note(job):
+    """``stop_trace`` inside the last step's annotation: jax writes no unfinished annotation, and the step's
+    launch is all that is left of it (its ops too, when cut off): 4 closed steps, a note for the fifth."""
+    a = analyze(job / "run" / "midstep", chip=str(HOST_CHIP))
+    assert a.summary.steps_used == (1, 2, 3)
+    assert any("a step still open when the trace stopped" in n for n in a.summary.notes), a.summary.notes
 
 
 def test_unmarked_profile_makes_each_execution_a_step(job):

@@ -117,6 +117,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         launch, info["executions_matched"] = launch_times({**ev, "module": ev["hlo_module"]}, launches)
         known = ~np.isnan(launch)
         ev["launch_ps"] = pd.arrays.IntegerArray(np.where(known, launch, 0).astype(np.int64), ~known)
+        info["launches_after_steps"] = _launches_after_steps(launches, launch[known], step_events)
         del both
         ordinal = ev["device_ordinal"].to_numpy(dtype="int64", na_value=0)
         uniq, inv = np.unique(ordinal, return_inverse=True)
@@ -423,6 +424,17 @@ def _ids(values: Any, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, int]:
     vals = np.array([c if c is not None else 0 for c in conv] + [0], np.int64)
     idx = np.where(codes >= 0, codes, len(uniq))
     return pd.arrays.IntegerArray(vals[idx], ~good[idx]), int(((codes >= 0) & ~good[idx]).sum())
+
+
+def _launches_after_steps(launches: pd.DataFrame, matched_ps: np.ndarray, step_events: dict) -> int:
+    """Launches after the end of the last marked step whose execution left no op event: the launch of a step
+    whose annotation was still open when the trace stopped (it is not in the profile: jax writes no unfinished
+    annotation), its device work cut off too. ``matched_ps``: launch times matched to executions."""
+    ends = np.asarray(step_events["start_ps"], np.int64) + np.asarray(step_events["duration_ps"], np.int64)
+    if not len(ends) or launches.empty:
+        return 0
+    start = launches["start_ps"].to_numpy(np.int64)
+    return int(((start > ends.max()) & ~np.isin(start, matched_ps.astype(np.int64))).sum())
 
 
 def _checked_ids(table: Any, counts: dict[str, int]) -> Any:

@@ -170,6 +170,10 @@ def step_notes(facts: dict[str, int]) -> list[str]:
     if facts.get("steps_untied", 0):
         out.append(f"{facts['steps_untied_ps'] / total:.1%} of op time could not be tied to its launch (no launch "
                    "event of its program in the profile): placed in steps by its own start time")
+    if facts.get("launches_after_steps", 0):
+        out.append(f"{facts['launches_after_steps']} program launch(es) after the last marked step left no op "
+                   "event: a step still open when the trace stopped (its annotation and its device work are not in "
+                   "the profile): left out")
     if facts.get("steps_outside_runs", 0):
         out.append(f"{facts['steps_outside_runs']} execution(s) ({facts['steps_outside_ps'] / total:.1%} of op time) "
                    "were launched outside the marked steps (work between steps, or a step still open when the "
