@@ -265,3 +265,14 @@ def test_step_markers_whose_name_is_missing_still_make_steps():  # fuzz: argmax 
                        "start_ps": [0, 10, 20], "duration_ps": [5, 5, 5]})
     steps, name = _steps_from_events(ev, "h")
     assert name == "" and steps["step"].tolist() == [0, 1, 2] and steps["end_ps"].tolist() == [5, 15, 25]
+
+
+def test_launches_after_the_last_step_without_ops_are_counted():
+    from traceroof.events import _launches_after_steps
+
+    launches = pd.DataFrame({"start_ps": np.array([10, 110, 210, 400, 500], np.int64)})
+    steps = {"start_ps": np.array([0, 100, 200]), "duration_ps": np.array([90, 90, 90])}
+    # 400 ran (its execution matched), 500 is the launch of the step open at stop_trace
+    assert _launches_after_steps(launches, np.array([10.0, 110.0, 210.0, 400.0]), steps) == 1
+    assert _launches_after_steps(launches, np.array([10.0, 110.0, 210.0, 400.0, 500.0]), steps) == 0
+    assert _launches_after_steps(launches, np.array([]), {"start_ps": np.array([]), "duration_ps": np.array([])}) == 0
