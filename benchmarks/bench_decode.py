@@ -72,7 +72,8 @@ def _child(mode: str, path: str, hlo: str) -> dict:
     else:
         raise SystemExit(f"unknown mode {mode}")
     dt = time.perf_counter() - t0  # the event count below is read after the clock stops
-    return {"events": n, "op_events": kept, "seconds": dt, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"events": n, "op_events": kept, "seconds": dt,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -197,8 +197,8 @@ def parameter_problem(computations: dict[str, "Computation"]) -> tuple[str, str]
 def call_graph_problem(computations: dict[str, "Computation"]) -> tuple[str, str]:
     """(computation, why) when the calls between computations cannot be a program, else ``("", "")``: a
     computation that calls itself (directly or through others: fusion ``calls``, while ``body``/``condition``,
-    ``to_apply``, branches ...), or calls nested deeper than :data:`MAX_CALL_DEPTH`. Calls to computations the module lacks are ignored (the
-    cost model reports them). Iterative: no recursion proportional to the input."""
+    ``to_apply``, branches ...), or calls nested deeper than :data:`MAX_CALL_DEPTH`. Calls to computations the
+    module lacks are ignored (the cost model reports them). Iterative: no recursion proportional to the input."""
     callees = {name: [c for inst in comp.instructions for c in inst.called if c in computations]
                for name, comp in computations.items()}
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done

@@ -302,7 +302,8 @@ class Plane:
                 vals2[:, n:n + k], kinds2[:, n:n + k] = s_vals2[:, :row][:, keep], s_kinds2[:, :row][:, keep]
             line_idx[n:n + k] = li
             n += k
-        mid, start, dur, line_idx, vals2, kinds2 = mid[:n], start[:n], dur[:n], line_idx[:n], vals2[:, :n], kinds2[:, :n]
+        mid, start, dur, line_idx = mid[:n], start[:n], dur[:n], line_idx[:n]
+        vals2, kinds2 = vals2[:, :n], kinds2[:, :n]
         names = sorted({line.name for line in chosen})
         code_of = {nm: i for i, nm in enumerate(names)}
         line_codes = np.array([code_of[line.name] for line in chosen] or [0], dtype=np.int32)

@@ -392,9 +392,9 @@ def detect_chip(stats: dict[str, Any]) -> tuple[Chip, str]:
     skipped: list[str] = []
     chips = all_chips(skipped)
     found = [c for c in chips if _matches(c, stats)]
-    described = ", ".join(f"{k}={' '.join(str(stats[k]).split())[:40]}" for k in ("device_vendor", "compute_cap_major", "compute_cap_minor",
-                                                       "core_count", "memory_size", "device_type_string")
-                          if k in stats)
+    keys = ("device_vendor", "compute_cap_major", "compute_cap_minor", "core_count", "memory_size",
+            "device_type_string")
+    described = ", ".join(f"{k}={' '.join(str(stats[k]).split())[:40]}" for k in keys if k in stats)
     if not found:
         major = stats.get("compute_cap_major")
         close = [c.id for c in chips if any(str(cc).split(".")[0] == str(major)

@@ -127,7 +127,9 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
             raise InputError(f"--hlo {hp} does not exist; pass HLO text files or an --xla_dump_to folder")
         files = hlo_files(hp)
         if not files:
-            raise InputError(f"--hlo {hp}: no HLO text found (XLA's *after_optimizations.txt dumps, or files starting with HloModule); pass an --xla_dump_to folder written with --xla_dump_hlo_as_text")
+            raise InputError(f"--hlo {hp}: no HLO text found (XLA's *after_optimizations.txt dumps, or files "
+                             "starting with HloModule); pass an --xla_dump_to folder written with "
+                             "--xla_dump_hlo_as_text")
         found_hlo += files
         user_files += files
     if len(kinds) > 1:

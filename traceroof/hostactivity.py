@@ -182,7 +182,8 @@ def host_activity(xs, host: str) -> pd.DataFrame:
         ends.append(merged[1])
     if not kinds:
         return empty_activity()
-    return pd.DataFrame({"host": host, "kind": kinds, "start_ps": np.concatenate(starts), "end_ps": np.concatenate(ends)})
+    return pd.DataFrame({"host": host, "kind": kinds, "start_ps": np.concatenate(starts),
+                         "end_ps": np.concatenate(ends)})
 
 
 def shifted_activity(parts: list[tuple[pd.DataFrame | None, int]]) -> pd.DataFrame:

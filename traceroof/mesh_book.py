@@ -263,7 +263,8 @@ def _mesh_notes(sizes: ModelSizes, strategies: list[AxisStrategy], links: dict[s
            f"{sizes.tokens:,.0f} tokens per step ({sizes.tokens_per_device:,.0f} per device), {sizes.dtype} "
            f"(How to Scale Your Model §5 models each layer as In[B, D]·W_in[D, F]·W_out[F, D])",
            "T_math/layer and T_comm/layer: one layer in the pass named in column 'pass', where §5 compares them "
-           "(backward for data and sequence axes, where gradients are all-reduced: 8BDF; forward for the others: 4BDF), each "
+           "(backward for data and sequence axes, where gradients are all-reduced: 8BDF; forward for the others: "
+           "4BDF), each "
            "collective at the book's large-N cost; expected comm/step: the axis' own collectives, all layers and "
            "passes, on this topology with a ring's (N−1)/N on a line and a per-hop latency floor (a data axis of N "
            "ways on a line: L x T_comm/layer x (N−1)/N)"]

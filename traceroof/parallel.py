@@ -67,8 +67,8 @@ def map_hosts(fn: Callable[[T], R], items: Sequence[T], *, jobs: int | None = No
     Raises: InputError for ``jobs`` < 1 or given with ``dask_address``, for a worker process that died (the
     message names the items it was running and says to run with fewer ``--jobs``) and for Dask trouble (extra
     not installed, scheduler not answering within :data:`DASK_CONNECT_TIMEOUT_S`, no workers, workers that cannot
-    import traceroof, a worker killed). The first error ``fn`` raises is re-raised as is (a TraceroofError keeps its class and
-    one-line message); the items not yet started are cancelled (those running finish first).
+    import traceroof, a worker killed). The first error ``fn`` raises is re-raised as is (a TraceroofError keeps
+    its class and one-line message); the items not yet started are cancelled (those running finish first).
     """
     if jobs is not None and jobs < 1:
         raise InputError(f"--jobs {jobs}: must be 1 or more (leave --jobs out to use every core)")

@@ -1,5 +1,5 @@
-"""Quantities as text (decimal SI prefixes, times with their unit), for the notes the analysis writes and the reports alike (the
-analysis must not import the renderers)."""
+"""Quantities as text (decimal SI prefixes, times with their unit), for the notes the analysis writes and the
+reports alike (the analysis must not import the renderers)."""
 
 from __future__ import annotations
 
