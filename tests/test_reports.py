@@ -20,3 +20,16 @@ def test_readme_test_command_is_what_ci_runs():
     readme = (ROOT / "README.md").read_text()
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pytest" in readme and "python -m pytest" in ci
+
+
+def test_header_gives_the_median_step_when_slow_steps_raise_the_mean():
+    """Keras' fit without step markers (a new user's trial): one step holding a recompilation made the step time
+    32.9 ms ± 67.2 ms against 4-14 ms batches; the header now says the median and how many steps raise the mean."""
+    from traceroof.report.text import _skewed_median
+
+    assert _skewed_median((0.009, 0.008, 0.185, 0.009, 0.010), 0.0442) == (
+        "; median 9.000 ms: 1 step(s) over twice the median raise the mean (the step breakdown shows why)")
+    assert _skewed_median((0.009, 0.008, 0.010, 0.009), 0.009) == ""  # no skew: nothing added
+    assert _skewed_median((0.009, 0.185), 0.097) == ""  # too few steps to call one slow
+    text = " ".join((ROOT / "reports" / "fw_keras_cnn.txt").read_text(encoding="utf-8").split())
+    assert "step time 151.257 ms" in text and "median 2.338 ms: 2 step(s)" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 
 from traceroof.analysis import Analysis
@@ -16,6 +17,22 @@ from traceroof.report.memory import memory_markdown, memory_terminal
 def fmt_pct(x: float) -> str:
     """A ratio as a percentage with one decimal ('-' for NaN)."""
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:.1f}%"
+
+
+SKEWED_MEAN_RATIO = 1.25  # mean / median above which the header shows the median step too
+
+
+def _skewed_median(times_s: tuple[float, ...], mean_s: float) -> str:
+    """``"; median 5.1 ms ..."`` when a few slow steps (a compilation, a checkpoint, an epoch boundary) raise the
+    mean step time more than :data:`SKEWED_MEAN_RATIO` above the median, else ``""``."""
+    if len(times_s) < 3:
+        return ""
+    median = float(np.median(times_s))
+    if not median > 0 or not mean_s > SKEWED_MEAN_RATIO * median:
+        return ""
+    slow = sum(t > 2 * median for t in times_s)
+    return (f"; median {fmt_time(median)}: {slow} step(s) over twice the median raise the mean (the step "
+            "breakdown shows why)")
 
 
 def header_lines(a: Analysis) -> list[tuple[str, str]]:
@@ -39,7 +56,7 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
     lines += [
         ("steps", f"{len(used)} used of {s.steps_total} (\"{s.step_annotation or '-'}\" steps {span}; "
                   f"{s.warmup_steps} warm-up excluded); step time {fmt_time(s.step_time_mean_s)} "
-                  f"± {fmt_time(s.step_time_std_s)}"),
+                  f"± {fmt_time(s.step_time_std_s)}{_skewed_median(s.step_times_s, s.step_time_mean_s)}"),
         ("work", (f"{fmt_si(s.flops_per_step, 'FLOP')} and {fmt_si(s.hbm_bytes_per_step, 'B')} HBM per step "
                   "per device" if s.join.events_joined else "no HLO cost (nothing joined)")
          + f"; op time {fmt_time(s.op_time_per_step_s)} per step"),
