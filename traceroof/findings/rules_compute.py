@@ -208,7 +208,13 @@ def faster_than_roofline(x: FindingInputs) -> list[Finding]:
         return []
     executions = c.num("executions")[fast]
     per_exec = pd.Series(c.num("hbm_bytes")[fast] / np.where(executions < 1, 1.0, executions))
-    if x.chip is not None and x.chip.kind == "cpu":
+    compute = int(sum(b == "compute" for b in c.text("bound")[fast])) if "bound" in c else 0
+    if x.chip is not None and x.chip.kind == "cpu" and compute * 2 > len(fast):
+        # compute-bound: caches do not explain them; the calibrated FLOP/s peak is below what they reached
+        why = (f"{compute} of them compute-bound, so the calibrated FLOP/s peak is below what they reached"
+               + (" (it was measured on a loaded machine: run `traceroof calibrate` on an idle one)"
+                  if x.chip.load_note else " (`traceroof calibrate` on an idle machine re-measures it)"))
+    elif x.chip is not None and x.chip.kind == "cpu":
         why = (f"their bytes per run (median {fmt_bytes(float(per_exec.median()))}) come from CPU caches, "
                "faster than the calibrated DRAM roof")
     else:
