@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import first_rows, group_codes
 from traceroof.hostactivity import covered_ps, merge_intervals
 from traceroof.optable import Timeline
 
@@ -94,29 +95,68 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
     return out
 
 
+def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``col.astype(str)`` at positions ``rows`` (a missing value reads ``nan``, as ``astype(str)`` writes it), as
+    (codes into the distinct texts, the sorted distinct texts)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = np.append(np.asarray(col.array.categories.astype(str), dtype=object), "nan")  # code -1: NA
+        text = names[col.array.codes[rows]]
+    else:
+        text = np.asarray(col.astype(str), dtype=object)[rows]
+    names, codes = np.unique(text, return_inverse=True)
+    return codes.reshape(-1).astype(np.int64), names
+
+
 def arrival_skew(ops: pd.DataFrame, timeline: Timeline) -> pd.DataFrame:
     """One row per execution of a collective seen on several devices: ``program_id``, ``hlo_op``, ``step``,
     ``occurrence``, ``devices``, ``skew_s`` (latest − earliest start), ``last_device`` (arrived last),
-    ``wait_s`` (Σ over devices of latest start − own start). Reads the events of collective rows in steps."""
+    ``wait_s`` (Σ over devices of latest start − own start). Reads the events of collective rows in steps.
+    Rows sorted by program id (missing: -1), op name, step and occurrence (the n-th execution of the op in the
+    step on a device, in order of start)."""
     cols = ["program_id", "hlo_op", "step", "occurrence", "devices", "skew_s", "last_device", "wait_s"]
     pick = _collective_rows(ops)
     if pick.any():
         pick = pick & ops["step"].notna().to_numpy(bool)
-    if not pick.any() or ops.loc[pick, "device"].nunique() < 2:
+    if not pick.any():
         return pd.DataFrame(columns=cols)
-    c = _event_frame(ops, timeline, pick)
-    c = c.sort_values("start_ps", kind="stable").assign(
-        program_id=c["program_id"].fillna(-1), hlo_op=c["hlo_op"].astype(str), device=c["device"].astype(str))
-    c["occurrence"] = c.groupby(["device", "program_id", "hlo_op", "step"], observed=True).cumcount()
-    g = c.groupby(["program_id", "hlo_op", "step", "occurrence"], observed=True)
-    latest = g["start_ps"].transform("max")
-    c["wait_ps"] = latest - c["start_ps"]
-    idx_last = g["start_ps"].idxmax()
-    res = pd.DataFrame({
-        "devices": g["device"].nunique(),
-        "skew_s": (g["start_ps"].max() - g["start_ps"].min()) * 1e-12,
-        "last_device": c.loc[idx_last.values, "device"].to_numpy(),
-        "wait_s": g["wait_ps"].sum() * 1e-12,
-    }).reset_index()
-    res = res[res["devices"] > 1]
-    return res[cols].reset_index(drop=True)
+    rows = np.flatnonzero(pick)
+    row_dev, dev_names = _text_codes(ops["device"], rows)
+    if len(np.unique(row_dev[ops["device"].notna().to_numpy(bool)[rows]])) < 2:  # devices (NA not one)
+        return pd.DataFrame(columns=cols)
+    ev = np.flatnonzero(pick[timeline.row]) if len(timeline) else np.zeros(0, np.int64)
+    ev = ev[np.argsort(timeline.start_ps[ev], kind="stable")]  # by start; ties in event order
+    at = np.full(len(ops), -1, np.int64)
+    at[rows] = np.arange(len(rows))
+    r = at[timeline.row[ev]]  # position of each event's row among ``rows``
+    start = timeline.start_ps[ev].astype(np.int64)
+    dev = row_dev[r]
+    pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1)[rows][r]
+    row_op, op_names = _text_codes(ops["hlo_op"], rows)
+    op = row_op[r]
+    step = ops["step"].to_numpy(dtype="int64", na_value=0)[rows][r]
+    # occurrence: the events before this one of its (device, program, op, step)
+    same = group_codes([dev, pid, op, step])
+    by_same = np.argsort(same, kind="stable")
+    bounds = np.flatnonzero(np.diff(same[by_same], prepend=-1))
+    occurrence = np.empty(len(same), np.int64)
+    occurrence[by_same] = np.arange(len(same)) - np.repeat(bounds, np.diff(np.append(bounds, len(same))))
+    # executions: (program, op, step, occurrence), sorted; events of one keep their order (by start)
+    order = np.lexsort((occurrence, step, op, pid))
+    pid, op, step, occurrence, dev, start = (x[order] for x in (pid, op, step, occurrence, dev, start))
+    new = np.append(True, (pid[1:] != pid[:-1]) | (op[1:] != op[:-1]) | (step[1:] != step[:-1])
+                    | (occurrence[1:] != occurrence[:-1])) if len(order) else np.zeros(0, bool)
+    first = np.flatnonzero(new)
+    execution = np.cumsum(new) - 1
+    latest = np.maximum.reduceat(start, first) if len(first) else np.zeros(0, np.int64)
+    earliest = np.minimum.reduceat(start, first) if len(first) else np.zeros(0, np.int64)
+    wait = np.add.reduceat(latest[execution] - start, first) if len(first) else np.zeros(0, np.int64)
+    is_latest = np.flatnonzero(start == latest[execution])
+    last = is_latest[np.flatnonzero(np.diff(execution[is_latest], prepend=-1))]  # each execution's first latest
+    devices = np.bincount(execution[first_rows(group_codes([execution, dev]))], minlength=len(first))
+    keep = np.flatnonzero(devices > 1)
+    f = first[keep]
+    return pd.DataFrame({
+        "program_id": pd.array(pid[f].astype(np.int64), "Int64"), "hlo_op": op_names[op[f]],
+        "step": pd.array(step[f], "Int64"), "occurrence": occurrence[f], "devices": devices[keep].astype(np.int64),
+        "skew_s": (latest - earliest)[keep] * 1e-12, "last_device": dev_names[dev[last[keep]]],
+        "wait_s": wait[keep] * 1e-12})
