@@ -26,17 +26,16 @@ def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
     return (col.astype(str) == "collective").to_numpy(bool)
 
 
-def _event_frame(ops: pd.DataFrame, timeline: Timeline, rows: np.ndarray) -> pd.DataFrame:
-    """The events of op rows ``rows`` (a boolean mask over ``ops``), with their rows' ``device``,
-    ``program_id``, ``hlo_op``, ``step``, ``counted``, ``category`` and the event's ``start_ps`` /
-    ``duration_ps``; ``row`` is the op row."""
-    pick = np.flatnonzero(rows[timeline.row]) if len(timeline) else np.zeros(0, np.int64)
-    r = timeline.row[pick]
-    cols = {c: ops[c].to_numpy()[r] if not isinstance(ops[c].dtype, pd.CategoricalDtype)
-            else pd.Categorical.from_codes(ops[c].cat.codes.to_numpy()[r], categories=ops[c].cat.categories)
-            for c in ("device", "hlo_op", "category", "counted")}
-    return pd.DataFrame({"row": r, **cols, "program_id": ops["program_id"].array[r], "step": ops["step"].array[r],
-                         "start_ps": timeline.start_ps[pick], "duration_ps": timeline.duration_ps[pick]})
+def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``col.astype(str)`` at positions ``rows`` (a missing value reads ``nan``, as ``astype(str)`` writes it), as
+    (codes into the distinct texts, the sorted distinct texts)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = np.append(np.asarray(col.array.categories.astype(str), dtype=object), "nan")  # code -1: NA
+        text = names[col.array.codes[rows]]
+    else:
+        text = np.asarray(col.astype(str), dtype=object)[rows]
+    names, codes = np.unique(text, return_inverse=True)
+    return codes.reshape(-1).astype(np.int64), names
 
 
 def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tuple[object, str], str]
@@ -54,19 +53,29 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
     window_row = np.zeros(len(out))
     hidden_row = np.zeros(len(out))
     if is_coll_row.any():
-        devices = out["device"].astype(str).to_numpy()
-        ev = _event_frame(out, timeline, np.isin(devices, np.unique(devices[is_coll_row])))
+        rows = np.arange(len(out))
+        row_dev, _ = _text_codes(out["device"], rows)
+        row_dev[out["device"].isna().to_numpy(bool)] = -1  # events of a missing device belong to none
+        on = np.zeros(len(row_dev) + 1, bool)  # devices that run collectives (index -1: missing, never)
+        on[row_dev[is_coll_row]] = True
+        on[-1] = False
+        ev = np.flatnonzero(on[row_dev][timeline.row]) if len(timeline) else np.zeros(0, np.int64)
+        r = timeline.row[ev]
         window = np.zeros(len(ev))
         hidden = np.zeros(len(ev))
-        is_coll = is_coll_row[ev["row"].to_numpy()]
-        start = ev["start_ps"].to_numpy(np.int64)
-        end = start + ev["duration_ps"].to_numpy(np.int64)
-        op = ev["hlo_op"].astype(str).to_numpy()
-        pid = ev["program_id"].to_numpy(dtype="float64", na_value=-1)
-        counted = ev["counted"].to_numpy(bool)
+        is_coll = is_coll_row[r]
+        start = timeline.start_ps[ev].astype(np.int64)
+        end = start + timeline.duration_ps[ev].astype(np.int64)
+        row_op, op_names = _text_codes(out["hlo_op"], rows)
+        op = op_names[row_op[r]]
+        pid = out["program_id"].to_numpy(dtype="float64", na_value=-1)[r]
+        counted = out["counted"].to_numpy(bool)[r]
         starts_of_pairs = {(p, s) for (p, _), s in pairs.items()}
-        for _, idx in ev.groupby("device", observed=True, sort=False).indices.items():
-            idx = np.asarray(idx)
+        dev = row_dev[r]
+        by_dev = np.argsort(dev, kind="stable")
+        bounds = np.flatnonzero(np.diff(dev[by_dev], prepend=-1)).tolist() + [len(ev)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            idx = by_dev[a:b]
             coll = idx[is_coll[idx]]
             if len(coll) == 0:
                 continue
@@ -75,10 +84,10 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
             keep = np.ones(len(coll), bool)
             last_start: dict[tuple[int | None, str], int] = {}
             for j in np.argsort(start[coll], kind="stable"):
-                r = coll[j]
-                key = (int(pid[r]) if pid[r] >= 0 else None, op[r])
+                e = coll[j]
+                key = (int(pid[e]) if pid[e] >= 0 else None, op[e])
                 if key in starts_of_pairs:
-                    last_start[key] = r
+                    last_start[key] = e
                     keep[j] = False  # a start event: its window is accounted on its done event
                 elif key in pairs:
                     s = last_start.get((key[0], pairs[key]))
@@ -87,24 +96,12 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
             covered = covered_ps(merge_intervals(start[other], end[other]), lo, hi)
             window[coll[keep]] = (hi - lo)[keep] * 1e-12
             hidden[coll[keep]] = np.minimum(covered, hi - lo)[keep] * 1e-12
-        window_row = np.bincount(ev["row"].to_numpy(), weights=window, minlength=len(out))
-        hidden_row = np.bincount(ev["row"].to_numpy(), weights=hidden, minlength=len(out))
+        window_row = np.bincount(r, weights=window, minlength=len(out))
+        hidden_row = np.bincount(r, weights=hidden, minlength=len(out))
     out["comm_window_s"] = window_row
     out["comm_hidden_s"] = hidden_row
     out["comm_exposed_s"] = window_row - hidden_row
     return out
-
-
-def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``col.astype(str)`` at positions ``rows`` (a missing value reads ``nan``, as ``astype(str)`` writes it), as
-    (codes into the distinct texts, the sorted distinct texts)."""
-    if isinstance(col.dtype, pd.CategoricalDtype):
-        names = np.append(np.asarray(col.array.categories.astype(str), dtype=object), "nan")  # code -1: NA
-        text = names[col.array.codes[rows]]
-    else:
-        text = np.asarray(col.astype(str), dtype=object)[rows]
-    names, codes = np.unique(text, return_inverse=True)
-    return codes.reshape(-1).astype(np.int64), names
 
 
 def arrival_skew(ops: pd.DataFrame, timeline: Timeline) -> pd.DataFrame:
