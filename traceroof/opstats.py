@@ -117,7 +117,19 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
            "outlier_executions": np.where(total >= OUTLIER_MIN_EXECUTIONS, np.rint(far), 0).astype(np.int64),
            "midpoint_median_s": mid}
     return pd.DataFrame({c: v[order] for c, v in out.items()},  # sorted by module, program id, op
-                        index=pd.MultiIndex.from_arrays([mod_t[order], pid_t[order], op_t[order]], names=OP_ID))
+                        index=_multi_index([mod_t[order], pid_t[order], op_t[order]], OP_ID))
+
+
+def _multi_index(arrays: Sequence[np.ndarray], names: Sequence[str]) -> pd.MultiIndex:
+    """``pd.MultiIndex.from_arrays(arrays, names=names)`` for arrays without missing values: levels the sorted
+    distinct values, found with ``np.unique`` (from_arrays builds a Categorical per level: 0.3 ms on tens of
+    rows)."""
+    levels, codes = [], []
+    for a in arrays:
+        u, c = np.unique(a, return_inverse=True)
+        levels.append(pd.Index(u))
+        codes.append(c.reshape(-1))
+    return pd.MultiIndex(levels=levels, codes=codes, names=list(names), verify_integrity=False)
 
 
 def _categorical(col: pd.Series) -> pd.Categorical:
