@@ -25,7 +25,7 @@ from traceroof.hlo_source import HloMismatchError
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
 from traceroof.memory import analysis_memory
 from traceroof.mesh_book import book_on_mesh
-from traceroof.optable import build_op_table, per_op
+from traceroof.optable import op_table, per_op
 from traceroof.opstats import execution_stats, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import Profile, load_profile
@@ -106,7 +106,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     chip_ici = target  # links stay per chip
     target, core_note = per_device_chip(target)
     chip_note = "; ".join(x for x in (chip_note or (chip_ici.note if core_note else ""), core_note) if x)
-    ops, join, timeline = build_op_table(profile, depth, optimizer_pattern, expand)
+    ops, join, timeline, scopes = op_table(profile, depth, optimizer_pattern, expand)
     framework = "framework_scope" in ops
     unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
                       if not is_known_opcode(i.opcode)})
@@ -228,7 +228,9 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # traceroof.mesh_book
     a = Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth, (), coll_table,
                  topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown, step_timeline=step_timeline,
-                 memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")), parallelism=par)
+                 memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
+                                        scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None),
+                 parallelism=par)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
                                           tuple(profile.modules)))
 

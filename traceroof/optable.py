@@ -133,6 +133,13 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     counted twice). TPU rows add ``traceroof_flops`` / ``traceroof_hbm_bytes`` (our count) beside libtpu's
     numbers, which win.
     """
+    return op_table(profile, depth, optimizer_pattern, expand)[:3]
+
+
+def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN,
+             expand: bool = False) -> tuple[pd.DataFrame, JoinReport, Timeline, dict[int, ModuleScopes]]:
+    """:func:`build_op_table`, and the scopes it assigned (:func:`~traceroof.scopes.assign_scopes` with
+    ``optimizer_pattern``) by position in ``profile.modules``: the modules with a joined op."""
     rows, timeline = aggregate_events(profile.events)
     modules = profile.modules
     n_events = rows["events"].to_numpy(np.float64)
@@ -228,16 +235,18 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
                         int(sum(1 for u, a in enumerate(attrs) if a is None and 0 <= int(uniques[u]) >> 32
                                 < len(modules))),
                         partial.ambiguous_modules, partial.matched_sources)
-    return out, report, timeline
+    return out, report, timeline, module_scopes
 
 
 def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:
     """``pd.Categorical(values)`` taken at ``at``: a column of text ``values`` (one per distinct op or scope;
-    code -1 in ``at``: missing). Categories sorted, found with ``np.unique`` (pandas' factorize and category
-    checks cost 0.1 ms a column on small tables)."""
+    code -1 in ``at``: missing). Categories sorted, found with a set and a dict (``np.unique`` of an object
+    array and pandas' factorize cost more on the tens of values of a small profile)."""
     if not len(at):
         return pd.Categorical([])
-    names, codes = np.unique(np.asarray(values, dtype=object), return_inverse=True)
+    names = sorted(set(values))
+    pos = {v: i for i, v in enumerate(names)}
+    codes = np.fromiter((pos[v] for v in values), np.int64, len(values))
     codes = np.append(codes, -1)  # at -1 -> -1
     return pd.Categorical.from_codes(codes[at], dtype=pd.CategoricalDtype(names), validate=False)
 
