@@ -50,7 +50,8 @@ def _grouped_quantiles(op: np.ndarray, t: np.ndarray, w: np.ndarray, n_ops: int,
     return out, mx, total, mid
 
 
-def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> pd.DataFrame:
+def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at: np.ndarray | None = None
+                    ) -> pd.DataFrame:
     """Robust per-execution statistics of every op (index ``OP_ID``, sorted): ``median_s`` and ``p90_s``
     (measured time of one execution), ``spread`` = p90 ÷ median (1 = every execution alike; how far the slow
     tail reaches), ``max_s``, ``samples``, ``midpoint_median_s`` (the mean of the two middle samples, as pandas'
@@ -63,11 +64,15 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
     executions). Ops whose executions launch several kernels (GPU, ``kernels_per_execution`` > 1) are sampled
     per device and step: the step's time of the op ÷ its executions, weighted by those executions (kernels of
     one execution cannot be told apart in the trace).
+
+    ``at``: positions of the rows of ``counted`` to read (``execution_stats(counted.take(at))`` without selecting
+    the wide table); default all.
     """
-    if counted.empty:
+    if counted.empty or (at is not None and not len(at)):
         return pd.DataFrame(columns=STATS_COLUMNS, index=pd.MultiIndex.from_tuples([], names=OP_ID))
-    module, hlo_op = _categorical(counted["module"]), _categorical(counted["hlo_op"])
-    pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
+    pick = (lambda v: v) if at is None else (lambda v: v[at])
+    module, hlo_op = pick(_categorical(counted["module"])), pick(_categorical(counted["hlo_op"]))
+    pid = pick(counted["program_id"].to_numpy(dtype="int64", na_value=-1))
     op_row = group_codes([module, pid, hlo_op])
     first_row = first_rows(op_row)
 
@@ -76,14 +81,16 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
         return names[cat.codes[first_row]]
 
     n_ops = len(first_row)
-    single = counted["kernels_per_execution"].to_numpy(np.float64) <= 1.0
-    measured, executions = counted["measured_s"].to_numpy(np.float64), counted["executions"].to_numpy(np.float64)
+    single = pick(counted["kernels_per_execution"].to_numpy(np.float64)) <= 1.0
+    measured = pick(counted["measured_s"].to_numpy(np.float64))
+    executions = pick(counted["executions"].to_numpy(np.float64))
+    labels = pick(counted.index.to_numpy())
     parts_op, parts_t, parts_w = [], [], []
     if single.any() and timeline is not None:
         # each event of a single-kernel row is one execution: its own duration
         # counted's index labels are op-table row numbers, which the timeline's events point to
-        pos = np.full(max(int(counted.index.max()), int(timeline.row.max(initial=0))) + 1, -1, np.int64)
-        pos[counted.index.to_numpy()[single]] = np.flatnonzero(single)
+        pos = np.full(max(int(labels.max()), int(timeline.row.max(initial=0))) + 1, -1, np.int64)
+        pos[labels[single]] = np.flatnonzero(single)
         ev = np.flatnonzero(pos[timeline.row] >= 0)
         r = pos[timeline.row[ev]]
         parts_op.append(op_row[r])
@@ -94,10 +101,10 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None) -> 
         with np.errstate(divide="ignore", invalid="ignore"):
             parts_t.append(measured[single] / executions[single])
         parts_w.append(executions[single])
-    many = np.flatnonzero(~single & counted["device"].notna().to_numpy())
+    many = np.flatnonzero(~single & pick(counted["device"].notna().to_numpy()))
     if len(many):  # per (op, device, step) sums; rows without a step are one step of their own
-        step = counted["step"].to_numpy(dtype="float64", na_value=-1)[many]
-        per_step = group_codes([op_row[many], counted["device"].array[many], step])
+        step = pick(counted["step"].to_numpy(dtype="float64", na_value=-1))[many]
+        per_step = group_codes([op_row[many], pick(counted["device"].array)[many], step])
         m, x = np.bincount(per_step, weights=measured[many]), np.bincount(per_step, weights=executions[many])
         parts_op.append(op_row[many][first_rows(per_step)])
         with np.errstate(divide="ignore", invalid="ignore"):
