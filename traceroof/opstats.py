@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import as_text, first_rows, group_codes, group_sum, positions
+from traceroof.codes import as_text, category_text, first_rows, group_codes, group_sum, positions
 from traceroof.optable import Timeline
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
@@ -77,7 +77,7 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
     first_row = first_rows(op_row)
 
     def text(cat: pd.Categorical) -> np.ndarray:
-        names = np.append(np.asarray(cat.categories.astype(str), dtype=object), "nan")  # code -1: NA
+        names = np.append(category_text(cat), "nan")  # code -1: NA
         return names[cat.codes[first_row]]
 
     n_ops = len(first_row)
@@ -172,11 +172,13 @@ def top_ops(counted: pd.DataFrame, per: float, n: int, stats: pd.DataFrame | Non
         return np.where(np.bincount(group, weights=~np.isnan(v), minlength=n_ops) >= min_count, s, np.nan)
 
     def first_given(c: str) -> np.ndarray:  # the first row's value that is not NA, as text
-        v = d[c].array[rows]
-        given = np.flatnonzero(pd.notna(v))
+        col = d[c]
+        text = as_text(col)[rows]
+        given = np.flatnonzero(col.array.codes[rows] >= 0 if isinstance(col.dtype, pd.CategoricalDtype)
+                               else pd.notna(col.array[rows]))
         at = np.full(n_ops, -1, np.int64)
         at[group[given][::-1]] = given[::-1]
-        return np.where(at >= 0, as_text(d[c])[rows][at], np.nan)
+        return np.where(at >= 0, text[at], np.nan)
 
     executions, time = total("executions"), total("measured_s")
     expected = total("expected_s", 1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import first_rows, group_codes
+from traceroof.codes import category_text, first_rows, group_codes
 from traceroof.hostactivity import covered_ps, merge_intervals
 from traceroof.optable import Timeline
 
@@ -21,7 +21,7 @@ def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
     """Whether each op row's ``category`` is ``collective`` (tested once per category of a categorical column)."""
     col = ops["category"]
     if isinstance(col.dtype, pd.CategoricalDtype):
-        return np.append(np.asarray(col.array.categories.astype(str), dtype=object) == "collective",
+        return np.append(category_text(col.array) == "collective",
                          False)[col.array.codes]  # code -1 (missing): the False appended
     return (col.astype(str) == "collective").to_numpy(bool)
 
@@ -30,7 +30,7 @@ def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """``col.astype(str)`` at positions ``rows`` (a missing value reads ``nan``, as ``astype(str)`` writes it), as
     (codes into the distinct texts, the sorted distinct texts)."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        names = np.append(np.asarray(col.array.categories.astype(str), dtype=object), "nan")  # code -1: NA
+        names = np.append(category_text(col.array), "nan")  # code -1: NA
         text = names[col.array.codes[rows]]
     else:
         text = np.asarray(col.astype(str), dtype=object)[rows]

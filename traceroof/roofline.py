@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip
-from traceroof.codes import constant_categorical, first_rows, group_codes
+from traceroof.codes import category_text, constant_categorical, first_rows, group_codes
 
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
 
@@ -36,7 +36,7 @@ def _reads(col: pd.Series, test: Callable[[str], bool]) -> np.ndarray:
     """Rows whose value as text (``col.astype(str)``) passes ``test`` (missing: never), testing a categorical's
     categories once instead of every row."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        hit = np.array([test(c) for c in col.array.categories.astype(str)] + [False])  # code -1: missing
+        hit = np.array([test(c) for c in category_text(col.array)] + [False])  # code -1: missing
         return hit[col.array.codes]
     return np.array([isinstance(v, str) and test(v) for v in col.astype(str)], bool)
 
