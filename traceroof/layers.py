@@ -317,13 +317,15 @@ def _worst_ops(d: pd.DataFrame, group: np.ndarray, n: int, k: float, stats: pd.D
     ``midpoint_median_s``) where given, else the median of the rows' means. Ops without an expectation (or a
     name) are not candidates; ties go to the first op name in order."""
     out = np.full(n, "", dtype=object)
-    e = np.flatnonzero(d["expected_s"].notna().to_numpy() & d["hlo_op"].notna().to_numpy())
+    op_col = d["hlo_op"]
+    named = op_col.array.codes >= 0 if isinstance(op_col.dtype, pd.CategoricalDtype) else op_col.notna().to_numpy()
+    e = np.flatnonzero(~np.isnan(d["expected_s"].to_numpy(np.float64)) & named)
     if not len(e):
         return out
     execs = d["executions"].to_numpy(np.float64)[e] if "executions" in d else np.ones(len(e))
     execs = np.where(execs > 0, execs, 1.0)
     m = d["measured_s"].to_numpy(np.float64)[e] / execs
-    op = as_text(d["hlo_op"])[e]
+    op = as_text(op_col)[e]
     if stats is not None and len(stats):
         pid = d["program_id"].to_numpy(dtype="int64", na_value=-1)[e]
         at = positions(stats.index, zip(as_text(d["module"])[e], pid, op))
