@@ -25,7 +25,7 @@ from traceroof.hlo_source import HloMismatchError
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, rollup
 from traceroof.memory import analysis_memory
 from traceroof.mesh_book import book_on_mesh
-from traceroof.optable import build_op_table, per_op
+from traceroof.optable import SharedList, op_table, per_op
 from traceroof.opstats import execution_stats, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import Profile, load_profile
@@ -106,7 +106,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     chip_ici = target  # links stay per chip
     target, core_note = per_device_chip(target)
     chip_note = "; ".join(x for x in (chip_note or (chip_ici.note if core_note else ""), core_note) if x)
-    ops, join, timeline = build_op_table(profile, depth, optimizer_pattern, expand)
+    ops, join, timeline, collectives, scopes = op_table(profile, depth, optimizer_pattern, expand)  # no attrs
     framework = "framework_scope" in ops
     unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
                       if not is_known_opcode(i.opcode)})
@@ -152,7 +152,6 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                      + (f" (ambiguous module names: {', '.join(join.ambiguous_modules)})"
                         if join.ambiguous_modules else "")
                      + "; pass --hlo DIR with those modules' dumps")
-    collectives = ops.attrs.get("collectives", [])
     n_devices = max([module_devices(m) for m in profile.modules] + [int(ops["device"].nunique())])
     try:
         topo = parse_topology(topology, chip_ici) if topology else default_topology(chip_ici, n_devices)
@@ -187,13 +186,20 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
     step_mean = float(durations.mean()) if len(durations) else float("nan")
     step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
-    in_used = ops["step"].isin(used).to_numpy(bool)
-    ops["step"] = ops["step"].where(in_used)
-    counted = ops[ops["counted"].to_numpy(bool) & in_used]  # op rows of the used steps
-    n_dev = max(counted["device"].nunique(), 1)
-    stats = execution_stats(counted, timeline)
+    step_col = ops["step"]
+    if step_col.dtype == "Int64":  # as isin and where, in numpy
+        step_values = step_col.to_numpy(dtype="int64", na_value=0)
+        in_used = step_col.notna().to_numpy(bool) & np.isin(step_values, np.asarray(used, np.int64))
+        ops["step"] = pd.arrays.IntegerArray(step_values, ~in_used)
+    else:
+        in_used = step_col.isin(used).to_numpy(bool)
+        ops["step"] = step_col.where(in_used)
+    at = np.flatnonzero(ops["counted"].to_numpy(bool) & in_used)  # op rows of the used steps
+    device = ops["device"].array[at]
+    n_dev = max(len(pd.unique(device[pd.notna(device)])), 1)
+    stats = execution_stats(ops, timeline, at)
     skew = arrival_skew(ops, timeline)
-    counted = per_op(counted)  # from here on per-op sums over devices and steps: a small table
+    counted = per_op(ops, at)  # from here on per-op sums over devices and steps: a small table
     per = max(len(used), 1) * n_dev  # totals over the used steps and devices -> per step, per device
     flops = float(counted["flops"].sum()) / per
     hbm = float(counted["hbm_bytes"].sum()) / per
@@ -226,9 +232,13 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
     breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used)
     par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # traceroof.mesh_book
+    ops.attrs["collectives"] = counted.attrs["collectives"] = SharedList(collectives)  # as build_op_table's
+    # (set last: pandas deep-copies attrs into every selection made of a frame)
     a = Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth, (), coll_table,
                  topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown, step_timeline=step_timeline,
-                 memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes")), parallelism=par)
+                 memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
+                                        scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None),
+                 parallelism=par)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
                                           tuple(profile.modules)))
 

@@ -164,11 +164,12 @@ def step_breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame,
 
 def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run_id: np.ndarray | None,
                launch_ps: np.ndarray | None, host_activity: pd.DataFrame | None,
-               pairs: dict[tuple[object, str], str] | None, draw: frozenset[tuple[int, str]] = frozenset()
-               ) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
+               pairs: dict[tuple[object, str], str] | None, draw: frozenset[tuple[int, str]] = frozenset(),
+               host_of: dict[str, str] | None = None) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     """:func:`step_breakdown`'s rows, and the items of the (step, device) strips in ``draw`` as
     :func:`timeline_items` reads them: ``step``, ``device``, ``kind``, ``start_ps``, ``end_ps``, ``w0`` (the
-    step's start, ps) and ``row`` (the op row of an op bar, else -1)."""
+    step's start, ps) and ``row`` (the op row of an op bar, else -1). ``host_of``: :func:`_device_hosts` of
+    ``ops`` when already made."""
     share_cols = [f"host_bound_{k}_share" for k in HOST_KINDS]
     cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols]
     items: dict[str, list] = {c: [] for c in ("step", "device", "kind", "start_ps", "end_ps", "w0", "row")}
@@ -188,7 +189,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     end = start + timeline.duration_ps
     rid = run_id if run_id is not None else np.full(len(r), np.nan)
     launch = launch_ps if launch_ps is not None else np.full(len(r), np.nan)
-    host_of = _device_hosts(ops)
+    host_of = _device_hosts(ops) if host_of is None else host_of
     act = host_activity if host_activity is not None and len(host_activity) else None
     act_host = act["host"].to_numpy(object) if act is not None else np.zeros(0, object)
     act_kind = act["kind"].to_numpy(object) if act is not None else np.zeros(0, object)
@@ -352,8 +353,10 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     devices."""
     from traceroof.communication import _async_pairs
 
-    windows = step_windows(steps, _device_hosts(ops))
-    windows = windows[np.isin(windows["step"].to_numpy(np.int64), np.asarray(used, np.int64))]
+    host_of = _device_hosts(ops)
+    windows = step_windows(steps, host_of)
+    in_used = np.isin(windows["step"].to_numpy(np.int64), np.asarray(used, np.int64))
+    windows = windows if in_used.all() else windows.take(np.flatnonzero(in_used))
     ev = profile.events
     same = len(ev) == len(timeline)
     run_id = ev["run_id"].to_numpy(dtype="float64", na_value=np.nan) if same and "run_id" in ev else None
@@ -361,7 +364,7 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     devices = sorted(set(windows["device"].tolist()))[:MAX_DRAWN_DEVICES]
     draw = frozenset((st, d) for st in _drawn_steps(windows) for d in devices)
     rows, items = _breakdown(ops, timeline, windows, run_id, launch, profile.host_activity,
-                             _async_pairs(profile.modules), draw)
+                             _async_pairs(profile.modules), draw, host_of)
     return rows, timeline_items(items, ops)
 
 

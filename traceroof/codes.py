@@ -79,12 +79,19 @@ def group_median(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def category_text(cat: pd.Categorical) -> np.ndarray:
+    """A Categorical's categories as ``astype(str)`` writes them, as an object array; string categories as they
+    are (``Index.astype(str)`` copies them: 20 µs)."""
+    names = cat.categories
+    return np.asarray(names if isinstance(names.dtype, pd.StringDtype) else names.astype(str), dtype=object)
+
+
 def as_text(col: pd.Series) -> np.ndarray:
     """``col.astype(str)`` as an object array (NA stays NaN); a Categorical's categories are converted once each,
     not per row."""
     if isinstance(col.dtype, pd.CategoricalDtype):
         cat = col.array
-        names = np.append(np.asarray(cat.categories.astype(str), dtype=object), np.nan)  # code -1: NA
+        names = np.append(category_text(cat), np.nan)  # code -1: NA
         return names[cat.codes]
     return np.asarray(col.astype(str), dtype=object)
 

@@ -7,6 +7,7 @@ JAX writes each op's framework path into HLO metadata ``op_name``
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -43,6 +44,15 @@ RNG_JIT = re.compile(r"jit\((_threefry\w*|_uniform|_bernoulli|_normal\w*|_trunca
                      r"_gumbel|_random_\w+)\)")
 # jnp.einsum pushes its spec ("btd,df->btf") onto the name stack: not a user scope
 _EINSUM_SPEC = re.compile(r"[A-Za-z.,\s]*->[A-Za-z.\s]*")
+_WRAPPER = re.compile(r"(jvp|transpose|vmap|pjit|remat|checkpoint|custom_jvp_call|custom_vjp_call)\((.*)\)")
+_JIT = re.compile(r"jit\(.*\)")
+
+
+@functools.lru_cache(maxsize=16)
+def _optimizer_re(optimizer_pattern: str) -> re.Pattern:
+    """The compiled ``optimizer_pattern`` (case-insensitive): ``re``'s own cache look-up costs a microsecond a
+    call, and the pattern is tested on every scope segment."""
+    return re.compile(optimizer_pattern, re.I)
 
 
 def _split_path(op_name: str) -> list[str]:
@@ -66,8 +76,7 @@ def _unwrap(segment: str) -> tuple[str, bool]:
     """Strip ``jvp(...)`` / ``transpose(...)`` / ``vmap(...)`` wrappers; True if a transpose was seen."""
     backward = False
     while True:
-        m = re.fullmatch(r"(jvp|transpose|vmap|pjit|remat|checkpoint|custom_jvp_call|custom_vjp_call)\((.*)\)",
-                         segment)
+        m = _WRAPPER.fullmatch(segment)
         if not m:
             return segment, backward
         backward = backward or m.group(1) == "transpose"
@@ -107,7 +116,7 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
         # the backward of a jax.checkpoint-ed scope repeats it: ``transpose(jvp(block_0))/jvp(block_0)/...``
         repeated = prev_wrapped and inner != s and bool(scopes) and scopes[-1] == inner
         prev_wrapped = inner != s
-        if not inner or re.fullmatch(r"jit\(.*\)", inner) or _EINSUM_SPEC.fullmatch(inner) or repeated \
+        if not inner or _JIT.fullmatch(inner) or _EINSUM_SPEC.fullmatch(inner) or repeated \
                 or inner in STRUCTURAL_SEGMENTS or inner in GRADIENT_SEGMENTS or (after_while and inner in LOOP_PARTS):
             continue
         m = _METHOD_SEGMENT.fullmatch(inner)
@@ -132,7 +141,8 @@ def is_rng(op_name: str) -> bool:
 def phase_of(scopes: list[str], backward: bool, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> str:
     """``optimizer`` when a scope matches ``optimizer_pattern``, else ``backward`` when ``backward`` or a scope
     is TensorFlow's ``gradient_tape``, else ``forward``."""
-    if any(re.fullmatch(optimizer_pattern, s, re.I) for s in scopes):
+    match = _optimizer_re(optimizer_pattern).fullmatch
+    if any(match(s) for s in scopes):
         return "optimizer"
     return "backward" if backward or "gradient_tape" in scopes else "forward"
 
@@ -311,13 +321,15 @@ def _worst_ops(d: pd.DataFrame, group: np.ndarray, n: int, k: float, stats: pd.D
     ``midpoint_median_s``) where given, else the median of the rows' means. Ops without an expectation (or a
     name) are not candidates; ties go to the first op name in order."""
     out = np.full(n, "", dtype=object)
-    e = np.flatnonzero(d["expected_s"].notna().to_numpy() & d["hlo_op"].notna().to_numpy())
+    op_col = d["hlo_op"]
+    named = op_col.array.codes >= 0 if isinstance(op_col.dtype, pd.CategoricalDtype) else op_col.notna().to_numpy()
+    e = np.flatnonzero(~np.isnan(d["expected_s"].to_numpy(np.float64)) & named)
     if not len(e):
         return out
     execs = d["executions"].to_numpy(np.float64)[e] if "executions" in d else np.ones(len(e))
     execs = np.where(execs > 0, execs, 1.0)
     m = d["measured_s"].to_numpy(np.float64)[e] / execs
-    op = as_text(d["hlo_op"])[e]
+    op = as_text(op_col)[e]
     if stats is not None and len(stats):
         pid = d["program_id"].to_numpy(dtype="int64", na_value=-1)[e]
         at = positions(stats.index, zip(as_text(d["module"])[e], pid, op))

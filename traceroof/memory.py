@@ -575,18 +575,21 @@ def allocator_peaks(profile_files: Iterable) -> tuple[tuple[AllocatorPeak, ...],
 
 def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: tuple[AllocatorPeak, ...],
                 allocator_note: str, ran: Iterable[tuple[object, str]], hbm_bytes: float | None,
-                layers: Mapping[tuple[object, str], Mapping[str, str]] | None = None) -> MemoryView:
+                layers: Mapping[tuple[object, str], Mapping[str, str]] | None = None,
+                scopes: Mapping[int, ModuleScopes] | None = None) -> MemoryView:
     """The memory view of the programs that ran (``ran``: (program id, module name) pairs of the op table), with
     the profile's allocator figures (:func:`merge_allocators`: ``allocators`` and the note when there are none).
 
     A program's XLA reports are found beside its after-optimization dump (``module_NNNN.<name>...``) among
-    ``hlo_files``; a report that cannot be read becomes a note and the live-range estimate is used.
+    ``hlo_files``; a report that cannot be read becomes a note and the live-range estimate is used. ``scopes``:
+    :func:`~traceroof.scopes.assign_scopes` of some modules (default pattern), by position in ``modules``, already
+    made (the others are assigned here).
     """
     ran = {(int(p) if p is not None and not pd.isna(p) else None, str(m)) for p, m in ran}
     dumps = _dump_files(hlo_files)
     notes: list[str] = []
     programs = []
-    for module in modules:
+    for at, module in enumerate(modules):
         key = (module.program_id, module.name)
         if key not in ran and (None, module.name) not in ran:
             continue
@@ -594,11 +597,12 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
         if dump is None:
             dump = next((f for (pid, name), f in dumps.items() if name == module.name and len(
                 [k for k in dumps if k[1] == module.name]) == 1), None)
+        known = (scopes or {}).get(at)
         try:
-            pm = program_memory(module, dump, (layers or {}).get(key))
+            pm = program_memory(module, dump, (layers or {}).get(key), known)
         except TraceroofError as e:
             notes.append(f"{e}; memory of {module.name} estimated from live ranges")
-            pm = program_memory(module, None, (layers or {}).get(key))
+            pm = program_memory(module, None, (layers or {}).get(key), known)
         if pm.source != "xla_buffer_assignment":
             notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
                          "--xla_dump_hlo_as_text writes one): peak memory estimated from traceroof's live ranges")
@@ -608,8 +612,10 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
     return MemoryView(tuple(sorted(programs, key=lambda p: -p.peak_bytes)), hbm_bytes, allocators, tuple(notes))
 
 
-def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None) -> MemoryView:
-    """:func:`memory_view` of a loaded :class:`~traceroof.profile.Profile` and its op table (layer names)."""
+def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None,
+                    scopes: Mapping[int, ModuleScopes] | None = None) -> MemoryView:
+    """:func:`memory_view` of a loaded :class:`~traceroof.profile.Profile` and its op table (layer names);
+    ``scopes``: those of :func:`memory_view` already assigned."""
     ran: list[tuple[object, object]] = []
     layers: dict[tuple[object, str], dict[str, str]] = {}
     if len(ops):  # the first row of every (program, module, op)
@@ -621,7 +627,7 @@ def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None) -> Memo
                 key = (int(pid) if not pd.isna(pid) else None, str(mod))
                 layers.setdefault(key, {})[str(op)] = str(layer)
     return memory_view(profile.modules, profile.inputs.hlo_files, profile.allocators, profile.allocator_note, ran,
-                       hbm_bytes, layers)
+                       hbm_bytes, layers, scopes)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -133,6 +133,18 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     counted twice). TPU rows add ``traceroof_flops`` / ``traceroof_hbm_bytes`` (our count) beside libtpu's
     numbers, which win.
     """
+    out, report, timeline, collectives, _ = op_table(profile, depth, optimizer_pattern, expand)
+    out.attrs["collectives"] = SharedList(collectives)
+    return out, report, timeline
+
+
+def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN,
+             expand: bool = False) -> tuple[pd.DataFrame, JoinReport, Timeline, list, dict[int, ModuleScopes]]:
+    """:func:`build_op_table` without ``attrs`` (pandas deep-copies a frame's attrs into every column and row
+    selection made of it: 3 µs each), the collectives (``attrs["collectives"]`` of build_op_table: per
+    ``collective_id``, its :class:`~traceroof.collectives.Collective` or None) and the scopes it assigned
+    (:func:`~traceroof.scopes.assign_scopes` with ``optimizer_pattern``) by position in ``profile.modules``: the
+    modules with a joined op."""
     rows, timeline = aggregate_events(profile.events)
     modules = profile.modules
     n_events = rows["events"].to_numpy(np.float64)
@@ -221,23 +233,24 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     cols["instance"] = _broadcast(["" if expand else namer.instance(str(sc), depth) for sc in scope.categories],
                                   scope.codes)
     out = pd.DataFrame(cols, copy=False)  # every column is a new array
-    out.attrs["collectives"] = SharedList(collectives)
     joined_mask = cols["joined"]
     report = JoinReport(partial.events_total, int(n_events[joined_mask].sum()), partial.time_total_ps,
                         int(rows["duration_ps"].to_numpy()[joined_mask].sum()), partial.unmatched_modules,
                         int(sum(1 for u, a in enumerate(attrs) if a is None and 0 <= int(uniques[u]) >> 32
                                 < len(modules))),
                         partial.ambiguous_modules, partial.matched_sources)
-    return out, report, timeline
+    return out, report, timeline, collectives, module_scopes
 
 
 def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:
     """``pd.Categorical(values)`` taken at ``at``: a column of text ``values`` (one per distinct op or scope;
-    code -1 in ``at``: missing). Categories sorted, found with ``np.unique`` (pandas' factorize and category
-    checks cost 0.1 ms a column on small tables)."""
+    code -1 in ``at``: missing). Categories sorted, found with a set and a dict (``np.unique`` of an object
+    array and pandas' factorize cost more on the tens of values of a small profile)."""
     if not len(at):
         return pd.Categorical([])
-    names, codes = np.unique(np.asarray(values, dtype=object), return_inverse=True)
+    names = sorted(set(values))
+    pos = {v: i for i, v in enumerate(names)}
+    codes = np.fromiter((pos[v] for v in values), np.int64, len(values))
     codes = np.append(codes, -1)  # at -1 -> -1
     return pd.Categorical.from_codes(codes[at], dtype=pd.CategoricalDtype(names), validate=False)
 
@@ -267,33 +280,40 @@ _NOT_ADDITIVE = ("op_key", "step", "program_id", "efficiency", "kernels_per_exec
                  "arithmetic_intensity_flops_per_byte", "collective_id")
 
 
-def per_op(rows: pd.DataFrame) -> pd.DataFrame:
+def per_op(rows: pd.DataFrame, at: np.ndarray | None = None) -> pd.DataFrame:
     """Op rows summed over hosts, devices, kernels and steps: one row per op (``op_key``) and scope. Numeric
     columns that are sums over events (time, executions, FLOPs, bytes, expected and lost time, communication)
     are summed (NaN stays NaN: an op without an expectation has none in any row), ``start_ps`` is the first
     start, ``efficiency`` is recomputed (expected ÷ measured); every other column is the op's own (its first
     row's). Totals over the result equal totals over ``rows``; use it for per-op and per-layer figures, not for
-    anything per device or per step."""
-    if rows.empty or "op_key" not in rows:
-        return rows
-    key = group_codes([rows["op_key"].to_numpy(np.int64), rows["scope"]])
+    anything per device or per step. ``at``: positions of the rows to sum (``per_op(rows.take(at))`` without
+    selecting the wide table twice); default all."""
+    if rows.empty or "op_key" not in rows or (at is not None and not len(at)):
+        return rows if at is None else rows.take(at)
+    pick = (lambda v: v) if at is None else (lambda v: v[at])
+    key = group_codes([pick(rows["op_key"].to_numpy(np.int64)), pick(rows["scope"].array)])
     n = int(key.max()) + 1
     order = np.argsort(key, kind="stable")
     bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
     first = order[bounds]  # each op's first row, in order of first appearance
-    out = rows.take(first)
-    out.index = pd.RangeIndex(n)
+    summed: dict[str, np.ndarray] = {}
     for c, dtype in rows.dtypes.items():
         if c in _NOT_ADDITIVE or dtype.kind not in "iuf":  # bool, text, categories: the op's own
             continue
         if c == "start_ps":
-            out[c] = np.minimum.reduceat(rows[c].to_numpy(np.int64)[order], bounds)
+            summed[c] = np.minimum.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
         elif dtype.kind in "iu":
-            out[c] = np.add.reduceat(rows[c].to_numpy(np.int64)[order], bounds)
+            summed[c] = np.add.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
         else:
-            out[c] = np.bincount(key, weights=rows[c].to_numpy(np.float64), minlength=n)  # ids: first-seen
-    if "efficiency" in out:
-        m = out["measured_s"].to_numpy(np.float64)
+            summed[c] = np.bincount(key, weights=pick(rows[c].to_numpy(np.float64)), minlength=n)  # ids: first-seen
+    if "efficiency" in rows:
+        m = summed["measured_s"]
         with np.errstate(divide="ignore", invalid="ignore"):
-            out["efficiency"] = np.where(m > 0, out["expected_s"].to_numpy(np.float64) / m, np.nan)
+            summed["efficiency"] = np.where(m > 0, summed["expected_s"] / m, np.nan)
+    out = rows.take(first if at is None else at[first])
+    out.index = pd.RangeIndex(n)
+    for kind in "fi":  # one assignment per kind: a column at a time splits pandas' block each time
+        names = [c for c, v in summed.items() if v.dtype.kind == kind]
+        if names:
+            out[names] = np.column_stack([summed[c] for c in names])
     return out

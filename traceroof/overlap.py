@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import category_text, first_rows, group_codes
 from traceroof.hostactivity import covered_ps, merge_intervals
 from traceroof.optable import Timeline
 
@@ -20,22 +21,21 @@ def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
     """Whether each op row's ``category`` is ``collective`` (tested once per category of a categorical column)."""
     col = ops["category"]
     if isinstance(col.dtype, pd.CategoricalDtype):
-        return np.append(np.asarray(col.array.categories.astype(str), dtype=object) == "collective",
+        return np.append(category_text(col.array) == "collective",
                          False)[col.array.codes]  # code -1 (missing): the False appended
     return (col.astype(str) == "collective").to_numpy(bool)
 
 
-def _event_frame(ops: pd.DataFrame, timeline: Timeline, rows: np.ndarray) -> pd.DataFrame:
-    """The events of op rows ``rows`` (a boolean mask over ``ops``), with their rows' ``device``,
-    ``program_id``, ``hlo_op``, ``step``, ``counted``, ``category`` and the event's ``start_ps`` /
-    ``duration_ps``; ``row`` is the op row."""
-    pick = np.flatnonzero(rows[timeline.row]) if len(timeline) else np.zeros(0, np.int64)
-    r = timeline.row[pick]
-    cols = {c: ops[c].to_numpy()[r] if not isinstance(ops[c].dtype, pd.CategoricalDtype)
-            else pd.Categorical.from_codes(ops[c].cat.codes.to_numpy()[r], categories=ops[c].cat.categories)
-            for c in ("device", "hlo_op", "category", "counted")}
-    return pd.DataFrame({"row": r, **cols, "program_id": ops["program_id"].array[r], "step": ops["step"].array[r],
-                         "start_ps": timeline.start_ps[pick], "duration_ps": timeline.duration_ps[pick]})
+def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``col.astype(str)`` at positions ``rows`` (a missing value reads ``nan``, as ``astype(str)`` writes it), as
+    (codes into the distinct texts, the sorted distinct texts)."""
+    if isinstance(col.dtype, pd.CategoricalDtype):
+        names = np.append(category_text(col.array), "nan")  # code -1: NA
+        text = names[col.array.codes[rows]]
+    else:
+        text = np.asarray(col.astype(str), dtype=object)[rows]
+    names, codes = np.unique(text, return_inverse=True)
+    return codes.reshape(-1).astype(np.int64), names
 
 
 def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tuple[object, str], str]
@@ -53,19 +53,29 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
     window_row = np.zeros(len(out))
     hidden_row = np.zeros(len(out))
     if is_coll_row.any():
-        devices = out["device"].astype(str).to_numpy()
-        ev = _event_frame(out, timeline, np.isin(devices, np.unique(devices[is_coll_row])))
+        rows = np.arange(len(out))
+        row_dev, _ = _text_codes(out["device"], rows)
+        row_dev[out["device"].isna().to_numpy(bool)] = -1  # events of a missing device belong to none
+        on = np.zeros(len(row_dev) + 1, bool)  # devices that run collectives (index -1: missing, never)
+        on[row_dev[is_coll_row]] = True
+        on[-1] = False
+        ev = np.flatnonzero(on[row_dev][timeline.row]) if len(timeline) else np.zeros(0, np.int64)
+        r = timeline.row[ev]
         window = np.zeros(len(ev))
         hidden = np.zeros(len(ev))
-        is_coll = is_coll_row[ev["row"].to_numpy()]
-        start = ev["start_ps"].to_numpy(np.int64)
-        end = start + ev["duration_ps"].to_numpy(np.int64)
-        op = ev["hlo_op"].astype(str).to_numpy()
-        pid = ev["program_id"].to_numpy(dtype="float64", na_value=-1)
-        counted = ev["counted"].to_numpy(bool)
+        is_coll = is_coll_row[r]
+        start = timeline.start_ps[ev].astype(np.int64)
+        end = start + timeline.duration_ps[ev].astype(np.int64)
+        row_op, op_names = _text_codes(out["hlo_op"], rows)
+        op = op_names[row_op[r]]
+        pid = out["program_id"].to_numpy(dtype="float64", na_value=-1)[r]
+        counted = out["counted"].to_numpy(bool)[r]
         starts_of_pairs = {(p, s) for (p, _), s in pairs.items()}
-        for _, idx in ev.groupby("device", observed=True, sort=False).indices.items():
-            idx = np.asarray(idx)
+        dev = row_dev[r]
+        by_dev = np.argsort(dev, kind="stable")
+        bounds = np.flatnonzero(np.diff(dev[by_dev], prepend=-1)).tolist() + [len(ev)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            idx = by_dev[a:b]
             coll = idx[is_coll[idx]]
             if len(coll) == 0:
                 continue
@@ -74,10 +84,10 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
             keep = np.ones(len(coll), bool)
             last_start: dict[tuple[int | None, str], int] = {}
             for j in np.argsort(start[coll], kind="stable"):
-                r = coll[j]
-                key = (int(pid[r]) if pid[r] >= 0 else None, op[r])
+                e = coll[j]
+                key = (int(pid[e]) if pid[e] >= 0 else None, op[e])
                 if key in starts_of_pairs:
-                    last_start[key] = r
+                    last_start[key] = e
                     keep[j] = False  # a start event: its window is accounted on its done event
                 elif key in pairs:
                     s = last_start.get((key[0], pairs[key]))
@@ -86,8 +96,8 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
             covered = covered_ps(merge_intervals(start[other], end[other]), lo, hi)
             window[coll[keep]] = (hi - lo)[keep] * 1e-12
             hidden[coll[keep]] = np.minimum(covered, hi - lo)[keep] * 1e-12
-        window_row = np.bincount(ev["row"].to_numpy(), weights=window, minlength=len(out))
-        hidden_row = np.bincount(ev["row"].to_numpy(), weights=hidden, minlength=len(out))
+        window_row = np.bincount(r, weights=window, minlength=len(out))
+        hidden_row = np.bincount(r, weights=hidden, minlength=len(out))
     out["comm_window_s"] = window_row
     out["comm_hidden_s"] = hidden_row
     out["comm_exposed_s"] = window_row - hidden_row
@@ -97,26 +107,53 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
 def arrival_skew(ops: pd.DataFrame, timeline: Timeline) -> pd.DataFrame:
     """One row per execution of a collective seen on several devices: ``program_id``, ``hlo_op``, ``step``,
     ``occurrence``, ``devices``, ``skew_s`` (latest − earliest start), ``last_device`` (arrived last),
-    ``wait_s`` (Σ over devices of latest start − own start). Reads the events of collective rows in steps."""
+    ``wait_s`` (Σ over devices of latest start − own start). Reads the events of collective rows in steps.
+    Rows sorted by program id (missing: -1), op name, step and occurrence (the n-th execution of the op in the
+    step on a device, in order of start)."""
     cols = ["program_id", "hlo_op", "step", "occurrence", "devices", "skew_s", "last_device", "wait_s"]
     pick = _collective_rows(ops)
     if pick.any():
         pick = pick & ops["step"].notna().to_numpy(bool)
-    if not pick.any() or ops.loc[pick, "device"].nunique() < 2:
+    if not pick.any():
         return pd.DataFrame(columns=cols)
-    c = _event_frame(ops, timeline, pick)
-    c = c.sort_values("start_ps", kind="stable").assign(
-        program_id=c["program_id"].fillna(-1), hlo_op=c["hlo_op"].astype(str), device=c["device"].astype(str))
-    c["occurrence"] = c.groupby(["device", "program_id", "hlo_op", "step"], observed=True).cumcount()
-    g = c.groupby(["program_id", "hlo_op", "step", "occurrence"], observed=True)
-    latest = g["start_ps"].transform("max")
-    c["wait_ps"] = latest - c["start_ps"]
-    idx_last = g["start_ps"].idxmax()
-    res = pd.DataFrame({
-        "devices": g["device"].nunique(),
-        "skew_s": (g["start_ps"].max() - g["start_ps"].min()) * 1e-12,
-        "last_device": c.loc[idx_last.values, "device"].to_numpy(),
-        "wait_s": g["wait_ps"].sum() * 1e-12,
-    }).reset_index()
-    res = res[res["devices"] > 1]
-    return res[cols].reset_index(drop=True)
+    rows = np.flatnonzero(pick)
+    row_dev, dev_names = _text_codes(ops["device"], rows)
+    if len(np.unique(row_dev[ops["device"].notna().to_numpy(bool)[rows]])) < 2:  # devices (NA not one)
+        return pd.DataFrame(columns=cols)
+    ev = np.flatnonzero(pick[timeline.row]) if len(timeline) else np.zeros(0, np.int64)
+    ev = ev[np.argsort(timeline.start_ps[ev], kind="stable")]  # by start; ties in event order
+    at = np.full(len(ops), -1, np.int64)
+    at[rows] = np.arange(len(rows))
+    r = at[timeline.row[ev]]  # position of each event's row among ``rows``
+    start = timeline.start_ps[ev].astype(np.int64)
+    dev = row_dev[r]
+    pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1)[rows][r]
+    row_op, op_names = _text_codes(ops["hlo_op"], rows)
+    op = row_op[r]
+    step = ops["step"].to_numpy(dtype="int64", na_value=0)[rows][r]
+    # occurrence: the events before this one of its (device, program, op, step)
+    same = group_codes([dev, pid, op, step])
+    by_same = np.argsort(same, kind="stable")
+    bounds = np.flatnonzero(np.diff(same[by_same], prepend=-1))
+    occurrence = np.empty(len(same), np.int64)
+    occurrence[by_same] = np.arange(len(same)) - np.repeat(bounds, np.diff(np.append(bounds, len(same))))
+    # executions: (program, op, step, occurrence), sorted; events of one keep their order (by start)
+    order = np.lexsort((occurrence, step, op, pid))
+    pid, op, step, occurrence, dev, start = (x[order] for x in (pid, op, step, occurrence, dev, start))
+    new = np.append(True, (pid[1:] != pid[:-1]) | (op[1:] != op[:-1]) | (step[1:] != step[:-1])
+                    | (occurrence[1:] != occurrence[:-1])) if len(order) else np.zeros(0, bool)
+    first = np.flatnonzero(new)
+    execution = np.cumsum(new) - 1
+    latest = np.maximum.reduceat(start, first) if len(first) else np.zeros(0, np.int64)
+    earliest = np.minimum.reduceat(start, first) if len(first) else np.zeros(0, np.int64)
+    wait = np.add.reduceat(latest[execution] - start, first) if len(first) else np.zeros(0, np.int64)
+    is_latest = np.flatnonzero(start == latest[execution])
+    last = is_latest[np.flatnonzero(np.diff(execution[is_latest], prepend=-1))]  # each execution's first latest
+    devices = np.bincount(execution[first_rows(group_codes([execution, dev]))], minlength=len(first))
+    keep = np.flatnonzero(devices > 1)
+    f = first[keep]
+    return pd.DataFrame({
+        "program_id": pd.array(pid[f].astype(np.int64), "Int64"), "hlo_op": op_names[op[f]],
+        "step": pd.array(step[f], "Int64"), "occurrence": occurrence[f], "devices": devices[keep].astype(np.int64),
+        "skew_s": (latest - earliest)[keep] * 1e-12, "last_device": dev_names[dev[last[keep]]],
+        "wait_s": wait[keep] * 1e-12})

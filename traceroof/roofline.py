@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip
-from traceroof.codes import constant_categorical, first_rows, group_codes
+from traceroof.codes import category_text, constant_categorical, first_rows, group_codes
 
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
 
@@ -36,7 +36,7 @@ def _reads(col: pd.Series, test: Callable[[str], bool]) -> np.ndarray:
     """Rows whose value as text (``col.astype(str)``) passes ``test`` (missing: never), testing a categorical's
     categories once instead of every row."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        hit = np.array([test(c) for c in col.array.categories.astype(str)] + [False])  # code -1: missing
+        hit = np.array([test(c) for c in category_text(col.array)] + [False])  # code -1: missing
         return hit[col.array.codes]
     return np.array([isinstance(v, str) and test(v) for v in col.astype(str)], bool)
 
@@ -119,10 +119,13 @@ def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") 
         peak = ops["peak_flops_per_s"].to_numpy(np.float64)
         mm = np.flatnonzero(_reads(ops["category"], lambda c: c == "matmul") & ~np.isnan(peak))
         if len(mm) and np.nansum(ops["flops"].to_numpy(np.float64)[mm]) > 0:
-            flops, keys = ops["flops"].iloc[mm], ops["peak_key"].iloc[mm].astype(str)
-            distinct = {k for k in keys if isinstance(k, str)}  # one key: the most FLOPs without a groupby
-            key = distinct.pop() if len(distinct) == 1 else str(flops.groupby(keys).sum().idxmax())
-            return float(peak[mm][(keys == key).to_numpy(bool)][0]), key
+            col = ops["peak_key"]
+            keys = np.append(category_text(col.array), "nan")[col.array.codes[mm]] \
+                if isinstance(col.dtype, pd.CategoricalDtype) else np.asarray(col.iloc[mm].astype(str), dtype=object)
+            distinct = set(keys.tolist())  # one key: the most FLOPs without a groupby
+            key = distinct.pop() if len(distinct) == 1 else \
+                str(ops["flops"].iloc[mm].groupby(pd.Series(keys, index=ops.index[mm])).sum().idxmax())
+            return float(peak[mm][keys == key][0]), key
     value, key = chip.peak_for(default_dtype)
     return (value if _usable(value) else None), key
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import category_text
 from traceroof.findings.hlo_graph import Programs
 from traceroof.units import fmt_si, fmt_time
 
@@ -98,7 +99,7 @@ class OpColumns:
 def _text(col: pd.Series) -> np.ndarray:
     """``col.astype(str)`` as an object array, None where missing; a categorical's categories converted once."""
     if isinstance(col.dtype, pd.CategoricalDtype):
-        names = np.append(np.asarray(col.array.categories.astype(str), dtype=object), None)  # code -1: missing
+        names = np.append(category_text(col.array), None)  # code -1: missing
         return names[col.array.codes]
     return col.astype(str).to_numpy(object, na_value=None)
 

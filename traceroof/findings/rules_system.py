@@ -11,6 +11,7 @@ the analysis has them."""
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -53,7 +54,11 @@ def exposed_collective(x: FindingInputs) -> list[Finding]:
         return []
     hot = np.flatnonzero(t["exposed_per_step_s"].to_numpy(np.float64) > EXPOSED_SHARE_MIN * x.step_s)[:3]
     out = []
-    for r in t.iloc[hot].itertuples(index=False) if len(hot) else ():
+    need = ("hlo_op", "kind", "bytes_out", "group_size", "exposed_per_step_s", "exposed_share",
+            "expected_per_step_s", "link", "arrival_skew_s")
+    values = {c: t[c].to_numpy()[hot].tolist() for c in need} if len(hot) else {}  # not a row Series each
+    for i in range(len(hot)):
+        r = SimpleNamespace(**{c: v[i] for c, v in values.items()})
         rows = np.flatnonzero(x.cols.text("hlo_op") == r.hlo_op)
         what = f"{r.hlo_op} ({r.kind}, {fmt_bytes(r.bytes_out)}, group {r.group_size})"
         evidence = [f"exposed {fmt_s(r.exposed_per_step_s)} per step, {r.exposed_share:.0%} of its window"
@@ -81,11 +86,11 @@ def collective_straggler(x: FindingInputs) -> list[Finding]:
     skew = x.skew
     if skew is None or skew.empty or not x.steps:
         return []
-    last = skew["last_device"].value_counts()
-    dev, n = last.index[0], int(last.iloc[0])
+    n = int(np.unique(skew["last_device"].to_numpy(), return_counts=True)[1].max())  # most arrivals last
     wait = float(skew["wait_s"].sum()) / x.steps
     if not (n / len(skew) > STRAGGLER_LAST_SHARE_MIN and wait > STRAGGLER_WAIT_SHARE_MIN * x.step_s):
         return []
+    dev = skew["last_device"].value_counts().index[0]
     title = (f"{dev} arrives last at {n / len(skew):.0%} of collective executions; the other devices wait "
              f"{fmt_s(wait)} per step in total for it (straggler)")
     advice = ("find what that device does before the collective (uneven shards, host input on its host, a slower "
