@@ -3,10 +3,11 @@ figures are in range (or say why not) or in a one-line TraceroofError; bad input
 one ``traceroof: error:`` line. ``TRACEROOF_FUZZ_N`` changes the number per class; the long campaign is
 ``benchmarks/fuzz_campaign.py``.
 
-Cost (measured on the 2-core development machine, all sites fixed): the 7,000 inputs take about 4 CPU-minutes,
-2 minutes of wall time on 2 free cores; the workers use every core the suite may use (up to 8). A full analysis
-of even the tiny seeds costs 50-90 ms of fixed pandas work (layer rollup, profile loading, op statistics: the
-per-stage cost issue 12's small tables remove), and about half the mutated inputs reach it."""
+Cost (measured on the 2-core development machine, idle): the 7,000 inputs take about 2.5 CPU-minutes, 76 s of
+wall time on 2 cores (127 s before the fixed per-analysis costs were cut); the workers use every core the suite may
+use (up to 8). A full analysis of the tiny .xplane.pb seed costs about 30 ms, most of it pandas' fixed cost per
+operation (op table, step breakdown, layer rollup, op statistics), and about half the mutated inputs reach it; the
+rest end in a one-line error within a few milliseconds."""
 
 from __future__ import annotations
 
