@@ -252,6 +252,21 @@ def _without(df: pd.DataFrame, rows: list[int]) -> pd.DataFrame:
     return df[keep]
 
 
+def _one_row_per_key(df: pd.DataFrame, key: list[str]) -> pd.DataFrame:
+    """``df.groupby(key, as_index=False).agg(sum of METRICS, first hlo_ops)``: rows of one key summed (a report
+    lists an op once per layer and phase; a hand-edited one may not), in the group-by's order (keys sorted). When
+    every key is unique already (the usual case) the rows are only sorted: a group-by costs milliseconds."""
+    rows = _key_rows(df, key)
+    if len(set(rows)) < len(rows) or any(v is _NULL for r in rows for v in r):
+        return df.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    out = df[key + METRICS + ["hlo_ops"]].iloc[order].reset_index(drop=True)
+    missing = [c for c in METRICS if out[c].isna().any()]
+    if missing:  # as the group-by's sum of one missing value
+        out[missing] = out[missing].fillna(0.0)
+    return out
+
+
 def diff(base: Side, new: Side) -> DiffResult:
     """Compare two sides: step time with noise, per-layer deltas, matched ops, added and removed ops."""
     key = OP_KEY
@@ -264,8 +279,7 @@ def diff(base: Side, new: Side) -> DiffResult:
             df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else np.nan
         if "hlo_ops" not in df:
             df["hlo_ops"] = ""
-    b = b.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
-    n = n.groupby(key, as_index=False).agg({**{c: "sum" for c in METRICS}, "hlo_ops": "first"})
+    b, n = _one_row_per_key(b, key), _one_row_per_key(n, key)
     both, rows_b, rows_n = _match(b, n, key)
     both = both.assign(matched_by="identity")
     only_b, only_n = _without(b, rows_b), _without(n, rows_n)
