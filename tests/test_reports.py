@@ -33,3 +33,12 @@ def test_header_gives_the_median_step_when_slow_steps_raise_the_mean():
     assert _skewed_median((0.009, 0.185), 0.097) == ""  # too few steps to call one slow
     text = " ".join((ROOT / "reports" / "fw_keras_cnn.txt").read_text(encoding="utf-8").split())
     assert "step time 151.257 ms" in text and "median 2.338 ms: 2 step(s)" in text
+
+
+def test_markdown_continuation_lines_are_sub_items_not_empty_bold():
+    """``- ** **: text`` is no bold text in Markdown (it showed literally: a new user's trial); continuation
+    lines of the header and the memory section are indented sub-items."""
+    for md in (ROOT / "reports").glob("*.md"):
+        text = md.read_text(encoding="utf-8")
+        assert "** **" not in text, md.name
+    assert "\n  - MFU counts" in (ROOT / "reports" / "diff_base.md").read_text(encoding="utf-8")

@@ -84,12 +84,12 @@ def memory_terminal(view: MemoryView | None, width: int | None = None) -> list[s
 
 def memory_markdown(view: MemoryView | None) -> list[str]:
     """Lines of the Markdown report's Memory section."""
-    from traceroof.report.safe import markdown
+    from traceroof.report.safe import markdown, md_item
     from traceroof.report.text import md_table
 
     if view is None or view.peak is None:
         return []
-    out = ["", "## Memory (per device)", ""] + [f"- **{k or ' '}**: {markdown(v)}" for k, v in _lines(view)]
+    out = ["", "## Memory (per device)", ""] + [md_item(k, markdown(v)) for k, v in _lines(view)]
     return out + ["", "Largest buffers live at the peak:", "", md_table(buffers_table(view.peak))]
 
 

@@ -48,6 +48,13 @@ def markdown(value: object) -> str:
     return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def md_item(label: str, text: str) -> str:
+    """A labelled Markdown list item (``- **label**: text``); an empty label continues the item above as an
+    indented sub-item (``**  **`` is no bold text in Markdown: it showed as ``** **:``). ``text`` is already
+    escaped (:func:`markdown`)."""
+    return f"- **{label}**: {text}" if label else f"  - {text}"
+
+
 def markdown_cell(value: object) -> str:
     """:func:`markdown` with ``|`` escaped: the text stays in its table cell."""
     return markdown(value).replace("|", "\\|")

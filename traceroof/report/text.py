@@ -9,7 +9,7 @@ import pandas as pd
 
 from traceroof.analysis import Analysis
 from traceroof.report.findings import TOP, markdown_top, rest_lines, terminal_top
-from traceroof.report.safe import markdown, markdown_cell, printable
+from traceroof.report.safe import markdown, md_item, markdown_cell, printable
 from traceroof.units import fmt_si, fmt_time
 from traceroof.report.memory import memory_markdown, memory_terminal
 
@@ -254,7 +254,7 @@ def render_markdown(a: Analysis) -> str:
     from traceroof.report.breakdown import breakdown_text
 
     out = ["# traceroof: per-layer roofline report", ""]
-    out += [f"- **{k or ' '}**: {markdown(v.replace('|', '/'))}" for k, v in header_lines(a)]
+    out += [md_item(k, markdown(v.replace('|', '/'))) for k, v in header_lines(a)]
     out += markdown_top(a)
     out += ["", f"## Per layer (named-scope depth {a.depth}; per step, per device)", "", md_table(layers_table(a))]
     out += breakdown_text(a.step_breakdown, markdown=True)
