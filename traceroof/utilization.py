@@ -32,7 +32,7 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
         agg = g.agg(spans)
         for c in ("device_start_ps", "device_end_ps"):  # a participant without a device span: none for the step
             if c in sel:
-                agg[c] = agg[c].where(~g[c].apply(lambda x: x.isna().any()))
+                agg[c] = agg[c].where(~sel[c].isna().groupby(sel["step"], sort=True).any())
         sel = agg.reset_index()
     host = _valid_steps((sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12, "step annotations",
                         notes)
