@@ -19,6 +19,8 @@ from traceroof.codes import as_text, first_rows, group_codes, group_median, grou
 
 NO_SCOPE = "(no scope)"
 TOP_LEVEL = "(top level)"
+# an op XLA's combiner made from several layers' ops (one tuple all-reduce of their gradients)
+COMBINED_SCOPE = "(combined)"
 # phase of work that is neither the model's forward, backward nor optimizer: jax.random outside any layer (the
 # step's key handling, a batch generated inside the step annotation); see traceroof.scopes
 OTHER_PHASE = "other"
@@ -95,15 +97,17 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     segment (the primitive). Phase: ``backward`` when a
     ``transpose(`` wraps any segment, ``optimizer`` when a scope matches ``optimizer_pattern``, else
     ``forward``; ``remat`` for the forward recomputed in a backward pass (``checkpoint/rematted_computation``).
-    ``optimizer_pattern`` must match a whole scope segment. Ops without an ``op_name`` get ``(no scope)``; unscoped ops ``(top level)``.
-    Merged names (``a;b``) use the first.
-    """
+    ``optimizer_pattern`` must match a whole scope segment. Ops without an ``op_name`` get ``(no scope)``;
+    unscoped ops ``(top level)``. Merged names (``a;b``) use the first; a combiner's ``prefix/(a:b:c)`` the
+    parts' common scope (:func:`_combined_scope`)."""
     if not op_name:
         return NO_SCOPE, "forward"
     first = op_name.split(";")[0]
     segs = _split_path(first)
     if len(segs) == 1:  # a bare compiler-made name ("broadcast.11") or a parameter name
         return NO_SCOPE, "forward"
+    if segs[-1].startswith("(") and segs[-1].endswith(")") and ":" in segs[-1]:
+        return _combined_scope(segs, optimizer_pattern)
     backward = "transpose(" in first or any(s in GRADIENT_SEGMENTS for s in segs)
     scopes: list[str] = []
     prev = ""
@@ -130,6 +134,32 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     if phase == "backward" and "rematted_computation" in segs:
         return path, "remat"  # forward recomputed inside the backward pass (jax.checkpoint)
     return path, phase
+
+
+def _combined_scope(segs: list[str], optimizer_pattern: str) -> tuple[str, str]:
+    """Scope and phase of an op XLA's combiner made from several (``jit(step)/(a/dot:b/dot:jvp()/reduce_sum)``:
+    one tuple all-reduce of many layers' gradients): the scope the parts share (their common leading segments),
+    else :data:`COMBINED_SCOPE`; the phase of the parts when they agree, else the latest of them in a step."""
+    prefix = "/".join(segs[:-1])
+    parts, depth, cur = [], 0, []
+    for ch in segs[-1][1:-1]:  # split on ':' outside parentheses
+        depth += (ch == "(") - (ch == ")")
+        if ch == ":" and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parsed = [parse_scope(f"{prefix}/{p}", optimizer_pattern) for p in parts + ["".join(cur)]]
+    scoped = [sc.split("/") for sc, _ in parsed if sc not in (TOP_LEVEL, NO_SCOPE)]
+    common: list[str] = []
+    for level in zip(*scoped) if scoped else ():
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    phase = max((ph for _, ph in parsed), key=lambda ph: PHASE_ORDER.get(ph, 0))
+    if len(scoped) == 1 or common:
+        return "/".join(common) if len(scoped) > 1 else "/".join(scoped[0]), phase
+    return (COMBINED_SCOPE if scoped else TOP_LEVEL), phase
 
 
 def is_rng(op_name: str) -> bool:
