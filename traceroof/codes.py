@@ -86,14 +86,25 @@ def category_text(cat: pd.Categorical) -> np.ndarray:
     return np.asarray(names if isinstance(names.dtype, pd.StringDtype) else names.astype(str), dtype=object)
 
 
-def as_text(col: pd.Series) -> np.ndarray:
-    """``col.astype(str)`` as an object array (NA stays NaN); a Categorical's categories are converted once each,
-    not per row."""
+def as_text(col: pd.Series, na: Any = np.nan) -> np.ndarray:
+    """``col.astype(str)`` as an object array; a Categorical's categories are converted once each, not per row,
+    and its missing values read ``na`` (``"nan"``: as ``astype(str)`` writes them)."""
     if isinstance(col.dtype, pd.CategoricalDtype):
         cat = col.array
-        names = np.append(category_text(cat), np.nan)  # code -1: NA
+        names = np.append(category_text(cat), np.array([na], dtype=object))  # code -1: NA
         return names[cat.codes]
     return np.asarray(col.astype(str), dtype=object)
+
+
+def as_float64(values: Any, na_value: float = np.nan) -> np.ndarray:
+    """A numeric column (a Series, a nullable pandas array or a numpy array) as float64, ``na_value`` where
+    missing (NaN in a float array counts as missing)."""
+    if isinstance(values, np.ndarray):
+        if values.dtype.kind != "f":
+            return values.astype(np.float64)
+        return values.astype(np.float64, copy=False) if np.isnan(na_value) else \
+            np.where(np.isnan(values), na_value, values)
+    return values.to_numpy(dtype="float64", na_value=na_value)
 
 
 def positions(index: pd.Index, keys: Iterable[Any]) -> np.ndarray:

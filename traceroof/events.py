@@ -15,7 +15,7 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.trace_json import text_categorical
 from parsers.xspace import AGGREGATE_START_PS
-from traceroof.codes import constant_categorical, na_int64
+from traceroof.codes import as_float64, constant_categorical, na_int64
 from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
 from traceroof.steps import kernel_launch_times, launch_events, launch_times
 
@@ -216,14 +216,14 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     implied = na_int64(n_ops)
     if not n_ops or not len(ends["start_ps"]) or "_p" not in ops or "_c" not in ends:
         return implied
-    c = _floats(ends["_c"])
+    c = as_float64(ends["_c"])
     valid = ~np.isnan(c)
     c = c[valid]
     e_end = (np.asarray(ends["start_ps"], np.int64) + np.asarray(ends["duration_ps"], np.int64))[valid]
     e_line = np.asarray(ends["line_id"], np.int64)[valid]
     flows, first_rev = np.unique(c[::-1], return_index=True)  # the last end event of each flow id
     last = len(c) - 1 - first_rev
-    k = _floats(ops["_p"])
+    k = as_float64(ops["_p"])
     pos = np.minimum(np.searchsorted(flows, k), max(len(flows) - 1, 0))
     has = (flows[pos] == k) if len(flows) else np.zeros(len(k), bool)  # NaN never equals
     start = np.asarray(ops["start_ps"], np.int64)
@@ -244,13 +244,6 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     extra = np.maximum(extra, 0).astype(np.int64)
     grow &= extra > 0
     return pd.arrays.IntegerArray(old_end + extra, ~grow)
-
-
-def _floats(values: Any) -> np.ndarray:
-    """A numeric column (numpy, nullable or Series) as float64, NaN where missing."""
-    if isinstance(values, np.ndarray):
-        return values.astype(np.float64, copy=False)
-    return values.to_numpy(dtype="float64", na_value=np.nan)
 
 
 def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndarray, q_t: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import category_text, first_rows, group_codes
+from traceroof.codes import as_text, category_text, first_rows, group_codes
 from traceroof.hostactivity import covered_ps, merge_intervals
 from traceroof.optable import Timeline
 
@@ -29,12 +29,7 @@ def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
 def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``col.astype(str)`` at positions ``rows`` (a missing value reads ``nan``, as ``astype(str)`` writes it), as
     (codes into the distinct texts, the sorted distinct texts)."""
-    if isinstance(col.dtype, pd.CategoricalDtype):
-        names = np.append(category_text(col.array), "nan")  # code -1: NA
-        text = names[col.array.codes[rows]]
-    else:
-        text = np.asarray(col.astype(str), dtype=object)[rows]
-    names, codes = np.unique(text, return_inverse=True)
+    names, codes = np.unique(as_text(col, "nan")[rows], return_inverse=True)
     return codes.reshape(-1).astype(np.int64), names
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip
-from traceroof.codes import category_text, constant_categorical, first_rows, group_codes
+from traceroof.codes import as_text, category_text, constant_categorical, first_rows, group_codes
 
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
 
@@ -119,9 +119,7 @@ def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") 
         peak = ops["peak_flops_per_s"].to_numpy(np.float64)
         mm = np.flatnonzero(_reads(ops["category"], lambda c: c == "matmul") & ~np.isnan(peak))
         if len(mm) and np.nansum(ops["flops"].to_numpy(np.float64)[mm]) > 0:
-            col = ops["peak_key"]
-            keys = np.append(category_text(col.array), "nan")[col.array.codes[mm]] \
-                if isinstance(col.dtype, pd.CategoricalDtype) else np.asarray(col.iloc[mm].astype(str), dtype=object)
+            keys = as_text(ops["peak_key"], "nan")[mm]
             distinct = set(keys.tolist())  # one key: the most FLOPs without a groupby
             key = distinct.pop() if len(distinct) == 1 else \
                 str(ops["flops"].iloc[mm].groupby(pd.Series(keys, index=ops.index[mm])).sum().idxmax())

@@ -322,17 +322,18 @@ def _forward(info: ScopeInfo | None) -> bool:
     return info is not None and info.phase == "forward" and info.in_grad
 
 
-def _fused_forward_reader(module: HloModule, fusion: Instruction, operand: str, infos: Mapping[str, ScopeInfo]
-                          ) -> ScopeInfo | None:
+def _fused_forward_reader(module: HloModule, fusion: Instruction, operand: str, infos: Mapping[str, ScopeInfo],
+                          users_of: Mapping[str, dict[str, list[Instruction]]]) -> ScopeInfo | None:
     """The label of a forward op of the differentiated function inside ``fusion``'s fused computation that reads
     ``operand`` (through unlabelled fused ops), if any: XLA fuses a forward bias-add and ReLU into the backward
-    fusion that also computes the ReLU's gradient, and that fusion is then the forward convolution's only user."""
+    fusion that also computes the ReLU's gradient, and that fusion is then the forward convolution's only user.
+    ``users_of``: each computation's :meth:`~parsers.hlo.Computation.users`, by name."""
     numbers = {k for k, o in enumerate(fusion.operands) if o == operand}
     for name in fusion.called:
         comp = module.computations.get(name)
         if comp is None:
             continue
-        users = comp.users()
+        users = users_of.get(name, {})
         todo = [i.name for i in comp.instructions if i.parameter_number in numbers]
         seen = set(todo)
         while todo:
@@ -347,13 +348,15 @@ def _fused_forward_reader(module: HloModule, fusion: Instruction, operand: str, 
 
 
 def _forward_feeders(module: HloModule, comp: Computation, infos: dict[str, ScopeInfo],
-                     users: dict[str, list[Instruction]], skip: Mapping[str, ScopeInfo]) -> None:
+                     users_of: Mapping[str, dict[str, list[Instruction]]], skip: Mapping[str, ScopeInfo]) -> None:
     """Label forward every unlabelled instruction whose result reaches a labelled forward op of the
     differentiated function (``jvp(`` in its name) through unlabelled ops only, inside fusions too
     (:func:`_fused_forward_reader`): data flows forward -> backward -> update, never back, so such an op is
     forward whatever else reads it (an input's layout copy is read by the forward convolution and by the
     weight-gradient one; without this rule the first labelled user, often the backward one, won). Its scope is
-    that forward op's. ``skip``: instructions labelled otherwise (weight gradients)."""
+    that forward op's. ``users_of``: each computation's users, by name; ``skip``: instructions labelled
+    otherwise (weight gradients)."""
+    users = users_of[comp.name]
     found: dict[str, ScopeInfo] = {}
     for inst in reversed(comp.instructions):  # users come after their operands
         if inst.name in infos or inst.name in skip:
@@ -361,7 +364,7 @@ def _forward_feeders(module: HloModule, comp: Computation, infos: dict[str, Scop
         for u in users.get(inst.name, ()):
             i = infos.get(u.name) or found.get(u.name)
             if not _forward(i) and u.opcode == "fusion":
-                i = _fused_forward_reader(module, u, inst.name, infos)
+                i = _fused_forward_reader(module, u, inst.name, infos, users_of)
             if _forward(i):
                 found[inst.name] = ScopeInfo(i.scope, "forward", "", "user", True)
                 break
@@ -568,8 +571,8 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
     users = {name: comp.users() for name, comp in module.computations.items()}
     contractions = _contractions(module)
     weight_grads = _weight_gradients(module.entry, infos, contractions)
-    for name, comp in module.computations.items():
-        _forward_feeders(module, comp, infos, users[name], weight_grads)
+    for comp in module.computations.values():
+        _forward_feeders(module, comp, infos, users, weight_grads)
     for _ in range(len(module.computations) + 1):
         changed = False
         for name, comp in module.computations.items():

@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import first_rows, group_codes, na_int64
+from traceroof.codes import as_float64, first_rows, group_codes, na_int64
 
 # PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
 LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnSingleDevice|Helper|Sharded|"
@@ -129,11 +129,11 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
     out = np.full(n, np.nan)
     if not n or launches.empty or "run_id" not in ops:
         return out, 0
-    rid = _numbers(ops["run_id"], np.nan)
+    rid = as_float64(ops["run_id"])
     has = ~np.isnan(rid)
     if not has.any():
         return out, 0
-    pid = _numbers(ops["program_id"], -1) if "program_id" in ops else np.full(n, -1.0)
+    pid = as_float64(ops["program_id"], -1) if "program_id" in ops else np.full(n, -1.0)
     rows = np.flatnonzero(has)
     module_col = ops["module"]
     module, names = pd.factorize((module_col.array if isinstance(module_col, pd.Series) else module_col)[has])
@@ -162,13 +162,6 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
         matched += int(ok.sum())
         out[rows[mine]] = when[at]
     return out, matched
-
-
-def _numbers(values: Any, na_value: float) -> np.ndarray:
-    """A numeric column (a Series, nullable or numpy array) as float64, ``na_value`` where missing."""
-    if isinstance(values, np.ndarray):
-        return np.where(np.isnan(values), na_value, values) if values.dtype.kind == "f" else values.astype(np.float64)
-    return values.to_numpy(dtype="float64", na_value=na_value)
 
 
 def kernel_launch_times(kernel_correlation: np.ndarray, api_correlation: np.ndarray,
