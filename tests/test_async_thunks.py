@@ -36,7 +36,7 @@ def _stat(plane, ev, name):
 def _lagging_end(tmp_path, baseline, lag_to_ps: int, keep_hlo: bool = True):
     """The fixture with the ``end:`` event of step ``STEP``'s ``OP`` moved to ``lag_to_ps`` (profile time);
     without the profile's embedded HLO when not ``keep_hlo``. Returns the file and the op's start (ps)."""
-    e = baseline.events
+    e = baseline.events()
     op_start = int(e.loc[(e["step"] == STEP) & (e["hlo_op"] == OP), "start_ps"].iloc[0])
     m = parse_full(SRC)
     cpu = next(p for p in m.planes if p.name == "/host:CPU")
@@ -78,7 +78,7 @@ def test_a_late_end_is_cut_at_the_first_op_reading_the_result(tmp_path, baseline
     late = int(nxt["device_start_ps"] + (nxt["device_end_ps"] - nxt["device_start_ps"]) // 2)
     f, op_start = _lagging_end(tmp_path, baseline, late)
     p = load_profile(discover([f]))
-    e = p.events
+    e = p.events()
     run = e.loc[(e["step"] == STEP) & (e["hlo_op"] == OP), "run_id"].iloc[0]
     user_start = int(e.loc[(e["run_id"] == run) & (e["hlo_op"] == "while.3"), "start_ps"].iloc[0])
     op = e[(e["step"] == STEP) & (e["hlo_op"] == OP)].iloc[0]
@@ -93,7 +93,7 @@ def test_a_late_end_is_cut_at_the_first_op_reading_the_result(tmp_path, baseline
     # nothing else moved: the steps are the fixture's (the op is not its step's last)
     assert (_step_times_ps(p) == _step_times_ps(baseline)).all()
     other = (e["step"] != STEP) | (e["hlo_op"] != OP)
-    assert (e.loc[other, "duration_ps"].to_numpy() == baseline.events.loc[other, "duration_ps"].to_numpy()).all()
+    assert (e.loc[other, "duration_ps"].to_numpy() == baseline.events().loc[other, "duration_ps"].to_numpy()).all()
 
 
 def test_without_hlo_a_late_end_is_cut_at_the_programs_next_execution(tmp_path, baseline):
@@ -102,7 +102,7 @@ def test_without_hlo_a_late_end_is_cut_at_the_programs_next_execution(tmp_path, 
     f, op_start = _lagging_end(tmp_path, baseline, late, keep_hlo=False)
     p = load_profile(discover([f]))
     assert not p.modules
-    e = p.events
+    e = p.events()
     op = e[(e["step"] == STEP) & (e["hlo_op"] == OP)].iloc[0]
     next_run_start = int(e.loc[e["step"] == STEP + 1, "start_ps"].min())
     assert op_start + op["duration_ps"] <= next_run_start

@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import FIXTURES, HOST_CHIP
 from traceroof.breakdown import COMPONENTS, breakdown_delta, slowest_vs_median, step_breakdown, step_windows
-from traceroof.optable import Timeline
+from traceroof.aggregate import Timeline
 
 PROFILES = ["transformer", "scan_mlp", "sharded_mlp", "diff_base", "diff_rerun", "diff_wide"] + [
     f"{fw}/{v}" for fw in ("fw_flax_cnn", "fw_nnx_transformer", "fw_equinox_transformer", "fw_gpt2", "fw_keras_cnn",

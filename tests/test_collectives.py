@@ -14,7 +14,7 @@ from traceroof.chips import get_chip
 from traceroof.collectives import (Collective, bus_bandwidth, classify, default_topology, expected_time,
                                    parse_topology)
 from traceroof.cost import CostModel
-from traceroof.optable import Timeline
+from traceroof.aggregate import Timeline
 from traceroof.overlap import arrival_skew, exposed_communication
 from tests.conftest import FIXTURES, HOST_CHIP, third_party
 

@@ -156,8 +156,8 @@ def test_program_id_above_2_40_keeps_the_module_name_in_the_join_key(tmp_path):
     f = _write(tmp_path, m)
     _copy_hlo(tmp_path)
     profile = load_profile(discover([f]))
-    assert (profile.events["program_id"] == 2**41 + 20).all()
-    _, report = match_modules(profile.events, profile.modules)
+    assert (profile.rows["program_id"] == 2**41 + 20).all()
+    _, report = match_modules(profile.rows, profile.modules)
     # the (module, program id) key decodes to the right pair: before, 2^41 overflowed the 40 bits of the id
     assert f"jit_train_step({2**41 + 20})" in report.unmatched_modules
 
@@ -169,7 +169,7 @@ def test_invalid_program_ids_become_na_with_a_note(tmp_path, value):
     f = _write(tmp_path, m)
     _copy_hlo(tmp_path)
     profile = load_profile(discover([f]))
-    assert profile.events["program_id"].isna().all()
+    assert profile.rows["program_id"].isna().all()
     note = next(x for x in profile.notes if "id stat that is not a valid integer" in x)
     assert f"lost it: {n:,} program_id;" in note
 
@@ -248,7 +248,7 @@ def test_an_op_event_lasting_days_is_dropped_with_a_note(tmp_path):  # fuzz: a 7
     _copy_hlo(tmp_path)
     profile = load_profile(discover([f]))
     assert any("1 op events lasting more than a day dropped" in n for n in profile.notes), profile.notes
-    assert profile.events["duration_ps"].max() < 86_400 * 10**12
+    assert profile.timeline.duration_ps.max() < 86_400 * 10**12
 
 
 def test_trace_json_profile_notes_what_was_dropped(tmp_path):

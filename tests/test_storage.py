@@ -190,7 +190,7 @@ def test_sidecar_hloproto_url_is_read(memfs):
     memfs.pipe(f"{run}/{name}({pid}).hlo_proto.pb", data)
     inputs = discover([run])
     assert inputs.hlo_proto_files == (f"{run}/{name}({pid}).hlo_proto.pb",)
-    events = load_profile(inputs).events
+    events = load_profile(inputs).rows
     ((module, how),) = [(m, h) for m, h in profile_hlo(events, [], inputs.hlo_proto_files) if m.name == name]
     assert how == "sidecar" and module.program_id == pid and module.source == inputs.hlo_proto_files[0]
     assert len(module.computations) == len(module_from_proto(data).computations)

@@ -118,7 +118,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     hlo_sources = dict(profile.hlo_sources)
     if user and not user & (set(join.matched_sources) | profile.dump_sources):
         ran = sorted({f"{m}({p})" if pd.notna(p) else str(m) for m, p in
-                      profile.events[["module", "program_id"]].drop_duplicates().itertuples(index=False)})
+                      profile.rows[["module", "program_id"]].drop_duplicates().itertuples(index=False)})
         if join.events_joined < join.events_total:
             raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given (the profile "
                                    f"ran {', '.join(ran[:4])}); pass the after-optimization dumps of the profiled run")

@@ -31,7 +31,7 @@ import pandas as pd
 from traceroof.codes import group_codes
 from traceroof.hostactivity import (HOST_KINDS, covered_ps, intersect_intervals, merge_intervals,
                                    subtract_intervals)
-from traceroof.optable import Timeline
+from traceroof.aggregate import Timeline
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
 BREAKDOWN_COLUMNS = ("step_time_s", *COMPONENTS)  # the numeric columns a saved report's rows must carry
@@ -357,13 +357,9 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     windows = step_windows(steps, host_of)
     in_used = np.isin(windows["step"].to_numpy(np.int64), np.asarray(used, np.int64))
     windows = windows if in_used.all() else windows.take(np.flatnonzero(in_used))
-    ev = profile.events
-    same = len(ev) == len(timeline)
-    run_id = ev["run_id"].to_numpy(dtype="float64", na_value=np.nan) if same and "run_id" in ev else None
-    launch = ev["launch_ps"].to_numpy(dtype="float64", na_value=np.nan) if same and "launch_ps" in ev else None
     devices = sorted(set(windows["device"].tolist()))[:MAX_DRAWN_DEVICES]
     draw = frozenset((st, d) for st in _drawn_steps(windows) for d in devices)
-    rows, items = _breakdown(ops, timeline, windows, run_id, launch, profile.host_activity,
+    rows, items = _breakdown(ops, timeline, windows, timeline.run_id, timeline.launch_ps, profile.host_activity,
                              _async_pairs(profile.modules), draw, host_of)
     return rows, timeline_items(items, ops)
 

@@ -1,8 +1,8 @@
 """The per-host map of an analysis: one profile file (one host) read, its op events bounded and put in steps,
 with the HLO of the programs it ran (:func:`read_host`). Hosts are independent, so a run directory's files
 are read in parallel processes or on a Dask cluster (:func:`traceroof.parallel.map_hosts`); what travels back
-is a :class:`HostEvents`: the events as a slim table (integer and categorical columns), the steps, the HLO
-modules and the notes."""
+is a :class:`HostEvents`: the events aggregated into op rows and their slim timeline
+(:func:`traceroof.aggregate.aggregate_events`), the steps, the HLO modules and the notes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from parsers.hlo import HloModule
 from parsers.storage import Location
 from parsers.trace_json import read_trace_json
 from parsers.xspace import read_xspace
+from traceroof.aggregate import Timeline, aggregate_events
 from traceroof.asyncends import _bound_async_ends
 from traceroof.events import _host_of, _trace_json_events, _xspace_events
 from traceroof.hlo_source import check_dumps, embedded_hlo, parse_dumps, profile_hlo, reconcile, relevant_dumps
@@ -25,10 +26,6 @@ from traceroof.memory import AllocatorPeak, plane_allocators
 from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
-# event columns that leave the host: what the op table and the timeline read
-EVENT_COLUMNS = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "run_id", "launch_ps",
-                 "step", "start_ps", "duration_ps", "framework_scope", "profile_flops", "profile_model_flops",
-                 "profile_bytes_accessed")
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,8 @@ class HostTask:
 
 @dataclass(eq=False)
 class HostEvents:
-    """One host's op events (``EVENT_COLUMNS`` present, times on the host's own clock), steps, HLO and notes.
+    """One host's op events as op rows and their timeline (:func:`~traceroof.aggregate.aggregate_events`; times
+    on the host's own clock), steps, HLO and notes.
 
     ``start_ns``: the host's ``profile_start_time`` (ns since the epoch) that aligns hosts, ``None`` when
     unknown. ``read_notes``: the file's own (parser notes); ``event_notes``: async ends and steps;
@@ -53,7 +51,8 @@ class HostEvents:
     """
 
     host: str
-    events: pd.DataFrame
+    rows: pd.DataFrame
+    timeline: Timeline
     steps: pd.DataFrame
     device_kind: str = "cpu"
     device_description: str = ""
@@ -103,8 +102,9 @@ def read_host(task: HostTask) -> HostEvents:
         kind, desc, stats, embedded, start_ns, decoder = (
             "cpu", "host CPU (trace JSON: no plane stats, no program ids)", {}, [], None, "")
         del tj
-    out = HostEvents(_host_of(str(task.path)), ev, steps, kind, desc, ann, stats, start_ns, decoder, read_notes,
-                     counts=counts, host_activity=activity, allocators=allocators)
+    none, no_events = aggregate_events(ev.iloc[:0])
+    out = HostEvents(_host_of(str(task.path)), none, no_events, steps, kind, desc, ann, stats, start_ns, decoder,
+                     read_notes, counts=counts, host_activity=activity, allocators=allocators)
     if ev.empty:
         return out
     long_ops = (ev["duration_ps"] > MAX_OP_EVENT_PS).to_numpy(bool)
@@ -112,7 +112,6 @@ def read_host(task: HostTask) -> HostEvents:
         ev = ev[~long_ops].reset_index(drop=True)
         counts["long_ops"] = counts.get("long_ops", 0) + int(long_ops.sum())
         if ev.empty:
-            out.events = ev
             return out
     extra = profile_hlo(ev, embedded, task.hlo_proto_files, out.hlo_notes)
     truth = [m for m, _ in extra]
@@ -122,7 +121,7 @@ def read_host(task: HostTask) -> HostEvents:
     check_dumps(dumps, ev)
     ev = _bound_async_ends(ev, truth + dumps, counts)
     ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes, counts)
-    out.events = ev[[c for c in EVENT_COLUMNS if c in ev]]
+    out.rows, out.timeline = aggregate_events(ev)
     out.modules = list(extra) + [(m, "dump") for m in dumps]
     return out
 

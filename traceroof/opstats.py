@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.codes import as_text, category_text, first_rows, group_codes, group_sum, positions
-from traceroof.optable import Timeline
+from traceroof.aggregate import Timeline
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
 OUTLIER_MIN_EXECUTIONS = 3  # ops with fewer executions than this have no median to judge outliers by

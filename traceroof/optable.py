@@ -1,24 +1,26 @@
-"""The op table, in two levels: op events (one per execution, millions) aggregated at once into op rows (one per
-host, device, program, HLO op, kernel and step: thousands), which every later stage reads.
+"""The op table, in two levels: op events (one per execution, millions) aggregated at once, per host, into op rows
+(one per host, device, program, HLO op, kernel and step: :mod:`traceroof.aggregate`), which every later stage reads.
 
-Level 1, :class:`Timeline`: the events' start, duration and row, kept as three arrays for the analyses that need
-a timeline (exposed communication and arrival skew of collectives: :mod:`traceroof.overlap`) or the spread of
-single executions (median, p90, outliers: :func:`traceroof.opstats.execution_stats`).
+Level 1, :class:`~traceroof.aggregate.Timeline`: the events' row, start and duration (and execution and launch),
+kept as arrays for the analyses that need a timeline (exposed communication and arrival skew of collectives:
+:mod:`traceroof.overlap`; the step breakdown: :mod:`traceroof.breakdown`) or the spread of single executions
+(median, p90, outliers: :func:`traceroof.opstats.execution_stats`).
 
-Level 2, the op rows of :func:`build_op_table`: additive columns (``events``, ``duration_ps``, ``measured_s``,
-``executions``, FLOPs, bytes, and later expected and lost time) are sums over the row's events, so any sum of
-rows equals the sum of the events it covers; ``start_ps`` is the row's first start.
+Level 2, the op rows of :func:`build_op_table`: the rows of every host joined to their HLO instruction and costs.
+Additive columns (``events``, ``duration_ps``, ``measured_s``, ``executions``, FLOPs, bytes, and later expected
+and lost time) are sums over the row's events, so any sum of rows equals the sum of the events it covers;
+``start_ps`` is the row's first start.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import pandas as pd
 
 from parsers.hlo import Instruction, is_retiling
+from traceroof.aggregate import Timeline
 from traceroof.codes import first_rows, group_codes
 from traceroof.collectives import classify, module_devices
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
@@ -27,9 +29,6 @@ from traceroof.join import JoinReport, match_modules
 from traceroof.profile import Profile
 from traceroof.scopes import ModuleScopes, ScopeInfo, assign_scopes
 
-# what makes an op row: events sharing these are executions of one op in one step on one device
-ROW_KEY = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "step", "framework_scope")
-TPU_COST_COLUMNS = ("profile_flops", "profile_model_flops", "profile_bytes_accessed")
 ADDITIVE = ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")
 
 
@@ -38,44 +37,6 @@ class SharedList(list):
 
     def __deepcopy__(self, memo: dict) -> SharedList:
         return self
-
-
-@dataclass(frozen=True, eq=False)
-class Timeline:
-    """Level 1: one entry per op event, in the profile's event order. ``row``: index of the event's op row
-    (int64); ``start_ps``, ``duration_ps``: int64 picoseconds on the profile's clock."""
-
-    row: np.ndarray
-    start_ps: np.ndarray
-    duration_ps: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.row)
-
-
-def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
-    """Op events -> op rows (:data:`ROW_KEY` columns present in ``events``, first-seen order) with ``events``
-    (count), ``duration_ps`` (sum), ``start_ps`` (first start) and, for TPU profiles, the sums of libtpu's per-op
-    costs (NaN for a row where some event lacks them); and the :class:`Timeline` of the events."""
-    keys = [c for c in ROW_KEY if c in events]
-    key_columns = [events[c] for c in keys]
-    row = group_codes(key_columns) if keys else np.zeros(len(events), np.int64)
-    n_rows = int(row.max()) + 1 if len(row) else 0
-    order = np.argsort(row, kind="stable")
-    bounds = np.flatnonzero(np.diff(row[order], prepend=-1)) if len(row) else np.zeros(0, np.int64)
-    first = order[bounds]
-    start = events["start_ps"].to_numpy(np.int64)
-    duration = events["duration_ps"].to_numpy(np.int64)
-    cols: dict[str, object] = {c: col.array.take(first) for c, col in zip(keys, key_columns)}
-    cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
-    cols["duration_ps"] = np.add.reduceat(duration[order], bounds) if n_rows else np.zeros(0, np.int64)
-    cols["start_ps"] = np.minimum.reduceat(start[order], bounds) if n_rows else np.zeros(0, np.int64)
-    for c in TPU_COST_COLUMNS:
-        if c in events:
-            v = events[c].to_numpy(np.float64)
-            cols[c] = np.add.reduceat(v[order], bounds) if n_rows else np.zeros(0)  # NaN if any event lacks it
-    rows = pd.DataFrame(cols, copy=False)
-    return rows, Timeline(row, start, duration)
 
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
@@ -117,8 +78,8 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: Sc
 
 def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN,
                    expand: bool = False) -> tuple[pd.DataFrame, JoinReport, Timeline]:
-    """Aggregate the profile's events into op rows (:func:`aggregate_events`) and join each to its HLO
-    instruction and costs. Returns the op table, the :class:`JoinReport` and the events' :class:`Timeline`.
+    """Join the profile's op rows (:func:`traceroof.aggregate.aggregate_events` of each host) to their HLO
+    instructions and costs. Returns the op table, the :class:`JoinReport` and the events' :class:`Timeline`.
 
     Columns: the row key (``host``, ``device``, ``program_id``, ``module``, ``hlo_op``, ``kernel``,
     ``attributed``, ``step``), ``events``, ``start_ps`` (first), ``duration_ps`` and ``measured_s`` (sums),
@@ -145,7 +106,7 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
     ``collective_id``, its :class:`~traceroof.collectives.Collective` or None) and the scopes it assigned
     (:func:`~traceroof.scopes.assign_scopes` with ``optimizer_pattern``) by position in ``profile.modules``: the
     modules with a joined op."""
-    rows, timeline = aggregate_events(profile.events)
+    rows, timeline = profile.rows, profile.timeline
     modules = profile.modules
     n_events = rows["events"].to_numpy(np.float64)
     mod_idx, partial = match_modules(rows, modules, weights=rows["events"].to_numpy(np.int64))

@@ -14,7 +14,7 @@ import pandas as pd
 
 from traceroof.codes import as_text, category_text, first_rows, group_codes
 from traceroof.hostactivity import covered_ps, merge_intervals
-from traceroof.optable import Timeline
+from traceroof.aggregate import Timeline
 
 
 def _collective_rows(ops: pd.DataFrame) -> np.ndarray:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import pandas as pd
 from pandas.api.types import union_categoricals
 
@@ -19,6 +20,7 @@ from parsers import storage
 from parsers.errors import InputError
 from parsers.hlo import HloModule
 from parsers.xspace import DURATION_LIMIT_PS
+from traceroof.aggregate import Timeline
 from traceroof.discovery import Inputs
 from traceroof.codes import constant_categorical
 from traceroof.asyncends import async_notes
@@ -33,17 +35,20 @@ MAX_HOST_SKEW_PS = DURATION_LIMIT_PS  # hosts whose profile_start_time differ by
 
 @dataclass(eq=False)
 class Profile:
-    """Op events and steps of a profile, with the HLO modules it may join to.
+    """Op rows, op event timeline and steps of a profile, with the HLO modules it may join to.
 
-    ``events``: one row per op execution: ``host``, ``device``, ``program_id`` (Int64, NA when unknown),
-    ``module``, ``hlo_op``, ``start_ps``, ``duration_ps`` (int64, one clock across hosts), ``step`` (Int64; NA
-    outside marked steps). ``steps``: ``host``, ``step``, ``start_ps``, ``end_ps``. ``device_kind`` is ``cpu``,
+    ``rows``: the op events of every host aggregated into op rows (:func:`traceroof.aggregate.aggregate_events`:
+    one per ``host``, ``device``, ``program_id`` (Int64, NA when unknown), ``module``, ``hlo_op``, ``kernel``,
+    ``attributed`` and ``step`` (Int64; NA outside marked steps), with ``events``, ``duration_ps`` and the first
+    ``start_ps``); ``timeline``: their events (:class:`~traceroof.aggregate.Timeline`; int64 picoseconds, one clock
+    across hosts). ``steps``: ``host``, ``step``, ``start_ps``, ``end_ps``. ``device_kind`` is ``cpu``,
     ``gpu`` or ``tpu``; ``notes`` says what was missing or odd. ``decoder``: the wire scanner that read the
     ``.xplane.pb`` files, ``"c"`` or ``"python"`` (:func:`parsers.xspace.scanner`); ``""`` for trace JSON.
     """
 
     inputs: Inputs
-    events: pd.DataFrame
+    rows: pd.DataFrame
+    timeline: Timeline
     steps: pd.DataFrame
     modules: list[HloModule]
     device_kind: str
@@ -57,6 +62,21 @@ class Profile:
     host_activity: pd.DataFrame = field(default_factory=empty_activity)  # traceroof.hostactivity, one clock
     allocators: tuple[AllocatorPeak, ...] = ()  # traceroof.memory.merge_allocators of the hosts'
     allocator_note: str = NO_ALLOCATOR_EVENTS
+
+    def events(self) -> pd.DataFrame:
+        """The op events, one row per execution, rebuilt from :attr:`rows` and :attr:`timeline`: each event's
+        row key (``host``, ``device``, ``program_id``, ``module``, ``hlo_op``, ``kernel``, ``attributed``,
+        ``step``...), ``start_ps`` and ``duration_ps`` (int64), ``run_id`` and ``launch_ps`` (float64, NaN where
+        unknown). As many rows as op events (millions on a large profile): for tests and inspection; the analysis
+        reads the rows and the timeline."""
+        t = self.timeline
+        key = [c for c in self.rows.columns if c not in ("events", "duration_ps", "start_ps")]
+        out = self.rows[key].take(t.row).reset_index(drop=True)
+        out["start_ps"], out["duration_ps"] = t.start_ps, t.duration_ps
+        for name in ("run_id", "launch_ps"):
+            values = getattr(t, name)
+            out[name] = values if values is not None else np.full(len(t), np.nan)
+        return out
 
 
 def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None = None) -> Profile:
@@ -93,7 +113,8 @@ def _concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
 def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     """One :class:`Profile` of the hosts' tables: times shifted onto one clock (the earliest host's
     ``profile_start_time``; not aligned, with a note, when the hosts' starts lie more than
-    ``MAX_HOST_SKEW_PS`` apart or some are unknown), events and steps concatenated, modules of the same program
+    ``MAX_HOST_SKEW_PS`` apart or some are unknown), op rows, timelines and steps concatenated (a host's rows
+    never merge with another's: the host is part of the row key), modules of the same program
     kept once, notes once each (counts in them summed over the hosts).
 
     :raises InputError: no host holds XLA op events.
@@ -112,26 +133,29 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
         starts = [None] * len(hosts)
     elif len(hosts) > 1 and inputs.kind == "xplane" and any(s is None for s in starts):
         notes.append("some hosts have no profile_start_time: their clocks were not aligned")
-    idle = [h.host for h in hosts if h.events.empty]
+    idle = [h.host for h in hosts if h.rows.empty]
     if idle and len(idle) < len(hosts):
         notes.append(f"{len(idle)} host(s) hold no op events ({', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}): "
                      "their steps are left out (a host that ran no XLA program, or whose trace missed it)")
-    frames, step_frames = [], []
+    frames, step_frames, timelines = [], [], []
+    n_rows = 0
     for h, s in zip(hosts, starts):
-        if h.events.empty:
+        if h.rows.empty:
             continue
         offset_ps = (s - base) * 1000 if (s is not None and base is not None) else 0
-        ev, st = h.events, h.steps
-        if offset_ps and len(ev):
-            ev = ev.assign(start_ps=ev["start_ps"] + offset_ps)
+        rows, st = h.rows, h.steps
+        if offset_ps:
+            rows = rows.assign(start_ps=rows["start_ps"] + offset_ps)
         if offset_ps and len(st):
             st = st.assign(**{c: st[c] + offset_ps for c in ("start_ps", "end_ps", "device_start_ps", "device_end_ps")
                               if c in st})
-        frames.append(ev)
+        frames.append(rows)
+        timelines.append(h.timeline.shifted(n_rows, offset_ps))
+        n_rows += len(rows)
         step_frames.append(st)
-    events = _concat([f for f in frames if len(f)])
+    rows = _concat(frames)
     steps = _concat([f for f in step_frames if len(f)])
-    if events.empty:
+    if rows.empty:
         if counts.get("long_ops"):
             raise InputError(f"{inputs.description}: every op event lasts more than a day; the profile's times "
                              "are corrupt")
@@ -172,14 +196,14 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     sources = {"HLO text dumps": hows.count("dump"), "HloProtos embedded in the profile": hows.count("embedded"),
                "HloProto files beside the profile": hows.count("sidecar"),
                "HLO text dumps of the same programs (not needed)": len(superseded)}
-    last = [h for h in hosts if len(h.events)][-1]
+    last = [h for h in hosts if len(h.rows)][-1]
     plane_stats: dict[str, object] = {}
     for h in hosts:
         plane_stats.update(h.plane_stats)
     annotation = next((h.step_annotation for h in reversed(hosts) if h.step_annotation), "")
-    return Profile(inputs, events, steps, modules, last.device_kind, last.device_description, annotation,
-                   plane_stats, notes, {k: v for k, v in sources.items() if v}, superseded,
+    return Profile(inputs, rows, Timeline.concat(timelines), steps, modules, last.device_kind,
+                   last.device_description, annotation, plane_stats, notes, {k: v for k, v in sources.items() if v}, superseded,
                    ",".join(sorted({h.decoder for h in hosts} - {""})),
                    shifted_activity([(h.host_activity, (s - base) * 1000 if s is not None and base is not None
-                                      else 0) for h, s in zip(hosts, starts) if not h.events.empty]),
+                                      else 0) for h, s in zip(hosts, starts) if not h.rows.empty]),
                    *merge_allocators(h.allocators for h in hosts))

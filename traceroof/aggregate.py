@@ -1,0 +1,87 @@
+"""Level 1 of the op table: one host's op events (one per execution, millions) aggregated at once into op rows
+(one per host, device, program, HLO op, kernel and step), and the :class:`Timeline` of those events. Each host is
+aggregated where it is read (:func:`traceroof.host.read_host`, in a worker process or on a Dask worker), so only
+the rows and the slim timeline travel; :mod:`traceroof.optable` joins the rows of every host to their HLO."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pandas as pd
+
+from traceroof.codes import group_codes
+
+# what makes an op row: events sharing these are executions of one op in one step on one device
+ROW_KEY = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "step", "framework_scope")
+TPU_COST_COLUMNS = ("profile_flops", "profile_model_flops", "profile_bytes_accessed")
+
+
+@dataclass(frozen=True, eq=False)
+class Timeline:
+    """Level 1: one entry per op event, in the profile's event order. ``row``: index of the event's op row
+    (int64); ``start_ps``, ``duration_ps``: int64 picoseconds on the profile's clock; ``run_id`` and ``launch_ps``
+    (float64, NaN where unknown; ``None`` when the profile has none): the execution an event belongs to and when
+    the host launched it, for the step breakdown (:mod:`traceroof.breakdown`)."""
+
+    row: np.ndarray
+    start_ps: np.ndarray
+    duration_ps: np.ndarray
+    run_id: np.ndarray | None = None
+    launch_ps: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    def shifted(self, row_offset: int, time_offset_ps: int) -> Timeline:
+        """The same events with rows numbered from ``row_offset`` and starts and launches moved by
+        ``time_offset_ps`` (a host's place in a merged op table and its clock offset)."""
+        if not row_offset and not time_offset_ps:
+            return self
+        launch = self.launch_ps + time_offset_ps if self.launch_ps is not None else None
+        return Timeline(self.row + row_offset, self.start_ps + time_offset_ps, self.duration_ps, self.run_id,
+                        launch)
+
+    @staticmethod
+    def concat(parts: Sequence[Timeline]) -> Timeline:
+        """The events of ``parts`` one after another (rows and times as they are: :meth:`shifted` first)."""
+        def join(name: str) -> np.ndarray | None:
+            arrays = [getattr(t, name) for t in parts]
+            if all(a is None for a in arrays):
+                return None
+            return np.concatenate([a if a is not None else np.full(len(t), np.nan) for a, t in zip(arrays, parts)])
+        if len(parts) == 1:
+            return parts[0]
+        empty = np.zeros(0, np.int64)
+        return Timeline(*(np.concatenate([getattr(t, c) for t in parts]) if parts else empty
+                          for c in ("row", "start_ps", "duration_ps")), join("run_id"), join("launch_ps"))
+
+
+def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
+    """Op events -> op rows (:data:`ROW_KEY` columns present in ``events``, first-seen order) with ``events``
+    (count), ``duration_ps`` (sum), ``start_ps`` (first start) and, for TPU profiles, the sums of libtpu's per-op
+    costs (NaN for a row where some event lacks them); and the :class:`Timeline` of the events (with ``run_id``
+    and ``launch_ps`` where ``events`` has them). A profile's hosts are aggregated one by one (the host is part of
+    the row key), in the per-host workers (:func:`traceroof.host.read_host`)."""
+    keys = [c for c in ROW_KEY if c in events]
+    key_columns = [events[c] for c in keys]
+    row = group_codes(key_columns) if keys else np.zeros(len(events), np.int64)
+    n_rows = int(row.max()) + 1 if len(row) else 0
+    order = np.argsort(row, kind="stable")
+    bounds = np.flatnonzero(np.diff(row[order], prepend=-1)) if len(row) else np.zeros(0, np.int64)
+    first = order[bounds]
+    start = events["start_ps"].to_numpy(np.int64)
+    duration = events["duration_ps"].to_numpy(np.int64)
+    cols: dict[str, object] = {c: col.array.take(first) for c, col in zip(keys, key_columns)}
+    cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
+    cols["duration_ps"] = np.add.reduceat(duration[order], bounds) if n_rows else np.zeros(0, np.int64)
+    cols["start_ps"] = np.minimum.reduceat(start[order], bounds) if n_rows else np.zeros(0, np.int64)
+    for c in TPU_COST_COLUMNS:
+        if c in events:
+            v = events[c].to_numpy(np.float64)
+            cols[c] = np.add.reduceat(v[order], bounds) if n_rows else np.zeros(0)  # NaN if any event lacks it
+    rows = pd.DataFrame(cols, copy=False)
+    extra = [events[c].to_numpy(dtype="float64", na_value=np.nan) if c in events else None
+             for c in ("run_id", "launch_ps")]
+    return rows, Timeline(row, start, duration, *extra)
