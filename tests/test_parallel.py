@@ -362,3 +362,28 @@ def test_hosts_with_different_hlo_under_one_program_are_named_in_a_note(tmp_path
     notes = " ".join(merge_hosts(inputs, hosts).notes)
     assert "hosts hold different HLO under the same program id and name" in notes
     assert "host_a vs host_c" in notes and "analyze them separately" in notes
+
+
+def test_a_later_hosts_op_starts_and_launches_move_onto_the_first_hosts_clock(tmp_path) -> None:
+    """Two copies of one host whose profile_start_time differ by 1 s: after the merge the second host's op events
+    start 1 s (10^12 ps) later than the first's, and so do their launch times, which the step breakdown compares
+    with op starts (launches were left on the host's own clock before the per-host aggregation)."""
+    from parsers.xspace import parse_full
+    from traceroof.discovery import discover
+    from traceroof.profile import load_profile
+
+    logdir = _pod(tmp_path)
+    run = next(logdir.rglob("host_a.xplane.pb")).parent
+    (run / "host_c.xplane.pb").unlink()
+    m = parse_full(run / "host_b.xplane.pb")
+    env = next(p for p in m.planes if p.name == "Task Environment")
+    sid = next(k for k, v in env.stat_metadata.items() if v.name == "profile_start_time")
+    stat = next(s for s in env.stats if s.metadata_id == sid)
+    setattr(stat, stat.WhichOneof("value"), getattr(stat, stat.WhichOneof("value")) + 10**9)
+    (run / "host_b.xplane.pb").write_bytes(m.SerializeToString())
+    events = load_profile(discover([logdir], [ROOT / "fixtures" / "sharded_mlp" / "hlo"])).events()
+    a, b = (events[events["host"] == h].reset_index(drop=True) for h in ("host_a", "host_b"))
+    assert len(a) == len(b) > 0 and a["launch_ps"].notna().any()
+    assert ((b["start_ps"] - a["start_ps"]) == 10**12).all()
+    known = a["launch_ps"].notna()
+    assert ((b["launch_ps"] - a["launch_ps"])[known] == 10**12).all()
