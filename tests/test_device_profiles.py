@@ -262,7 +262,7 @@ def test_gpu_kernels_get_their_launch_by_correlation_id(rel):
     from traceroof.profile import load_profile
 
     path = third_party(rel)
-    events = load_profile(discover([path])).events
+    events = load_profile(discover([path])).events()
     xs = parse_full(path)
     api = {}
     for plane in xs.planes:

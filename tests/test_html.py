@@ -57,7 +57,8 @@ def _poisoned(a):
                            shape=a.top_ops["shape"].astype(str) + PAYLOADS[0])
     coll = a.collectives.assign(hlo_op=a.collectives["hlo_op"].astype(str) + PAYLOADS[0])
     summary = dataclasses.replace(a.summary, input=a.summary.input + PAYLOADS[1], notes=(PAYLOADS[0],))
-    return dataclasses.replace(a, ops=ops, layers=layers, top_ops=top, collectives=coll, summary=summary,
+    return dataclasses.replace(a, op_rows=ops, row_costs=None, layers=layers, top_ops=top, collectives=coll,
+                               summary=summary,
                                findings=(Finding(code=PAYLOADS[0], severity="high", title=PAYLOADS[1],
                                                  lost_per_step_s=1e-3, advice=PAYLOADS[0], source=PAYLOADS[1],
                                                  evidence=(PAYLOADS[0],), ops=(str(top["hlo_op"].iloc[0]),

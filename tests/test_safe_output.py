@@ -50,7 +50,8 @@ def _poisoned(a):
     layers["lost_per_step_s"] = -layers["lost_per_step_s"].abs() - 1.5  # negative numbers stay numbers
     s = dataclasses.replace(a.summary, input=a.summary.input + HOSTILE, chip_name=HOSTILE, chip_note=HOSTILE,
                             notes=(HOSTILE,))
-    return dataclasses.replace(a, ops=_poison_frame(a.ops), layers=layers, top_ops=_poison_frame(a.top_ops),
+    return dataclasses.replace(a, op_rows=_poison_frame(a.ops), row_costs=None, layers=layers,
+                               top_ops=_poison_frame(a.top_ops),
                                collectives=_poison_frame(a.collectives), summary=s, findings=(_hostile_finding(),))
 
 

@@ -120,7 +120,7 @@ def test_readme_loop_counts_every_step(job):
     assert per_step.to_numpy() == pytest.approx(_flops(job), rel=1e-6)  # XLA's count, every step
     assert s.flops_per_step >= _flops(job)  # plus the helper jits launched in the step
     # each step's ops are those of the execution launched inside it: one execution per step
-    ev = load_profile(discover([job / "run" / "readme"], [job / "run" / "hlo"])).events  # op rows keep no run ids
+    ev = load_profile(discover([job / "run" / "readme"], [job / "run" / "hlo"])).events()  # op rows keep no run ids
     ev = ev[ev["module"].astype(str) == "jit_train_step"]
     runs = ev.dropna(subset=["step"]).groupby("step")["run_id"].nunique()
     assert (runs == 1).all()
@@ -244,7 +244,7 @@ def test_trace_json_with_garbage_ids_is_read_not_crashed(job, tmp_path):
     a = analyze(broken, chip=str(HOST_CHIP))  # ids unusable: events still read, as NA ids, no exception
     assert a.summary.join.events_total > 0
     assert a.ops["program_id"].isna().all()
-    assert load_profile(discover([broken])).events["run_id"].isna().all()
+    assert load_profile(discover([broken])).events()["run_id"].isna().all()
 
 
 def test_device_step_spans_are_never_negative_and_follow_every_earlier_step():

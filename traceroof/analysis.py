@@ -30,8 +30,9 @@ from traceroof.opstats import execution_stats, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
 from traceroof.profile import Profile, load_profile
 from traceroof.progress import progress
+from traceroof.rowcosts import RowCosts
 from traceroof.results import Analysis, Summary  # noqa: F401 (the API: traceroof.analysis.Analysis)
-from traceroof.roofline import apply_roofline, main_matmul_peak, precision_notes
+from traceroof.roofline import main_matmul_peak, precision_notes, roofline_rows
 from traceroof.utilization import _step_durations, flop_utilization, utilization_notes
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
@@ -106,14 +107,14 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     chip_ici = target  # links stay per chip
     target, core_note = per_device_chip(target)
     chip_note = "; ".join(x for x in (chip_note or (chip_ici.note if core_note else ""), core_note) if x)
-    ops, join, timeline, collectives, scopes = op_table(profile, depth, optimizer_pattern, expand)  # no attrs
+    ops, join, timeline, collectives, scopes, costs = op_table(profile, depth, optimizer_pattern, expand)  # no attrs
     framework = "framework_scope" in ops
     unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
                       if not is_known_opcode(i.opcode)})
     if unknown:
         notes.append(f"opcodes unknown to traceroof kept with no FLOPs (bytes counted): {', '.join(unknown[:8])}")
-    if "traceroof_flops" in ops:
-        notes += _cost_disagreements(ops)
+    if costs.tpu:
+        notes += _cost_disagreements(ops, costs)
     user = {str(f) for f in profile.inputs.user_hlo_files}
     hlo_sources = dict(profile.hlo_sources)
     if user and not user & (set(join.matched_sources) | profile.dump_sources):
@@ -160,13 +161,13 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
-    ops["comm_s"] = comm[np.where(cid >= 0, cid, len(collectives))] * ops["executions"].to_numpy()
+    costs = costs.with_communication(comm[[i if c is not None else len(collectives) for i, c in enumerate(collectives)]])
     ops["comm_latency_bound"] = _latency_bound(estimates, len(collectives))[np.where(cid >= 0, cid, len(collectives))]
     if any(c is not None for c in collectives) and topo.kind == "host":
         notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "
                      "traffic only")
-    ops = apply_roofline(ops, target)
-    notes += precision_notes(ops, target)
+    ops, costs = roofline_rows(ops, costs, target)
+    notes += precision_notes(ops, target, costs.columns(ops, ("flops",))["flops"])
     ops = exposed_communication(ops, timeline, _async_pairs(profile.modules))
 
     steps = profile.steps
@@ -199,7 +200,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     n_dev = max(len(pd.unique(device[pd.notna(device)])), 1)
     stats = execution_stats(ops, timeline, at)
     skew = arrival_skew(ops, timeline)
-    counted = per_op(ops, at)  # from here on per-op sums over devices and steps: a small table
+    counted = per_op(ops, at, costs)  # from here on per-op sums over devices and steps: a small table
     per = max(len(used), 1) * n_dev  # totals over the used steps and devices -> per step, per device
     flops = float(counted["flops"].sum()) / per
     hbm = float(counted["hbm_bytes"].sum()) / per
@@ -238,7 +239,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown, step_timeline=step_timeline,
                  memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
                                         scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None),
-                 parallelism=par)
+                 parallelism=par, row_costs=costs)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
                                           tuple(profile.modules)))
 
@@ -269,9 +270,10 @@ def _steps_with_ops(used: tuple[int, ...], ops: pd.DataFrame, profile: Profile, 
     return tuple(s for s in used if s in with_ops)
 
 
-def _cost_disagreements(ops: pd.DataFrame) -> list[str]:
+def _cost_disagreements(ops: pd.DataFrame, costs: RowCosts) -> list[str]:
     """Where libtpu's per-op FLOPs (profile stats) and traceroof's own count differ by more than 10 %."""
-    d = ops[ops["joined"] & ops["profile_flops"].notna()]
+    at = np.flatnonzero(ops["joined"].to_numpy(bool) & ops["profile_flops"].notna().to_numpy(bool))
+    d = ops.take(at).assign(traceroof_flops=costs.columns(ops, ("traceroof_flops",), at)["traceroof_flops"])
     if d.empty:
         return []
     per_exec = d[["profile_flops", "traceroof_flops"]].div(d["executions"].to_numpy(np.float64), axis=0)

@@ -27,9 +27,9 @@ from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
 from traceroof.join import JoinReport, match_modules
 from traceroof.profile import Profile
+from traceroof.rowcosts import ADDITIVE, RowCosts
 from traceroof.scopes import ModuleScopes, ScopeInfo, assign_scopes
 
-ADDITIVE = ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")
 
 
 class SharedList(list):
@@ -94,13 +94,15 @@ def build_op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DE
     counted twice). TPU rows add ``traceroof_flops`` / ``traceroof_hbm_bytes`` (our count) beside libtpu's
     numbers, which win.
     """
-    out, report, timeline, collectives, _ = op_table(profile, depth, optimizer_pattern, expand)
+    rows, report, timeline, collectives, _, costs = op_table(profile, depth, optimizer_pattern, expand)
+    out = costs.wide(rows)
     out.attrs["collectives"] = SharedList(collectives)
     return out, report, timeline
 
 
 def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN,
-             expand: bool = False) -> tuple[pd.DataFrame, JoinReport, Timeline, list, dict[int, ModuleScopes]]:
+             expand: bool = False
+             ) -> tuple[pd.DataFrame, JoinReport, Timeline, list, dict[int, ModuleScopes], RowCosts]:
     """:func:`build_op_table` without ``attrs`` (pandas deep-copies a frame's attrs into every column and row
     selection made of it: 3 µs each), the collectives (``attrs["collectives"]`` of build_op_table: per
     ``collective_id``, its :class:`~traceroof.collectives.Collective` or None) and the scopes it assigned
@@ -159,19 +161,13 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
         if col in ("called", "collective"):
             continue
         if col in ADDITIVE:
-            cols[col] = (np.array(table[col], np.float64) / k_u)[keys] * n_events if len(rows) else np.zeros(0)
-        elif col in ("opaque", "retiling"):
+            continue
+        if col in ("opaque", "retiling"):
             cols[col] = np.array(table[col], bool)[keys] if len(rows) else np.zeros(0, bool)
         else:
             cols[col] = _broadcast(table[col], keys)
     cols["counted"] = counted_u[keys] if len(rows) else np.zeros(0, bool)
     cols["op_key"] = keys.astype(np.int64)  # one per (module, HLO op): what :func:`per_op` groups by
-    if "profile_flops" in rows:  # TPU: libtpu's own per-op FLOPs and bytes win where present; ours kept beside
-        cols["traceroof_flops"] = cols["flops"]
-        cols["traceroof_hbm_bytes"] = cols["hbm_bytes"]
-        pf, pb = rows["profile_flops"].to_numpy(np.float64), rows["profile_bytes_accessed"].to_numpy(np.float64)
-        cols["flops"] = np.where(np.isnan(pf), cols["flops"], pf)
-        cols["hbm_bytes"] = np.where(np.isnan(pb), cols["hbm_bytes"], pb)
     if "framework_scope" in rows:  # framework ops without HLO: scope and phase from the framework op path
         scopes = rows["framework_scope"].astype(str)
         cols["scope"] = pd.Categorical(scopes)
@@ -200,7 +196,8 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
                         int(sum(1 for u, a in enumerate(attrs) if a is None and 0 <= int(uniques[u]) >> 32
                                 < len(modules))),
                         partial.ambiguous_modules, partial.matched_sources)
-    return out, report, timeline, collectives, module_scopes
+    costs = RowCosts({c: np.array(table[c], np.float64) / k_u for c in ADDITIVE}, tpu="profile_flops" in rows)
+    return out, report, timeline, collectives, module_scopes, costs
 
 
 def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:
@@ -241,15 +238,19 @@ _NOT_ADDITIVE = ("op_key", "step", "program_id", "efficiency", "kernels_per_exec
                  "arithmetic_intensity_flops_per_byte", "collective_id")
 
 
-def per_op(rows: pd.DataFrame, at: np.ndarray | None = None) -> pd.DataFrame:
+def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | None = None) -> pd.DataFrame:
     """Op rows summed over hosts, devices, kernels and steps: one row per op (``op_key``) and scope. Numeric
     columns that are sums over events (time, executions, FLOPs, bytes, expected and lost time, communication)
     are summed (NaN stays NaN: an op without an expectation has none in any row), ``start_ps`` is the first
     start, ``efficiency`` is recomputed (expected ÷ measured); every other column is the op's own (its first
     row's). Totals over the result equal totals over ``rows``; use it for per-op and per-layer figures, not for
     anything per device or per step. ``at``: positions of the rows to sum (``per_op(rows.take(at))`` without
-    selecting the wide table twice); default all."""
+    selecting the table twice); default all. ``costs``: the rows' costs kept per op
+    (:class:`~traceroof.rowcosts.RowCosts`): the result has every column of the whole table (cost columns worked
+    out for the rows and summed as stored ones are)."""
     if rows.empty or "op_key" not in rows or (at is not None and not len(at)):
+        if costs is not None:
+            return costs.wide(rows, at)
         return rows if at is None else rows.take(at)
     pick = (lambda v: v) if at is None else (lambda v: v[at])
     key = group_codes([pick(rows["op_key"].to_numpy(np.int64)), pick(rows["scope"].array)])
@@ -257,21 +258,30 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None) -> pd.DataFrame:
     order = np.argsort(key, kind="stable")
     bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
     first = order[bounds]  # each op's first row, in order of first appearance
+    worked = costs.columns(rows, at=at) if costs is not None else {}
+    numeric = [(c, dtype.kind) for c, dtype in rows.dtypes.items()] + [(c, "f") for c in worked]
     summed: dict[str, np.ndarray] = {}
-    for c, dtype in rows.dtypes.items():
-        if c in _NOT_ADDITIVE or dtype.kind not in "iuf":  # bool, text, categories: the op's own
+    for c, kind in numeric:
+        if c in _NOT_ADDITIVE or kind not in "iuf":  # bool, text, categories: the op's own
             continue
         if c == "start_ps":
             summed[c] = np.minimum.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
-        elif dtype.kind in "iu":
+        elif kind in "iu":
             summed[c] = np.add.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
         else:
-            summed[c] = np.bincount(key, weights=pick(rows[c].to_numpy(np.float64)), minlength=n)  # ids: first-seen
-    if "efficiency" in rows:
+            v = worked[c] if c in worked else pick(rows[c].to_numpy(np.float64))
+            summed[c] = np.bincount(key, weights=v, minlength=n)  # ids: first-seen
+    if "efficiency" in rows or "efficiency" in worked:
         m = summed["measured_s"]
         with np.errstate(divide="ignore", invalid="ignore"):
             summed["efficiency"] = np.where(m > 0, summed["expected_s"] / m, np.nan)
-    out = rows.take(first if at is None else at[first])
+    at_first = first if at is None else at[first]
+    if costs is not None:
+        own = {c: v[first] for c, v in worked.items() if c not in summed}  # the op's own: its first row's
+        out = costs.wide(rows, at_first, {**own, **summed})
+        out.index = pd.RangeIndex(n)
+        return out
+    out = rows.take(at_first)
     out.index = pd.RangeIndex(n)
     for kind in "fi":  # one assignment per kind: a column at a time splits pandas' block each time
         names = [c for c, v in summed.items() if v.dtype.kind == kind]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
+import numpy as np
 import pandas as pd
 
 from traceroof.join import JoinReport
@@ -15,6 +17,7 @@ if TYPE_CHECKING:
     from traceroof.findings import Finding
     from traceroof.memory import MemoryView
     from traceroof.mesh_book import ParallelismReport
+    from traceroof.rowcosts import RowCosts
 
 
 FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
@@ -69,15 +72,17 @@ class Summary:
 
 @dataclass(frozen=True, eq=False)
 class Analysis:
-    """Everything a report shows. ``ops`` is the op table (one row per host, device, program, op, kernel and
-    step: :func:`traceroof.optable.build_op_table`); ``layers`` the
+    """Everything a report shows. ``op_rows`` is the op table (one row per host, device, program, op, kernel
+    and step: :func:`traceroof.optable.build_op_table`) as stored, its cost columns kept per op in ``row_costs``
+    (:class:`~traceroof.rowcosts.RowCosts`; ``None``: the table has them, as an XProf export's has), and
+    :attr:`ops` the whole table; ``layers`` the
     per-(layer, phase) rollup; ``top_ops`` the ops losing most time per step; ``steps`` the marked steps;
     ``collectives`` one row per collective op (see :func:`collectives_table`); ``topology`` the topology used;
     ``per_step_divisor`` turns op-table totals into per-step, per-device figures; ``step_breakdown``,
     ``memory`` and ``parallelism`` the step, memory and mesh views; ``findings`` ranked by time lost."""
 
     summary: Summary
-    ops: pd.DataFrame
+    op_rows: pd.DataFrame
     layers: pd.DataFrame
     top_ops: pd.DataFrame
     steps: pd.DataFrame
@@ -91,6 +96,13 @@ class Analysis:
     step_timeline: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown.timeline_items (HTML)
     memory: MemoryView | None = None  # the programs that ran (traceroof.memory; None for XProf exports)
     parallelism: ParallelismReport | None = None  # strategy per mesh axis, the book's arithmetic (mesh_book)
+    row_costs: RowCosts | None = None  # the op rows' cost columns, per op (traceroof.rowcosts)
+
+    @cached_property
+    def ops(self) -> pd.DataFrame:
+        """The whole op table: :attr:`op_rows` with its cost and roofline columns (``flops`` ... ``lost_s``)
+        worked out from :attr:`row_costs`, built on first use (about twice the memory of ``op_rows``)."""
+        return self.op_rows if self.row_costs is None else self.row_costs.wide(self.op_rows)
 
     @property
     def op_stats(self) -> pd.DataFrame:
@@ -98,5 +110,7 @@ class Analysis:
         :func:`op_stats`): the table ``traceroof diff`` matches on."""
         rows = self.per_op_rows
         if rows is None:
-            rows = per_op(self.ops[self.ops["counted"] & self.ops["step"].notna()])
+            d = self.op_rows
+            rows = per_op(d, np.flatnonzero(d["counted"].to_numpy(bool) & d["step"].notna().to_numpy(bool)),
+                          self.row_costs)
         return op_stats(rows, self.per_step_divisor)

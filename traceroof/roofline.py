@@ -13,13 +13,16 @@ Opaque ops keep their measured time and get no expectation.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip
 from traceroof.codes import as_text, category_text, constant_categorical, first_rows, group_codes
+
+if TYPE_CHECKING:
+    from traceroof.rowcosts import RowCosts
 
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
 
@@ -55,21 +58,13 @@ def _sorted_categorical(codes: np.ndarray, names: tuple[str, ...]) -> pd.Categor
     return pd.Categorical.from_codes(remap[codes], categories=pd.Index([names[i] for i in used], dtype="str"))
 
 
-def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
-    """Add roofline columns to an op table.
-
-    Needs ``category``, ``dtype``, ``flops``, ``transcendentals``, ``hbm_bytes``, ``measured_s``, ``opaque``.
-    Uses ``comm_s``, ``comm_latency_bound`` and ``dot_precision`` when present. Adds ``peak_flops_per_s``,
-    ``peak_key`` (``tf32`` / ``fp32`` for f32 matmuls on NVIDIA), ``compute_s``, ``memory_s``,
-    ``communication_s``, ``expected_s``, ``bound`` (``compute`` / ``memory`` / ``communication`` / ``latency``
-    (a collective whose per-hop latency floor sets its time) / ``opaque`` / ``unknown`` for ops without HLO),
-    ``efficiency``, ``lost_s``
-    and ``arithmetic_intensity_flops_per_byte`` to ``ops`` (in place: the op table is large; no copy) and returns it.
-    """
-    out = ops
-    parts = [(out[c].array if isinstance(out[c].dtype, pd.CategoricalDtype) else pd.Categorical(out[c])) if c in out
-             else constant_categorical("", len(out)) for c in ("category", "dtype", "dot_precision")]
-    codes = group_codes(parts)  # peaks looked up once per distinct (category, dtype, precision)
+def op_peaks(ops: pd.DataFrame, chip: Chip) -> tuple[np.ndarray, pd.Categorical]:
+    """Per row of ``ops`` (``category``, ``dtype``, ``dot_precision`` where present): the FLOP/s peak it is judged
+    against (NaN where the chip has no usable figure) and its ``peak_key``, looked up once per distinct
+    (category, dtype, precision)."""
+    parts = [(ops[c].array if isinstance(ops[c].dtype, pd.CategoricalDtype) else pd.Categorical(ops[c])) if c in ops
+             else constant_categorical("", len(ops)) for c in ("category", "dtype", "dot_precision")]
+    codes = group_codes(parts)
     combos = [tuple(str(p.categories[p.codes[i]]) if p.codes[i] >= 0 else "nan" for p in parts)
               for i in first_rows(codes)]
     peaks, peak_keys = [], []
@@ -77,39 +72,95 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
         value, key = chip.peak_for(dtype, vector=cat != "matmul", precision=prec if cat == "matmul" else "")
         peaks.append(value if _usable(value) else np.nan)
         peak_keys.append(key)
-    peak = np.array(peaks, dtype=np.float64)[codes] if len(out) else np.zeros(0)
-    out["peak_flops_per_s"] = peak
+    peak = np.array(peaks, dtype=np.float64)[codes] if len(ops) else np.zeros(0)
     names = sorted(set(peak_keys))  # the categories pd.Categorical(peak_keys) would have
     key_codes = np.array([names.index(k) for k in peak_keys], np.int64)
-    out["peak_key"] = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str")) \
-        if len(out) else pd.Categorical([])
-    bw = chip.hbm_bandwidth_bytes_per_s if _usable(chip.hbm_bandwidth_bytes_per_s) else np.nan
-    work = out["flops"].to_numpy(np.float64) + out["transcendentals"].to_numpy(np.float64)
-    hbm = out["hbm_bytes"].to_numpy(np.float64)
-    joined, opaque = out["joined"].to_numpy(bool), out["opaque"].to_numpy(bool)
+    peak_key = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str")) \
+        if len(ops) else pd.Categorical([])
+    return peak, peak_key
+
+
+def hbm_bandwidth(chip: Chip) -> float:
+    """The chip's HBM bandwidth (bytes/s) memory time divides by; NaN when the chip file has no usable figure."""
+    return chip.hbm_bandwidth_bytes_per_s if _usable(chip.hbm_bandwidth_bytes_per_s) else np.nan
+
+
+def roofline_values(work: np.ndarray, hbm: np.ndarray, comm_s: np.ndarray | None, peak: np.ndarray,
+                    bandwidth: float, joined: np.ndarray, opaque: np.ndarray, latency: np.ndarray | None,
+                    measured: np.ndarray, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """The roofline of rows: ``work`` (FLOPs + transcendentals), ``hbm`` (bytes), ``comm_s`` (modelled
+    communication time, NaN or None: none), ``peak`` (FLOP/s), ``bandwidth`` (bytes/s), ``joined`` / ``opaque`` /
+    ``latency`` (bool: an HLO op; no cost model; a latency-bound collective), ``measured`` (s). Returns
+    ``compute_s``, ``memory_s``, ``communication_s``, ``expected_s`` (NaN where not ``joined`` or ``opaque``),
+    ``bound`` (int codes into :data:`BOUNDS`), ``efficiency``, ``arithmetic_intensity_flops_per_byte`` and
+    ``lost_s``; with ``names``, only those (formulas: the module docstring)."""
+    want = set(names) if names is not None else None
     compute = np.where(work > 0, work / peak, 0.0)
-    memory = hbm / bw
-    comm = out["comm_s"].to_numpy(np.float64) if "comm_s" in out else np.zeros(len(out))
-    comm = np.nan_to_num(comm)
+    memory = hbm / bandwidth
+    comm = np.nan_to_num(comm_s) if comm_s is not None else np.zeros(len(work))
     known = joined & ~opaque
     expected = np.where(known, np.maximum(np.maximum(compute, memory), comm), np.nan)
-    out["compute_s"] = np.where(known, compute, np.nan)
-    out["memory_s"] = np.where(known, memory, np.nan)
-    out["communication_s"] = np.where(known, comm, np.nan)
-    out["expected_s"] = expected
-    bound = np.where(compute >= memory, BOUNDS.index("compute"), BOUNDS.index("memory"))
-    latency = out["comm_latency_bound"].to_numpy(bool) if "comm_latency_bound" in out else np.zeros(len(out), bool)
-    bound = np.where((comm > compute) & (comm > memory),
-                     np.where(latency, BOUNDS.index("latency"), BOUNDS.index("communication")), bound)
-    bound = np.where(opaque, BOUNDS.index("opaque"), bound)
-    bound = np.where(joined, bound, BOUNDS.index("unknown"))
-    out["bound"] = _sorted_categorical(bound, BOUNDS)
-    measured = out["measured_s"].to_numpy(np.float64)
+    out = {"compute_s": lambda: np.where(known, compute, np.nan), "memory_s": lambda: np.where(known, memory, np.nan),
+           "communication_s": lambda: np.where(known, comm, np.nan), "expected_s": lambda: expected}
+    out = {k: f() for k, f in out.items() if want is None or k in want}
+    if want is None or "bound" in want:
+        bound = np.where(compute >= memory, BOUNDS.index("compute"), BOUNDS.index("memory"))
+        lat = latency if latency is not None else np.zeros(len(work), bool)
+        bound = np.where((comm > compute) & (comm > memory),
+                         np.where(lat, BOUNDS.index("latency"), BOUNDS.index("communication")), bound)
+        bound = np.where(opaque, BOUNDS.index("opaque"), bound)
+        out["bound"] = np.where(joined, bound, BOUNDS.index("unknown"))
     with np.errstate(divide="ignore", invalid="ignore"):
-        out["efficiency"] = np.where(measured > 0, expected / measured, np.nan)
-        out["arithmetic_intensity_flops_per_byte"] = np.where(hbm > 0, work / hbm, np.nan)
-    out["lost_s"] = measured - expected
+        if want is None or "efficiency" in want:
+            out["efficiency"] = np.where(measured > 0, expected / measured, np.nan)
+        if want is None or "arithmetic_intensity_flops_per_byte" in want:
+            out["arithmetic_intensity_flops_per_byte"] = np.where(hbm > 0, work / hbm, np.nan)
+    if want is None or "lost_s" in want:
+        out["lost_s"] = measured - expected
     return out
+
+
+def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
+    """Add roofline columns to an op table with every cost column (an XProf export's; the op table of a profile
+    keeps its costs per op instead: :mod:`traceroof.rowcosts`).
+
+    Needs ``category``, ``dtype``, ``flops``, ``transcendentals``, ``hbm_bytes``, ``measured_s``, ``opaque``.
+    Uses ``comm_s``, ``comm_latency_bound`` and ``dot_precision`` when present. Adds ``peak_flops_per_s``,
+    ``peak_key`` (``tf32`` / ``fp32`` for f32 matmuls on NVIDIA), ``compute_s``, ``memory_s``,
+    ``communication_s``, ``expected_s``, ``bound`` (``compute`` / ``memory`` / ``communication`` / ``latency``
+    (a collective whose per-hop latency floor sets its time) / ``opaque`` / ``unknown`` for ops without HLO),
+    ``efficiency``, ``lost_s``
+    and ``arithmetic_intensity_flops_per_byte`` to ``ops`` (in place: no copy) and returns it.
+    """
+    out = ops
+    out["peak_flops_per_s"], out["peak_key"] = op_peaks(out, chip)
+    values = roofline_values(
+        out["flops"].to_numpy(np.float64) + out["transcendentals"].to_numpy(np.float64),
+        out["hbm_bytes"].to_numpy(np.float64), out["comm_s"].to_numpy(np.float64) if "comm_s" in out else None,
+        out["peak_flops_per_s"].to_numpy(np.float64), hbm_bandwidth(chip), out["joined"].to_numpy(bool),
+        out["opaque"].to_numpy(bool),
+        out["comm_latency_bound"].to_numpy(bool) if "comm_latency_bound" in out else None,
+        out["measured_s"].to_numpy(np.float64))
+    for name in ("compute_s", "memory_s", "communication_s", "expected_s", "bound", "efficiency",
+                 "arithmetic_intensity_flops_per_byte", "lost_s"):
+        out[name] = _sorted_categorical(values[name], BOUNDS) if name == "bound" else values[name]
+    return out
+
+
+def roofline_rows(ops: pd.DataFrame, costs: RowCosts, chip: Chip) -> tuple[pd.DataFrame, RowCosts]:
+    """The roofline of a profile's op table, whose cost columns are kept per op (:mod:`traceroof.rowcosts`):
+    adds ``peak_key`` and ``bound`` (categorical, as :func:`apply_roofline` has them) to ``ops`` in place, and
+    returns it with ``costs`` knowing each op's peak and the chip's HBM bandwidth (the float columns
+    :func:`apply_roofline` adds are worked out from those when read). An op's rows share its category, dtype and
+    precision, so its peak is its first row's."""
+    peak, ops["peak_key"] = op_peaks(ops, chip)
+    per_op_peak = np.full(len(costs.per_event.get("flops", ())), np.nan)
+    key = ops["op_key"].to_numpy(np.int64)
+    first = first_rows(key)
+    per_op_peak[key[first]] = peak[first]
+    costs = costs.with_roofline(per_op_peak, hbm_bandwidth(chip))
+    ops["bound"] = _sorted_categorical(costs.columns(ops, ("bound",))["bound"], BOUNDS)
+    return ops, costs
 
 
 def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") -> tuple[float | None, str]:
@@ -128,9 +179,10 @@ def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") 
     return (value if _usable(value) else None), key
 
 
-def precision_notes(ops: pd.DataFrame, chip: Chip) -> list[str]:
+def precision_notes(ops: pd.DataFrame, chip: Chip, flops: np.ndarray | None = None) -> list[str]:
     """A report note for f32 matmuls judged against a precision-specific peak (TF32 or FP32 on NVIDIA): their
-    share of matmul FLOPs per key and the rule (XLA ``GetBlasComputationType``)."""
+    share of matmul FLOPs per key and the rule (XLA ``GetBlasComputationType``). ``flops``: per row of ``ops``
+    (default its ``flops`` column)."""
     if "dot_precision" not in ops or "peak_key" not in ops:
         return []
     # matmuls with a precision request (a missing one counts as one, as astype(str) != "" has it) and its peak
@@ -138,7 +190,8 @@ def precision_notes(ops: pd.DataFrame, chip: Chip) -> list[str]:
                         & ~_reads(ops["dot_precision"], lambda p: p == "") & _reads(ops["peak_key"], _precision_key))
     if not len(mm):
         return []
-    by_key = ops["flops"].iloc[mm].groupby(ops["peak_key"].iloc[mm].astype(str)).sum()
+    flops = ops["flops"].to_numpy(np.float64) if flops is None else flops
+    by_key = pd.Series(flops[mm]).groupby(ops["peak_key"].iloc[mm].astype(str).to_numpy()).sum()
     total = by_key.sum()
     parts = ", ".join(f"{k} {v / total:.0%}" if total > 0 else k for k, v in by_key.sort_values(ascending=False).items())
     return [f"f32 matmuls judged against precision-specific peaks ({parts} of their FLOPs): on {chip.name} XLA runs "

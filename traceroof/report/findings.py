@@ -81,7 +81,8 @@ def finding_ops_table(a: Analysis, names: list[str]) -> pd.DataFrame:
     """Per-step figures of the ops ``names`` (the ops findings name that no other table shows)."""
     from traceroof.report.text import fmt_time
 
-    d = a.ops[a.ops["counted"] & a.ops["step"].notna() & a.ops["hlo_op"].astype(str).isin(names)]
+    o = a.op_rows  # stored columns only: no need to work out the cost columns of every row
+    d = o[o["counted"] & o["step"].notna() & o["hlo_op"].astype(str).isin(names)]
     if d.empty:
         return pd.DataFrame(columns=["op", "opcode", "category", "layer", "time/step", "bound", "shape", "operands"])
     g = d.assign(hlo_op=d["hlo_op"].astype(str)).groupby("hlo_op", sort=False)
