@@ -109,11 +109,13 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         no_op = np.asarray(pd.isna(both["hlo_op"]), bool)
         step_events = _take(both, ~np.asarray(pd.isna(both["step_num"]), bool))
         ends = _name_mask(both["name"], r"end: ")
-        end_events = _take(both, ends)
+        end_events = _take(both, ends, ("line_id", "start_ps", "duration_ps", "_c"))  # what the async ends use
         launch_rows = _take(both, _name_mask(both["name"], HOST_EVENT_NAMES) & ~ends & no_op,
                             ("line_id", "name", "start_ps", "duration_ps"))
-        ev = _take_out(both, ~no_op & (both["start_ps"] != AGGREGATE_START_PS))  # both is emptied
-        del both, no_op, ends
+        op_rows = ~no_op & (both["start_ps"] != AGGREGATE_START_PS)
+        ev = _take_out({k: both.pop(k) for k in ("line_id", "name", "start_ps", "duration_ps", *OP_STATS, "run_id",
+                                                  "_p")}, op_rows)
+        del both, no_op, ends, op_rows
         ev["async_end_ps"] = _async_thunk_ends(ev, end_events)
         launches = launch_events(launch_rows)
         info["launches"] = len(launches)
