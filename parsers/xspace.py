@@ -335,18 +335,16 @@ class Plane:
         if row:
             n += flush()
         mid, start, dur, line_id = (x[:n] for x in out)
-        codes = codes[:n]
-        name_codes = codes.copy() if len(metas) else codes  # name (a Categorical) gets its own codes array
+        codes = codes[:n]  # display_name's codes (from_codes keeps them), read by _resolve
         columns: dict[str, object] = {
             "line_id": line_id,
             "line_name": self._categorical(lcode[:n], line_names) if line_names else pd.Categorical([]),
             "metadata_id": mid,
-            "name": self._categorical(name_codes, [m.name for m in metas]),
+            "name": self._categorical(codes.copy(), [m.name for m in metas]),  # its own codes array
             "display_name": self._categorical(codes, [m.display_name or m.name for m in metas]),
             "start_ps": start,
             "duration_ps": dur,
         }
-        del name_codes
         for s in want:
             cols = [j for j, (nm, _) in enumerate(col_of) if nm == s]
             if not cols:
