@@ -19,6 +19,7 @@ enum { E_CORRUPT = 1, E_ROWS = 2, E_LONG_STR = 3, E_KEY = 4 };
 #define MAX_FIELD (((uint64_t)1 << 29) - 1) /* protobuf's largest field number */
 
 static inline __attribute__((always_inline)) uint64_t rd_varint(Cur *c) {
+    if (__builtin_expect(c->p < c->end && !(*c->p & 0x80), 1)) return *c->p++;  /* one byte: most keys, ids */
     uint64_t v = 0; int shift = 0;
     while (c->p < c->end) {
         uint8_t b = *c->p++;
@@ -131,6 +132,7 @@ enum { K_ABSENT = 0, K_INT = 1, K_UINT = 2, K_DOUBLE = 3, K_REF = 4, K_STR = 5, 
 #define BAD_LONG_DURATION (INT64_MIN + 3)  /* duration above DURATION_LIMIT_PS */
 #define TIME_LIMIT_PS ((int64_t)1 << 62)   /* 53 days: profile times are relative to the capture's start */
 #define DURATION_LIMIT_PS ((int64_t)1 << 60) /* 13.3 days */
+#define WANT_TABLE 1024                    /* stat ids below this find their column by a table */
 
 /* decode_events(buf, start, end, line_timestamp_ns, stat_ids, first, metadata_id, start_ps, duration_ps, values,
  *               kinds) -> (events written, events with impossible times)
@@ -160,6 +162,14 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
     {
         const uint8_t *base = (const uint8_t *)buf.buf;
         const int64_t *want = (const int64_t *)ids.buf;
+        /* column of each wanted stat id below WANT_TABLE (+1; 0: not wanted; the first column of an id wins), so
+         * that a stat finds its column in one load; ids beyond the table are looked up in `want` */
+        int16_t col_of[WANT_TABLE] = {0};
+        int all_in_table = ncol < INT16_MAX;
+        for (Py_ssize_t j = ncol - 1; j >= 0 && all_in_table; j--) {
+            if (want[j] >= 0 && want[j] < WANT_TABLE) col_of[want[j]] = (int16_t)(j + 1);
+            else all_in_table = 0;
+        }
         int64_t *o_mid = (int64_t *)mid.buf, *o_st = (int64_t *)st.buf, *o_du = (int64_t *)du.buf;
         int64_t *o_val = (int64_t *)val.buf; int8_t *o_kin = (int8_t *)kin.buf;
         int64_t line_ps;
@@ -226,8 +236,15 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
                     } else if (!skip_value(&s, swt, NULL, NULL)) { s.err = E_CORRUPT; break; }
                 }
                 if (s.err) { e.err = s.err; break; }
-                for (Py_ssize_t j = 0; j < ncol; j++) {
-                    if (want[j] == s_mid) { o_val[j * n + row] = s_val; o_kin[j * n + row] = (int8_t)s_kind; break; }
+                if (all_in_table) {
+                    Py_ssize_t j = (s_mid >= 0 && s_mid < WANT_TABLE) ? col_of[s_mid] - 1 : -1;
+                    if (j >= 0) { o_val[j * n + row] = s_val; o_kin[j * n + row] = (int8_t)s_kind; }
+                } else {
+                    for (Py_ssize_t j = 0; j < ncol; j++) {
+                        if (want[j] == s_mid) {
+                            o_val[j * n + row] = s_val; o_kin[j * n + row] = (int8_t)s_kind; break;
+                        }
+                    }
                 }
             }
             if (e.err) { c.err = e.err; break; }

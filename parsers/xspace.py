@@ -49,6 +49,8 @@ _BAD_TIMES = {AGGREGATE_START_PS + 1: "a start time that overflows or lies beyon
               AGGREGATE_START_PS + 3: "a duration above 2^60 ps (13 days)"}
 MAX_PLANES = 1 << 16
 MAX_LINES = 1 << 20
+_BATCH_ROWS = 1 << 16  # rows decoded into scratch arrays before the kept ones are copied out
+_CHUNK_ROWS = 1 << 20  # events a stat is resolved over at a time
 try:
     from parsers import _wirescan as _wirescan_c  # built from parsers/_wirescan.c when a C compiler was there
 except ImportError:
@@ -240,7 +242,7 @@ class Plane:
         With ``merge_metadata_stats`` a stat absent on the event is taken from its ``XEventMetadata`` (the
         event wins when both have it; a project convention, xplane-format.md §3). With ``require`` (stat
         names, added to ``stats``) only events that carry one of them, on the event or its metadata, are kept;
-        they are filtered line by line, so memory follows the kept events. ``names`` (a regular expression
+        they are filtered batch by batch, so memory follows the kept events. ``names`` (a regular expression
         matched at the start of event metadata names) keeps those events too when filtering with ``require``.
 
         :raises FormatError: the event data is corrupt or truncated.
@@ -253,23 +255,71 @@ class Plane:
         ncol = len(col_of)
         req_cols = [j for j, (nm, _) in enumerate(col_of) if nm in require]
         name_re = re.compile(names) if names else None
-        req_meta = np.array(sorted(k for k, m in self.event_metadata.items() if any(r in m.stats for r in require)
-                                   or (name_re is not None and name_re.match(m.name))), np.int64)
-        # Each line is decoded into scratch arrays sized for the longest line (reused, so they stay in cache), and
-        # its kept rows are copied once into the output arrays, sized for every event but written (and so made
-        # resident) only as far as rows are kept.
+        meta_ids = np.array(sorted(self.event_metadata), dtype=np.int64)
+        metas = [self.event_metadata[int(i)] for i in meta_ids]
+        meta_code, code_dtype = _code_lookup(meta_ids)
+        # by metadata code (+ one for "no metadata"): whether filtering with ``require`` keeps the event
+        req_meta = np.array([any(r in m.stats for r in require) or (name_re is not None and name_re.match(m.name)
+                                                                     is not None) for m in metas] + [False])
+        line_names = sorted({line.name for line in chosen})
+        code_of = {nm: i for i, nm in enumerate(line_names)}
+        # Lines are decoded one after another into scratch arrays of a batch of rows (reused, so they stay in
+        # cache); each batch's kept rows are copied once into the output arrays, sized for every event but written
+        # (and so made resident) only as far as rows are kept. Each stat has its own value and kind arrays, which
+        # become its column (or are freed once it is resolved), so no stat is copied whole.
         total = sum(line.event_count for line in chosen)
-        cap = max((line.event_count for line in chosen), default=0)
-        mid, start, dur = np.empty(total, np.int64), np.empty(total, np.int64), np.empty(total, np.int64)
-        vals2, kinds2 = np.empty((ncol, total), np.int64), np.empty((ncol, total), np.int8)
-        line_idx = np.empty(total, np.int32)
-        s_mid, s_start, s_dur = np.empty(cap, np.int64), np.empty(cap, np.int64), np.empty(cap, np.int64)
-        s_vals, s_kinds = np.zeros(ncol * cap, np.int64), np.zeros(ncol * cap, np.int8)
-        s_vals2, s_kinds2 = s_vals.reshape(ncol, cap), s_kinds.reshape(ncol, cap)
-        is_req_meta = _membership(req_meta)
-        n = 0
-        for li, line in enumerate(chosen):
-            row = bad = 0
+        size = max(max((line.event_count for line in chosen), default=0), min(total, _BATCH_ROWS))
+        out = [np.empty(total, np.int64) for _ in range(4)]  # metadata_id, start_ps, duration_ps, line_id
+        lcode, codes = np.empty(total, _code_dtype(len(line_names))), np.empty(total, code_dtype)
+        vals, kinds = [np.empty(total, np.int64) for _ in col_of], [np.empty(total, np.int8) for _ in col_of]
+        s_mid, s_start, s_dur, s_line = (np.empty(size, np.int64) for _ in range(4))
+        s_lcode = np.empty(size, lcode.dtype)
+        s_vals, s_kinds = np.zeros(ncol * size, np.int64), np.zeros(ncol * size, np.int8)
+        s_vals2, s_kinds2 = s_vals.reshape(ncol, size), s_kinds.reshape(ncol, size)
+        sources, targets = [s_mid, s_start, s_dur, s_line, s_lcode], [*out, lcode]
+        n = row = 0
+        batch: list[tuple[Line, int, int, int]] = []  # (line, first row, end row, events with impossible times)
+
+        def flush() -> int:
+            """Copy the kept rows of the batch (``row`` rows) to the output from row ``n``; how many were kept."""
+            rows = slice(0, row)
+            s_code = meta_code(s_mid[rows])
+            keep = None
+            if any(bad for *_, bad in batch):
+                for line, a, b, bad in batch:
+                    if bad:
+                        t = s_start[a:b]
+                        found, counts = np.unique(t[(t > AGGREGATE_START_PS) & (t <= AGGREGATE_START_PS + 3)],
+                                                  return_counts=True)
+                        self._dropped[self.lines.index(line)] = dict(zip(found.tolist(), counts.tolist()))
+                t = s_start[rows]
+                keep = (t <= AGGREGATE_START_PS) | (t > AGGREGATE_START_PS + 3)
+            if require:
+                req = req_meta[s_code]
+                for j in req_cols:
+                    req |= s_kinds2[j, rows] != 0
+                keep = req if keep is None else keep & req
+            if keep is None or keep.all():
+                k = row
+                for src, dst in zip([*sources, s_code], [*targets, codes]):
+                    dst[n:n + k] = src[rows]
+                for j in range(ncol):
+                    vals[j][n:n + k], kinds[j][n:n + k] = s_vals2[j, rows], s_kinds2[j, rows]
+                return k
+            at = np.flatnonzero(keep)
+            k = len(at)
+            for src, dst in zip([*sources, s_code], [*targets, codes]):
+                np.take(src, at, out=dst[n:n + k], mode="clip")
+            for j in range(ncol):
+                np.take(s_vals2[j], at, out=vals[j][n:n + k], mode="clip")
+                np.take(s_kinds2[j], at, out=kinds[j][n:n + k], mode="clip")
+            return k
+
+        for line in chosen:
+            if row + line.event_count > size:
+                n += flush()
+                row, batch = 0, []
+            first, bad = row, 0
             for s, e in line._ranges:
                 try:
                     done, nbad = self._scan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
@@ -279,71 +329,37 @@ class Plane:
                                       "the file is corrupt or truncated - capture the profile again") from None
                 row += done
                 bad += nbad
-                self._release(s, e)
-            l_mid, l_start = s_mid[:row], s_start[:row]
-            keep = None
-            if bad:
-                codes_, counts_ = np.unique(l_start[(l_start > AGGREGATE_START_PS)
-                                                    & (l_start <= AGGREGATE_START_PS + 3)], return_counts=True)
-                self._dropped[self.lines.index(line)] = dict(zip(codes_.tolist(), counts_.tolist()))
-                keep = (l_start <= AGGREGATE_START_PS) | (l_start > AGGREGATE_START_PS + 3)
-            if require:
-                req = is_req_meta(l_mid)
-                for j in req_cols:
-                    req |= s_kinds2[j, :row] != 0
-                keep = req if keep is None else keep & req
-            if keep is None:
-                k = row
-                mid[n:n + k], start[n:n + k], dur[n:n + k] = l_mid, l_start, s_dur[:row]
-                vals2[:, n:n + k], kinds2[:, n:n + k] = s_vals2[:, :row], s_kinds2[:, :row]
-            else:
-                k = int(np.count_nonzero(keep))
-                mid[n:n + k], start[n:n + k], dur[n:n + k] = l_mid[keep], l_start[keep], s_dur[:row][keep]
-                vals2[:, n:n + k], kinds2[:, n:n + k] = s_vals2[:, :row][:, keep], s_kinds2[:, :row][:, keep]
-            line_idx[n:n + k] = li
-            n += k
-        mid, start, dur, line_idx = mid[:n], start[:n], dur[:n], line_idx[:n]
-        vals2, kinds2 = vals2[:, :n], kinds2[:, :n]
-        names = sorted({line.name for line in chosen})
-        code_of = {nm: i for i, nm in enumerate(names)}
-        line_codes = np.array([code_of[line.name] for line in chosen] or [0], dtype=np.int32)
-        line_ids = np.array([line.id for line in chosen] or [0], dtype=np.int64)
-        meta_ids = np.array(sorted(self.event_metadata), dtype=np.int64)
-        if len(meta_ids):
-            pos = np.minimum(np.searchsorted(meta_ids, mid), len(meta_ids) - 1)
-            codes = np.where(meta_ids[pos] == mid, pos, -1).astype(np.int32)
-        else:
-            codes = np.full(n, -1, np.int32)
-        metas = [self.event_metadata[int(i)] for i in meta_ids]
+                _release(self._buf, s, e)
+            s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
+            batch.append((line, first, row, bad))
+        if row:
+            n += flush()
+        mid, start, dur, line_id = (x[:n] for x in out)
+        codes = codes[:n]  # display_name's codes (from_codes keeps them), read by _resolve
         columns: dict[str, object] = {
-            "line_id": line_ids[line_idx],
-            "line_name": self._categorical(line_codes[line_idx], names) if names else pd.Categorical([]),
+            "line_id": line_id,
+            "line_name": self._categorical(lcode[:n], line_names) if line_names else pd.Categorical([]),
             "metadata_id": mid,
-            "name": self._categorical(codes, [m.name for m in metas]),
+            "name": self._categorical(codes.copy(), [m.name for m in metas]),  # its own codes array
             "display_name": self._categorical(codes, [m.display_name or m.name for m in metas]),
             "start_ps": start,
             "duration_ps": dur,
         }
         for s in want:
             cols = [j for j, (nm, _) in enumerate(col_of) if nm == s]
-            if len(cols) == 1:
-                v, k = vals2[cols[0]], kinds2[cols[0]]
-            else:
+            if not cols:
                 v, k = np.zeros(n, np.int64), np.zeros(n, np.int8)
-                for j in cols:  # a name owning several ids: the later id wins where both are set (rare)
-                    set_ = kinds2[j] != 0
-                    v[set_] = vals2[j][set_]
-                    k[set_] = kinds2[j][set_]
+            else:
+                v, k = vals[cols[0]][:n], kinds[cols[0]][:n]
+                for j in cols[1:]:  # a name owning several ids: the later id wins where both are set (rare)
+                    set_ = kinds[j][:n] != 0
+                    v[set_] = vals[j][:n][set_]
+                    k[set_] = kinds[j][:n][set_]
+                for j in cols:  # the arrays are v and k now, or no longer needed
+                    vals[j] = kinds[j] = None
             columns[s] = self._resolve(v, k, codes, s, metas if merge_metadata_stats else None)
+            del v, k
         return columns
-
-    def _release(self, start: int, end: int) -> None:
-        """Let the OS drop decoded pages of a memory-mapped file from RSS (they are re-read if needed)."""
-        if isinstance(self._buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
-            page = mmap.PAGESIZE
-            lo, hi = (start // page) * page, (end // page) * page
-            if hi > lo:
-                self._buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
     def _categorical(self, codes: np.ndarray, categories: list[str]) -> pd.Categorical:
         """Codes into ``categories`` (-1: NA) as a Categorical of the distinct categories (the first of equal ones
@@ -372,37 +388,56 @@ class Plane:
 
     def _resolve(self, v: np.ndarray, k: np.ndarray, codes: np.ndarray, stat: str,
                  metas: list[EventMetadata] | None) -> Any:
-        present = set(np.unique(k).tolist()) - {0}
+        """The column of ``stat`` from its raw values ``v`` (int64 bits) and kinds ``k`` (int8, 0: absent), one
+        per event; ``codes``: each event's position in the sorted event metadata (-1: none). ``v`` and ``k`` are
+        used up: an integer or float column is built in their memory, so it costs no copy."""
+        counts = _kind_counts(k)
+        present = {kind for kind in range(1, len(counts)) if counts[kind]}
         meta_vals, has_meta, meta_ints = self._meta_stat(stat) if metas else ([], False, True)
         numeric = present <= {_KIND_INT, _KIND_UINT} and meta_ints
-        if numeric and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
+        if numeric and counts[_KIND_UINT] and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
             big = v.view(np.uint64)
             return pd.Series([int(big[i]) if k[i] == _KIND_UINT else (int(v[i]) if k[i] else None)
                               for i in range(len(v))], dtype=object).array
         if numeric:
-            missing = k == 0
-            data = np.where(missing, 0, v)
+            missing = np.equal(k, 0, out=k.view(np.bool_))
             if has_meta:
                 fill = pd.array([x for x in meta_vals] + [None], dtype="Int64")
                 at = np.where(codes[missing] >= 0, codes[missing], len(meta_vals))
-                data[missing] = fill.to_numpy(np.int64, na_value=0)[at]
+                v[missing] = fill.to_numpy(np.int64, na_value=0)[at]
                 missing[missing] = fill.isna()[at]
-            return pd.arrays.IntegerArray(data, missing)
+            else:
+                v[missing] = 0
+            return pd.arrays.IntegerArray(v, missing)
         if present and present <= {_KIND_INT, _KIND_UINT, _KIND_DOUBLE} and not has_meta:
-            out = np.where(k == _KIND_UINT, v.view(np.uint64).astype(np.float64), v.astype(np.float64))
-            out = np.where(k == _KIND_DOUBLE, v.view(np.float64), out)
+            out = v.view(np.float64)  # doubles are in place already
+            for kind, raw in ((_KIND_UINT, np.uint64), (_KIND_INT, np.int64)):
+                if counts[kind]:
+                    at = np.flatnonzero(k == kind)
+                    out[at] = v[at].view(raw).astype(np.float64)
             out[k == 0] = np.nan
             return out
-        # strings (refs, str, bytes) or a mix: categories of distinct values
-        values: list[Any] = []
+        # strings (refs, str, bytes) or a mix: categories of distinct values, in the order of each kind's first
+        # appearance (kinds in ascending order), factorized a chunk of events at a time
         index: dict[Any, int] = {}
-        cat_codes = np.full(len(v), -1, np.int32)
-        for kind in present:
-            sel = np.flatnonzero(k == kind)
-            inv, uniq = pd.factorize(v[sel])
-            decoded = [self._decode_value(kind, int(u)) for u in uniq]
-            ids = np.array([index.setdefault(d, len(index)) for d in decoded] or [0], dtype=np.int32)
-            cat_codes[sel] = ids[inv]
+        n = len(v)
+        cat_codes = np.full(n, -1, np.int32)
+        for kind in sorted(present):
+            category_of: dict[int, int] = {}  # raw value -> category
+            for a in range(0, n, _CHUNK_ROWS):
+                b = min(a + _CHUNK_ROWS, n)
+                sel = None if counts[kind] == n else np.flatnonzero(k[a:b] == kind)
+                inv, uniq = pd.factorize(v[a:b] if sel is None else v[a:b][sel])
+                uniq = uniq.tolist()
+                for u in uniq:
+                    if u not in category_of:
+                        category_of[u] = index.setdefault(self._decode_value(kind, u), len(index))
+                ids = np.array([category_of[u] for u in uniq] or [0], dtype=np.int32)
+                if sel is None:
+                    cat_codes[a:b] = ids[inv]
+                else:
+                    cat_codes[a:b][sel] = ids[inv]
+        del v, k
         values = list(index)
         if has_meta:
             missing = np.flatnonzero(cat_codes < 0)
@@ -413,7 +448,7 @@ class Plane:
             values = list(index)
         if any(not isinstance(x, str) for x in values):  # mixed kinds: keep each value as decoded
             return pd.Series([values[c] if c >= 0 else None for c in cat_codes], dtype=object).array
-        return self._categorical(cat_codes, values) if values else pd.Categorical([None] * len(v))
+        return self._categorical(cat_codes, values) if values else pd.Categorical([None] * n)
 
     def _decode_value(self, kind: int, raw: int) -> Any:
         if kind == _KIND_REF:
@@ -431,18 +466,51 @@ class Plane:
         return data
 
 
-def _membership(ids: np.ndarray) -> Any:
-    """A function telling, for an int64 array, which values are in the sorted array ``ids`` (a lookup table when
-    the ids are small non-negative integers, as XEventMetadata ids are; ``np.isin`` otherwise)."""
-    if len(ids) and 0 <= ids[0] and ids[-1] < (1 << 20):
-        table = np.zeros(int(ids[-1]) + 2, bool)
-        table[ids] = True
-        last = len(table) - 1  # False: every value outside the table lands here
+def _release(buf: Any, start: int, end: int) -> None:
+    """Let the OS drop the pages of buf[start:end] from RSS when ``buf`` is a memory-mapped file (they are read
+    again from the page cache if needed), so that a file read once, to count or decode its events, does not
+    stay resident."""
+    if isinstance(buf, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED"):
+        page = mmap.PAGESIZE
+        lo, hi = (start // page) * page, (end // page) * page
+        if hi > lo:
+            buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
-        def member(x: np.ndarray) -> np.ndarray:
-            return table[np.where((x >= 0) & (x < last), x, last)]
-        return member
-    return lambda x: np.isin(x, ids)
+
+def _code_dtype(count: int) -> type:
+    """The integer dtype pandas gives the codes of a Categorical of ``count`` categories (so that
+    ``Categorical.from_codes`` keeps an array of it as it is, without a copy)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if count < np.iinfo(dtype).max:
+            return dtype
+    return np.int64
+
+
+def _code_lookup(ids: np.ndarray) -> tuple[Any, type]:
+    """For the sorted distinct int64 ``ids``: a function giving, for an int64 array, each value's position in
+    ``ids`` (-1: not there), and the dtype of those positions (:func:`_code_dtype`). A lookup table when the ids
+    are small non-negative integers, as XEventMetadata ids are; a binary search otherwise."""
+    dtype = _code_dtype(len(ids))
+    if len(ids) and 0 <= ids[0] and ids[-1] < (1 << 20):
+        table = np.full(int(ids[-1]) + 2, -1, dtype)
+        table[ids] = np.arange(len(ids))
+        last = np.uint64(len(table) - 1)  # -1: every value outside the table (negative ones too) lands here
+        return lambda x: table[np.minimum(x.view(np.uint64), last)], dtype
+
+    def search(x: np.ndarray) -> np.ndarray:
+        if not len(ids):
+            return np.full(len(x), -1, dtype)
+        pos = np.minimum(np.searchsorted(ids, x), len(ids) - 1)
+        return np.where(ids[pos] == x, pos, -1).astype(dtype)
+    return search, dtype
+
+
+def _kind_counts(kinds: np.ndarray) -> np.ndarray:
+    """How many of the int8 ``kinds`` hold each value 0..255 (a bincount a chunk at a time)."""
+    counts = np.zeros(256, np.int64)
+    for a in range(0, len(kinds), _CHUNK_ROWS):
+        counts += np.bincount(kinds[a:a + _CHUNK_ROWS].view(np.uint8), minlength=256)
+    return counts
 
 
 
@@ -584,6 +652,7 @@ def read_xspace(path: str | Path, decoder: str | None = None) -> XSpace:
                 if lwt != 2:
                     raise bad(f"plane {len(planes)}: line field has the wrong wire type")
                 head, count = scan.split_fields(buf, fs, fe, 4)
+                _release(buf, fs, fe)  # counting the events read them; they are decoded later, line by line
                 xl = XL()
                 xl.ParseFromString(head)
                 lines.append(Line(xl.id, xl.display_id or xl.id, xl.name, xl.display_name or xl.name,

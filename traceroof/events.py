@@ -108,19 +108,23 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
                                         names=HOST_EVENT_NAMES), info)
         no_op = np.asarray(pd.isna(both["hlo_op"]), bool)
         step_events = _take(both, ~np.asarray(pd.isna(both["step_num"]), bool))
-        ev = _take(both, ~no_op & (both["start_ps"] != AGGREGATE_START_PS))
         ends = _name_mask(both["name"], r"end: ")
-        ev["async_end_ps"] = _async_thunk_ends(ev, _take(both, ends))
-        launches = launch_events(_take(both, _name_mask(both["name"], HOST_EVENT_NAMES) & ~ends & no_op,
-                                       ("line_id", "name", "start_ps", "duration_ps")))
+        end_events = _take(both, ends, ("line_id", "start_ps", "duration_ps", "_c"))  # what the async ends use
+        launch_rows = _take(both, _name_mask(both["name"], HOST_EVENT_NAMES) & ~ends & no_op,
+                            ("line_id", "name", "start_ps", "duration_ps"))
+        op_rows = ~no_op & (both["start_ps"] != AGGREGATE_START_PS)
+        ev = _take_out({k: both.pop(k) for k in ("line_id", "name", "start_ps", "duration_ps", *OP_STATS, "run_id",
+                                                  "_p")}, op_rows)
+        del both, no_op, ends, op_rows
+        ev["async_end_ps"] = _async_thunk_ends(ev, end_events)
+        launches = launch_events(launch_rows)
         info["launches"] = len(launches)
         launch, info["executions_matched"] = launch_times({**ev, "module": ev["hlo_module"]}, launches)
         known = ~np.isnan(launch)
         ev["launch_ps"] = pd.arrays.IntegerArray(np.where(known, launch, 0).astype(np.int64), ~known)
         info["launches_after_steps"] = _launches_after_steps(launches, launch[known], step_events)
-        del both
-        ordinal = ev["device_ordinal"].to_numpy(dtype="int64", na_value=0)
-        uniq, inv = np.unique(ordinal, return_inverse=True)
+        ordinal = ev["device_ordinal"].to_numpy(dtype="int64", na_value=0)  # ids: >= 0 (_checked_ids)
+        uniq, inv = _small_unique(ordinal)
         n = len(ordinal)
         ev.update(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]),
                   kernel=constant_categorical("", n), attributed=np.ones(n, bool))
@@ -138,20 +142,20 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
     out = pd.DataFrame({
         "host": constant_categorical(host, n),
         "device": _category(events["device"]) if n else pd.Categorical([]),
-        "program_id": pd.array(events["program_id"], "Int64") if n else pd.array([], "Int64"),
+        "program_id": pd.array(events["program_id"], "Int64", copy=False) if n else pd.array([], "Int64"),
         "module": _category(events["hlo_module"]) if n else pd.Categorical([]),
         "hlo_op": _category(events["hlo_op"]) if n else pd.Categorical([]),
         "start_ps": np.asarray(events["start_ps"], np.int64) if n else np.zeros(0, np.int64),
         "duration_ps": np.asarray(events["duration_ps"], np.int64) if n else np.zeros(0, np.int64),
         "kernel": _category(events["kernel"]) if n else pd.Categorical([]),
         "attributed": np.asarray(events["attributed"], bool) if n else np.zeros(0, bool),
-        "run_id": pd.array(events["run_id"], "Int64") if "run_id" in events else na_int64(n),
+        "run_id": pd.array(events["run_id"], "Int64", copy=False) if "run_id" in events else na_int64(n),
         "launch_ps": (events["launch_ps"] if isinstance(events["launch_ps"], pd.arrays.IntegerArray) else
                       pd.array(np.asarray(events["launch_ps"], np.float64), "Float64").astype("Int64"))
         if "launch_ps" in events else na_int64(n),
     }, copy=False)
     if n and "async_end_ps" in events:
-        out["async_end_ps"] = pd.array(events["async_end_ps"], "Int64")
+        out["async_end_ps"] = pd.array(events["async_end_ps"], "Int64", copy=False)
     if n and "framework_scope" in events:
         out["framework_scope"] = pd.Categorical(events["framework_scope"])
     for st in TPU_COST_STATS:
@@ -193,6 +197,24 @@ def _take(columns: dict[str, Any], rows: np.ndarray, names: Sequence[str] | None
     if rows.dtype == bool and rows.all():
         return {k: columns[k] for k in (columns if names is None else names)}
     return {k: columns[k][rows] for k in (columns if names is None else names)}
+
+
+def _small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(values, return_inverse=True)`` of int64 ``values`` that are mostly small non-negative ids
+    (device ordinals): a bincount and a lookup table instead of a sort when they are all in [0, 2^16)."""
+    if not len(values) or values.min() < 0 or values.max() >= 1 << 16:
+        return np.unique(values, return_inverse=True)
+    uniq = np.flatnonzero(np.bincount(values))
+    table = np.zeros(int(uniq[-1]) + 1, np.intp)
+    table[uniq] = np.arange(len(uniq))
+    return uniq, table[values]
+
+
+def _take_out(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
+    """:func:`_take` of every column, each one removed from ``columns`` as it is taken (so that a large table and
+    its copy are never both held whole); ``columns`` is left empty."""
+    every = rows.all()
+    return {k: columns.pop(k) if every else columns.pop(k)[rows] for k in list(columns)}
 
 
 def _category(values: Any) -> pd.Categorical:
@@ -407,6 +429,8 @@ def _ids(values: Any, lo: int = -2**63) -> tuple[pd.arrays.IntegerArray, int]:
     an array."""
     values = values.array if isinstance(values, pd.Series) else values
     if isinstance(values.dtype, pd.Int64Dtype):
+        if lo == -2**63 or not (values < lo).any():  # every value valid (NA skipped): as it is, no copy
+            return values, 0
         v = values.to_numpy(np.int64, na_value=0)
         present = ~values.isna()
         ok = present & (v >= lo)
