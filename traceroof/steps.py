@@ -64,25 +64,25 @@ def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
     if len(pj):
         by_line = np.lexsort((ev_start[pj], line[pj]))
         pj, fn = pj[by_line], [matches[k].group("fn") for k in by_line.tolist()]
-        pline = line[pj]
-        # per line, by start: the innermost enclosing event is the latest started one that is still open
-        key, pend = ev_start[pj], ev_end[pj]
-        for ln in np.unique(o_line):
-            on_line = np.flatnonzero(pline == ln)
-            todo = np.flatnonzero((module == "") & (o_line == ln))
-            if not len(on_line) or not len(todo):
-                continue
-            starts, ends = key[on_line], pend[on_line]
-            s, e = o_start[todo], o_end[todo]
-            j = np.searchsorted(starts, s, side="right") - 1
-            stop = np.maximum(j - MAX_PJIT_LOOKBACK, -1)
-            active = np.arange(len(j))
-            while len(active):  # a sibling that ended before the launch: look further out (at most the lookback)
-                jj = j[active]
-                active = active[(jj > stop[active]) & (ends[np.maximum(jj, 0)] < e[active])]
-                j[active] -= 1
-            found = j > stop
-            module[todo[found]] = [f"jit_{fn[k]}" for k in on_line[j[found]].tolist()]
+        pline, pstart, pend = line[pj], ev_start[pj], ev_end[pj]
+        todo = np.flatnonzero(module == "")
+        t_line, s, e = o_line[todo], o_start[todo], o_end[todo]
+        # per launch, the last PjitFunction event on its line starting at or before it: the PjitFunction events
+        # (by line, by start) that sort before the launch, the launch after those starting at its own start
+        merged = np.lexsort((np.r_[np.zeros(len(pj), np.int8), np.ones(len(todo), np.int8)],
+                             np.r_[pstart, s], np.r_[pline, t_line]))
+        before = np.cumsum(merged < len(pj))
+        j = np.empty(len(todo), np.int64)
+        j[merged[merged >= len(pj)] - len(pj)] = before[merged >= len(pj)] - 1
+        # the innermost enclosing event is the latest started one that is still open; none before the line's first
+        stop = np.maximum(j - MAX_PJIT_LOOKBACK, np.searchsorted(pline, t_line, side="left") - 1)
+        active = np.arange(len(j))
+        while len(active):  # a sibling that ended before the launch: look further out (at most the lookback)
+            jj = j[active]
+            active = active[(jj > stop[active]) & (pend[np.maximum(jj, 0)] < e[active])]
+            j[active] -= 1
+        found = j > stop
+        module[todo[found]] = [f"jit_{fn[k]}" for k in j[found].tolist()]
     order = np.argsort(o_start, kind="stable")
     return pd.DataFrame({"line_id": o_line[order], "start_ps": o_start[order], "end_ps": o_end[order],
                          "module": module[order]})
@@ -144,9 +144,11 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
     for k, name in enumerate(str(n) for n in names):
         mine = np.flatnonzero(module == k)
         starts = lau_start[lau_module == name] if name else lau_start[:0]
-        if not len(starts) or len(np.unique(pid[mine])) > 1:  # several programs share the name: ambiguous
+        if not len(starts) or (pid[mine] != pid[mine[0]]).any():  # several programs share the name: ambiguous
             continue
-        run_keys, at = np.unique(run[mine], return_inverse=True)
+        at, run_keys = pd.factorize(run[mine])  # by a hash table, then by run id: np.unique's sort of every event
+        by_run = np.argsort(run_keys)
+        run_keys, at = run_keys[by_run], np.argsort(by_run)[at]
         first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
         np.minimum.at(first_start, at, start[mine])
         runs = _unwrapped(run_keys)
