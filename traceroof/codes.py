@@ -15,7 +15,8 @@ def group_codes(columns: Sequence[Any]) -> np.ndarray:
     """Per row, a dense group id (0..n-1 in order of first appearance) shared by the rows whose values are equal in
     every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes over
     the columns' own codes (a Categorical's codes as they are, integers of a short range less their least, other
-    columns factorized), factorized once at the end, or sooner where the radix would overflow int64."""
+    columns factorized), numbered once at the end (by a table where the radix is small), or factorized sooner
+    where the radix would overflow int64."""
     n_rows = len(columns[0]) if len(columns) else 0
     group = np.zeros(n_rows, np.int64)
     radix = 1
@@ -26,7 +27,15 @@ def group_codes(columns: Sequence[Any]) -> np.ndarray:
             radix = len(uniques)
         group = group * n + codes
         radix *= n
-    return pd.factorize(group)[0].astype(np.int64)
+    if radix > 2 * n_rows:
+        return pd.factorize(group)[0].astype(np.int64)
+    # few possible codes: number them by first row through a table, not a hash table
+    first = np.full(radix, n_rows, np.int64)
+    first[group[::-1]] = np.arange(n_rows)[::-1]
+    present = np.flatnonzero(first < n_rows)
+    ids = np.empty(radix, np.int64)
+    ids[present[np.argsort(first[present])]] = np.arange(len(present))
+    return ids[group]
 
 
 def _column_codes(col: Any) -> tuple[np.ndarray, int]:

@@ -98,20 +98,23 @@ def _unwrapped(run_ids: np.ndarray) -> np.ndarray:
 
 def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.ndarray) -> tuple[int, int]:
     """The launch index ``o`` of the first execution maximising executions ``k`` whose launch
-    ``o + offsets[k]`` exists and starts no later than their first op; ties go to the smallest ``|o|``."""
+    ``o + offsets[k]`` exists and starts no later than their first op; ties go to the smallest ``|o|`` (the
+    negative first). ``offsets``: non-decreasing from 0; ``launch_start``: sorted."""
     n_l = len(launch_start)
     span = int(offsets[-1]) if len(offsets) else 0
     candidates = np.arange(-span, n_l)
     if len(candidates) * len(offsets) > MAX_OFFSET_WORK:
         candidates = np.array(sorted({0, n_l - 1 - span}))
-    best, best_o = -1, 0
-    for o in sorted(candidates.tolist(), key=abs):
-        idx = o + offsets
-        ok = (idx >= 0) & (idx < n_l)
-        valid = int(np.sum(launch_start[idx[ok]] <= first_start[ok]))
-        if valid > best:
-            best, best_o = valid, o
-    return best_o, best
+    # execution k counts for every o from -offsets[k] up to (not including) the number of launches starting no
+    # later than its first op, less offsets[k]: per o, the intervals containing it (a difference array)
+    lo = -offsets
+    hi = np.searchsorted(launch_start, first_start, side="right") - offsets
+    ok = hi > lo
+    diff = np.bincount(lo[ok] + span, minlength=n_l + span + 1) - np.bincount(hi[ok] + span, minlength=n_l + span + 1)
+    valid = np.cumsum(diff)[candidates + span]
+    order = np.lexsort((candidates, np.abs(candidates)))
+    best = order[np.argmax(valid[order])]
+    return int(candidates[best]), int(valid[best])
 
 
 def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.ndarray, int]:
