@@ -216,24 +216,11 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     implied = na_int64(n_ops)
     if not n_ops or not len(ends["start_ps"]) or "_p" not in ops or "_c" not in ends:
         return implied
-    # the last end event of each flow id: a stable sort (NaN last, cut off; a thread's end events come by time, so
-    # their flow ids are nearly sorted: merged runs, not a full sort), the last of each run of equal ids
-    c = as_float64(ends["_c"])
-    by_flow = np.argsort(c, kind="stable")[:len(c) - int(np.isnan(c).sum())]
-    if not len(by_flow):
-        return implied
-    flows = c[by_flow]
-    run_end = np.append(flows[1:] != flows[:-1], True)
-    flows, last = flows[run_end], by_flow[run_end]
-    k = as_float64(ops["_p"])
-    pos = np.minimum(np.searchsorted(flows, k), len(flows) - 1)
-    has = flows[pos] == k  # NaN never equals
-    end_event = last[pos]  # where has: the op's end event
-    e_start, e_dur = np.asarray(ends["start_ps"], np.int64), np.asarray(ends["duration_ps"], np.int64)
+    end_event = _flow_ends(as_float64(ops["_p"]), as_float64(ends["_c"]))
     start = np.asarray(ops["start_ps"], np.int64)
     old_end = start + np.asarray(ops["duration_ps"], np.int64)
-    done = e_start[end_event] + e_dur[end_event]
-    sel = np.flatnonzero(has & (done > old_end))
+    done = np.asarray(ends["start_ps"], np.int64)[end_event] + np.asarray(ends["duration_ps"], np.int64)[end_event]
+    sel = np.flatnonzero((end_event >= 0) & (done > old_end))
     if not len(sel):
         return implied
     done, end_event = done[sel], end_event[sel]
@@ -248,6 +235,21 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     missing = np.ones(n_ops, bool)
     missing[sel[extra > 0]] = False
     return pd.arrays.IntegerArray(implied_ps, missing)
+
+
+def _flow_ends(p: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Per op event, the last end event whose flow id ``c`` equals the op's ``p`` (float64, NaN: none); -1 where
+    none does."""
+    # a stable sort of the end events' ids (NaN last, cut off; a thread's end events come by time, so their flow ids
+    # are nearly sorted: merged runs, not a full sort), the last of each run of equal ids
+    by_flow = np.argsort(c, kind="stable")[:len(c) - int(np.isnan(c).sum())]
+    if not len(by_flow):
+        return np.full(len(p), -1, np.int64)
+    flows = c[by_flow]
+    run_end = np.append(flows[1:] != flows[:-1], True)
+    flows, last = flows[run_end], by_flow[run_end]
+    pos = np.minimum(np.searchsorted(flows, p), len(flows) - 1)
+    return np.where(flows[pos] == p, last[pos], -1)  # NaN never equals
 
 
 def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndarray, q_t: np.ndarray) -> np.ndarray:
@@ -280,7 +282,7 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
         width = len(times) + 1
         t, q_tt = rank[:len(start)], rank[len(start):]
     n_threads = int(renumber[-1]) + 1
-    per = max(2**62 // width, 1)
+    per = max(2**63 // width, 1)  # keys below per x width: at most 2^63 - 1
     res = np.zeros(len(q), np.int64)
     for a in range(0, n_threads, per):
         if per < n_threads:
@@ -296,7 +298,7 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
 
 def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: np.ndarray, q_thread: np.ndarray,
                      q_tt: np.ndarray, q_t: np.ndarray, width: int) -> np.ndarray:
-    """:func:`_busy` of threads numbered below ``2**62 // width``, times also as ``t`` / ``q_tt`` in [0, width)."""
+    """:func:`_busy` of threads numbered below ``2**63 // width``, times also as ``t`` / ``q_tt`` in [0, width)."""
     key, q_key = thread * width + t, q_thread * width + q_tt
     order = np.argsort(key, kind="stable")
     key, thread, s, e = key[order], thread[order], start[order], end[order]
