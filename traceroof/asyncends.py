@@ -104,7 +104,8 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
         return out
     mod, _ = match_modules(events, modules)
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
-    sel = np.flatnonzero(grow & (mod >= 0) & events["run_id"].notna().to_numpy(bool))
+    has_run = events["run_id"].notna().to_numpy(bool)
+    sel = np.flatnonzero(grow & (mod >= 0) & has_run)
     if not sel.size:
         return out
     hlo_op = pd.Categorical(events["hlo_op"])
@@ -113,41 +114,70 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     host = pd.Categorical(events["host"]).codes.astype(np.int64)
     device = pd.Categorical(events["device"]).codes.astype(np.int64)
     start = events["start_ps"].to_numpy(np.int64)
-    users: dict[tuple[int, int], list[int]] = {}
+    # per (module, op) of the grown events: the ops with events that read its result, in one flat array
+    pair_of, pairs = pd.factorize(mod[sel] * (len(op_names) + 1) + op_code[sel])
+    user_lists = []
     for m in np.unique(mod[sel]):
-        evented = {str(op_names[c]) for c in np.unique(op_code[mod == m]) if c >= 0}
+        in_module = np.bincount(op_code[mod == m] + 1, minlength=len(op_names) + 1)[1:] > 0
+        evented = {str(op_names[c]) for c in np.flatnonzero(in_module)}
         graph = _users(modules[m])
         for c in np.unique(op_code[sel[mod[sel] == m]]):
-            users[(int(m), int(c))] = sorted(code_of[u] for u in _evented_users(str(op_names[c]), graph, evented))
+            user_lists.append((int(m) * (len(op_names) + 1) + int(c), sorted(
+                code_of[u] for u in _evented_users(str(op_names[c]), graph, evented))))
+    users_of = dict(user_lists)
+    n_pair = np.array([len(users_of[p]) for p in pairs.tolist()], np.int64)
+    flat = np.array([u for p in pairs.tolist() for u in users_of[p]], np.int64)
     # queries: (event, a user op of its result); candidates: events of those user ops in the same executions
-    pair_mc = list(zip(mod[sel].tolist(), op_code[sel].tolist()))
-    n_users = np.array([len(users[mc]) for mc in pair_mc], np.int64)
+    n_users = n_pair[pair_of]
     q_event = np.repeat(sel, n_users)
-    q_user = np.array([u for mc in pair_mc for u in users[mc]], np.int64)
     if not len(q_event):
         return out
-    wanted = np.unique(q_user)
-    has_run = events["run_id"].notna().to_numpy(bool)
-    cand = np.flatnonzero(np.isin(mod, np.unique(mod[sel])) & np.isin(run, np.unique(run[sel]))
-                          & np.isin(op_code, wanted) & has_run)
+    first_user = np.repeat((np.cumsum(n_pair) - n_pair)[pair_of] - (np.cumsum(n_users) - n_users), n_users)
+    q_user = flat[first_user + np.arange(len(q_event))]
+    wanted = np.zeros(len(op_names) + 1, bool)  # by op code; the last: code -1 (no op)
+    wanted[q_user] = True
+    runs = np.unique(run[sel])
+    cand = np.flatnonzero(wanted[op_code] & has_run & (mod >= 0))
+    c_run = np.minimum(np.searchsorted(runs, run[cand]), len(runs) - 1)
+    keep = runs[c_run] == run[cand]  # in an execution of a grown event (below: of its host, device, module)
+    cand, c_run = cand[keep], c_run[keep]
     if not len(cand):
         return out
-    # one group id per (host, device, module, run, op) over candidates and queries together
-    group = group_codes([np.concatenate([col[cand], col[q_event]]) for col in (host, device, mod, run)]
-                        + [np.concatenate([op_code[cand], q_user])])
-    g_cand, g_query = group[:len(cand)], group[len(cand):]
-    # starts as dense ranks, so (group, start) packs into one sortable int64
-    values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
-    width = len(values) + 1
-    key_cand = g_cand * width + rank[:len(cand)]
-    key_query = g_query * width + rank[len(cand):]
-    order = np.argsort(key_cand, kind="stable")
-    sorted_keys = key_cand[order]
-    j = np.searchsorted(sorted_keys, key_query, side="right")  # first candidate starting after the query
-    found = j < len(sorted_keys)
-    found[found] = sorted_keys[j[found]] // width == g_query[found]
+    # one group id per (host, device, module, run, op) over candidates and queries together: mixed-radix codes
+    # where they stay small, else dense ones
+    cols = [(col, int(col.min()), int(col.max()) - int(col.min()) + 1) for col in (host, device, mod)]
+    size = len(runs) * len(op_names) * int(np.prod([n for _, _, n in cols], dtype=object))
+    if size <= 4 * (len(cand) + len(q_event)):
+        g_cand, g_sel = c_run, np.searchsorted(runs, run[sel])
+        for col, low, n in cols:
+            g_cand, g_sel = g_cand * n + (col[cand] - low), g_sel * n + (col[sel] - low)
+        g_cand, g_query = g_cand * len(op_names) + op_code[cand], np.repeat(g_sel * len(op_names), n_users) + q_user
+        n_groups = size
+    else:
+        group = group_codes([np.concatenate([col[cand], col[q_event]]) for col in (host, device, mod, run)]
+                            + [np.concatenate([op_code[cand], q_user])])
+        g_cand, g_query, n_groups = group[:len(cand)], group[len(cand):], int(group.max()) + 1
+    # (group, start) as one sortable int64: start from the group's first (a group is one execution's events of
+    # one op: a short span), or where that could overflow, the start's rank among all
+    t_cand, t_query = start[cand], start[q_event]
+    lo, width = None, 2**62
+    if max(int(t_cand.max()), int(t_query.max())) - min(int(t_cand.min()), int(t_query.min())) < 2**62:
+        lo = np.full(n_groups, NO_BOUND_PS, np.int64)
+        np.minimum.at(lo, g_cand, t_cand)
+        np.minimum.at(lo, g_query, t_query)
+        t_cand, t_query = t_cand - lo[g_cand], t_query - lo[g_query]
+        width = int(max(t_cand.max(), t_query.max())) + 1
+    if n_groups * width >= 2**62:
+        values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
+        t_cand, t_query, width, lo = rank[:len(cand)], rank[len(cand):], len(values) + 1, None
+    key_cand = np.sort(g_cand * width + t_cand)  # equal keys: equal starts, so no need to know which event
+    j = np.searchsorted(key_cand, g_query * width + t_query, side="right")  # first candidate starting after
+    found = j < len(key_cand)
+    at = key_cand[j[found]]
+    found[found] = at // width == g_query[found]
+    at = key_cand[j[found]] % width
     bound = np.full(len(q_event), NO_BOUND_PS, np.int64)
-    bound[found] = start[cand[order[j[found]]]]
+    bound[found] = values[at] if lo is None else at + lo[g_query[found]]
     np.minimum.at(out, q_event, bound)
     return out
 

@@ -14,8 +14,9 @@ import pandas as pd
 def group_codes(columns: Sequence[Any]) -> np.ndarray:
     """Per row, a dense group id (0..n-1 in order of first appearance) shared by the rows whose values are equal in
     every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes over
-    the columns' own codes (a Categorical's codes as they are, other columns factorized), factorized once at the
-    end, or sooner where the radix would overflow int64."""
+    the columns' own codes (a Categorical's codes as they are, integers of a short range less their least, other
+    columns factorized), numbered once at the end (by a table where the radix is small), or factorized sooner
+    where the radix would overflow int64."""
     n_rows = len(columns[0]) if len(columns) else 0
     group = np.zeros(n_rows, np.int64)
     radix = 1
@@ -26,7 +27,15 @@ def group_codes(columns: Sequence[Any]) -> np.ndarray:
             radix = len(uniques)
         group = group * n + codes
         radix *= n
-    return pd.factorize(group)[0].astype(np.int64)
+    if radix > 2 * n_rows:
+        return pd.factorize(group)[0].astype(np.int64)
+    # few possible codes: number them by first row through a table, not a hash table
+    first = np.full(radix, n_rows, np.int64)
+    first[group[::-1]] = np.arange(n_rows)[::-1]
+    present = np.flatnonzero(first < n_rows)
+    ids = np.empty(radix, np.int64)
+    ids[present[np.argsort(first[present])]] = np.arange(len(present))
+    return ids[group]
 
 
 def _column_codes(col: Any) -> tuple[np.ndarray, int]:
@@ -36,6 +45,10 @@ def _column_codes(col: Any) -> tuple[np.ndarray, int]:
         return np.add(cat.codes, 1, dtype=np.int64), len(cat.categories) + 1  # code -1 (NA) -> 0
     if getattr(col, "dtype", None) == np.dtype(bool):
         return np.asarray(col).astype(np.int64), 2
+    if isinstance(col, np.ndarray) and col.dtype.kind in "iu" and len(col):
+        low, high = int(col.min()), int(col.max())
+        if high - low < max(len(col), 1 << 16):  # a short range (dense ids, run ids): the values less the least
+            return (col - low).astype(np.int64), high - low + 1
     codes, uniques = pd.factorize(col, use_na_sentinel=False)
     return codes.astype(np.int64), len(uniques)
 

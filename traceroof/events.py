@@ -238,64 +238,99 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     implied = na_int64(n_ops)
     if not n_ops or not len(ends["start_ps"]) or "_p" not in ops or "_c" not in ends:
         return implied
-    c = as_float64(ends["_c"])
-    valid = ~np.isnan(c)
-    c = c[valid]
-    e_end = (np.asarray(ends["start_ps"], np.int64) + np.asarray(ends["duration_ps"], np.int64))[valid]
-    e_line = np.asarray(ends["line_id"], np.int64)[valid]
-    flows, first_rev = np.unique(c[::-1], return_index=True)  # the last end event of each flow id
-    last = len(c) - 1 - first_rev
-    k = as_float64(ops["_p"])
-    pos = np.minimum(np.searchsorted(flows, k), max(len(flows) - 1, 0))
-    has = (flows[pos] == k) if len(flows) else np.zeros(len(k), bool)  # NaN never equals
+    end_event = _flow_ends(as_float64(ops["_p"]), as_float64(ends["_c"]))
     start = np.asarray(ops["start_ps"], np.int64)
-    dur = np.asarray(ops["duration_ps"], np.int64)
-    old_end = start + dur
-    done = np.zeros(n_ops, np.int64)
-    done[has] = e_end[last[pos[has]]]
-    grow = has & (done > old_end)
-    if not grow.any():
+    old_end = start + np.asarray(ops["duration_ps"], np.int64)
+    done = np.asarray(ends["start_ps"], np.int64)[end_event] + np.asarray(ends["duration_ps"], np.int64)[end_event]
+    sel = np.flatnonzero((end_event >= 0) & (done > old_end))
+    if not len(sel):
         return implied
-    extra = (done - old_end).astype(np.float64)
-    end_line = np.full(n_ops, -1, np.int64)
-    end_line[has] = e_line[last[pos[has]]]
-    lines = np.asarray(ops["line_id"], np.int64)
-    sel = np.flatnonzero(grow)
-    busy = _busy(lines, start, old_end, np.tile(end_line[sel], 2), np.concatenate([done[sel], old_end[sel]]))
-    extra[sel] -= busy[:len(sel)] - busy[len(sel):]  # the completing thread's time in other ops meanwhile
+    done, end_event = done[sel], end_event[sel]
+    q_line = np.asarray(ends["line_id"], np.int64)[end_event]
+    busy = _busy(np.asarray(ops["line_id"], np.int64), start, old_end, np.tile(q_line, 2),
+                 np.concatenate([done, old_end[sel]]))
+    extra = (done - old_end[sel]).astype(np.float64)
+    extra -= busy[:len(sel)] - busy[len(sel):]  # the completing thread's time in other ops meanwhile
     extra = np.maximum(extra, 0).astype(np.int64)
-    grow &= extra > 0
-    return pd.arrays.IntegerArray(old_end + extra, ~grow)
+    implied_ps = old_end.copy()
+    implied_ps[sel] += extra
+    missing = np.ones(n_ops, bool)
+    missing[sel[extra > 0]] = False
+    return pd.arrays.IntegerArray(implied_ps, missing)
+
+
+def _flow_ends(p: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """Per op event, the last end event whose flow id ``c`` equals the op's ``p`` (float64, NaN: none); -1 where
+    none does."""
+    # a stable sort of the end events' ids (NaN last, cut off; a thread's end events come by time, so their flow ids
+    # are nearly sorted: merged runs, not a full sort), the last of each run of equal ids
+    by_flow = np.argsort(c, kind="stable")[:len(c) - int(np.isnan(c).sum())]
+    if not len(by_flow):
+        return np.full(len(p), -1, np.int64)
+    flows = c[by_flow]
+    run_end = np.append(flows[1:] != flows[:-1], True)
+    flows, last = flows[run_end], by_flow[run_end]
+    pos = np.minimum(np.searchsorted(flows, p), len(flows) - 1)
+    return np.where(flows[pos] == p, last[pos], -1)  # NaN never equals
 
 
 def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndarray, q_t: np.ndarray) -> np.ndarray:
     """Per query: the time (ps) thread ``q_line`` spent in op events (``lines``, ``start``, ``end``; one thread's
     events do not overlap) up to time ``q_t``."""
-    wanted = np.unique(q_line)
-    on = np.flatnonzero(np.isin(lines, wanted))
-    if not len(on):
-        return np.zeros(len(q_t), np.int64)
-    pos, s, e = np.searchsorted(wanted, lines[on]), start[on], end[on]
-    q_pos = np.searchsorted(wanted, q_line)
-    # (thread, time) as one sortable int64 key: thread position x width + time from the earliest, or (when that
-    # could overflow) + the time's rank among all times
-    lo = min(int(s.min()), int(q_t.min()))
-    width = max(int(s.max()), int(q_t.max())) - lo + 1
-    if width * len(wanted) < 2**62:
-        key, q_key = pos * width + (s - lo), q_pos * width + (q_t - lo)
+    out = np.zeros(len(q_t), np.int64)
+    # threads numbered in order of first appearance (a plane's events come by thread and by time, so the
+    # (thread, start) keys below are nearly sorted); only threads queried, numbered 0..n-1 again
+    thread, ids = pd.factorize(lines)
+    q_thread = pd.Index(ids).get_indexer(q_line)  # -1: a thread without op events (0 busy)
+    wanted = np.zeros(len(ids) + 1, bool)
+    wanted[q_thread] = True  # -1 marks the last slot: a thread with no events
+    renumber = np.cumsum(wanted[:-1]) - 1
+    on = wanted[:-1][thread]
+    q = np.flatnonzero(q_thread >= 0)
+    if not len(q):
+        return out
+    if not on.all():
+        on = np.flatnonzero(on)
+        thread, start, end = thread[on], start[on], end[on]
+    thread, q_thread, q_t = renumber[thread], renumber[q_thread[q]], q_t[q]
+    # (thread, time) as one sortable int64 key: thread x width + time from the earliest (or, when a time span
+    # that wide could overflow, the time's rank among all times), for as many threads at a time as fit
+    lo = min(int(start.min()), int(q_t.min()))
+    width = max(int(start.max()), int(q_t.max())) - lo + 1
+    if width < 2**62:
+        t, q_tt = start - lo, q_t - lo
     else:
-        times, rank = np.unique(np.concatenate([s, q_t]), return_inverse=True)
+        times, rank = np.unique(np.concatenate([start, q_t]), return_inverse=True)
         width = len(times) + 1
-        key, q_key = pos * width + rank[:len(s)], q_pos * width + rank[len(s):]
+        t, q_tt = rank[:len(start)], rank[len(start):]
+    n_threads = int(renumber[-1]) + 1
+    per = max(2**63 // width, 1)  # keys below per x width: at most 2^63 - 1
+    res = np.zeros(len(q), np.int64)
+    for a in range(0, n_threads, per):
+        if per < n_threads:
+            ev = np.flatnonzero((thread >= a) & (thread < a + per))
+            qs = np.flatnonzero((q_thread >= a) & (q_thread < a + per))
+        else:
+            ev, qs = slice(None), slice(None)
+        res[qs] = _busy_of_threads(thread[ev] - a, t[ev], start[ev], end[ev], q_thread[qs] - a, q_tt[qs], q_t[qs],
+                                   width)
+    out[q] = res
+    return out
+
+
+def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: np.ndarray, q_thread: np.ndarray,
+                     q_tt: np.ndarray, q_t: np.ndarray, width: int) -> np.ndarray:
+    """:func:`_busy` of threads numbered below ``2**63 // width``, times also as ``t`` / ``q_tt`` in [0, width)."""
+    key, q_key = thread * width + t, q_thread * width + q_tt
     order = np.argsort(key, kind="stable")
-    key, pos, s, e = key[order], pos[order], s[order], e[order]
+    key, thread, s, e = key[order], thread[order], start[order], end[order]
     dur = e - s
     cum = np.cumsum(dur) - dur  # time before each event, from the thread's first event
-    first = np.flatnonzero(np.diff(pos, prepend=-1))
-    cum -= np.repeat(cum[first], np.diff(np.append(first, len(pos))))
+    first = np.flatnonzero(np.diff(thread, prepend=-1))
+    cum -= np.repeat(cum[first], np.diff(np.append(first, len(thread))))
     j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
     ok = j >= 0
-    ok[ok] = pos[j[ok]] == q_pos[ok]
+    ok[ok] = thread[j[ok]] == q_thread[ok]
     jj = np.maximum(j, 0)
     part = np.clip(np.minimum(q_t, e[jj]) - s[jj], 0, None)
     return np.where(ok, cum[jj] + part, 0)

@@ -64,25 +64,25 @@ def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
     if len(pj):
         by_line = np.lexsort((ev_start[pj], line[pj]))
         pj, fn = pj[by_line], [matches[k].group("fn") for k in by_line.tolist()]
-        pline = line[pj]
-        # per line, by start: the innermost enclosing event is the latest started one that is still open
-        key, pend = ev_start[pj], ev_end[pj]
-        for ln in np.unique(o_line):
-            on_line = np.flatnonzero(pline == ln)
-            todo = np.flatnonzero((module == "") & (o_line == ln))
-            if not len(on_line) or not len(todo):
-                continue
-            starts, ends = key[on_line], pend[on_line]
-            s, e = o_start[todo], o_end[todo]
-            j = np.searchsorted(starts, s, side="right") - 1
-            stop = np.maximum(j - MAX_PJIT_LOOKBACK, -1)
-            active = np.arange(len(j))
-            while len(active):  # a sibling that ended before the launch: look further out (at most the lookback)
-                jj = j[active]
-                active = active[(jj > stop[active]) & (ends[np.maximum(jj, 0)] < e[active])]
-                j[active] -= 1
-            found = j > stop
-            module[todo[found]] = [f"jit_{fn[k]}" for k in on_line[j[found]].tolist()]
+        pline, pstart, pend = line[pj], ev_start[pj], ev_end[pj]
+        todo = np.flatnonzero(module == "")
+        t_line, s, e = o_line[todo], o_start[todo], o_end[todo]
+        # per launch, the last PjitFunction event on its line starting at or before it: the PjitFunction events
+        # (by line, by start) that sort before the launch, the launch after those starting at its own start
+        merged = np.lexsort((np.r_[np.zeros(len(pj), np.int8), np.ones(len(todo), np.int8)],
+                             np.r_[pstart, s], np.r_[pline, t_line]))
+        before = np.cumsum(merged < len(pj))
+        j = np.empty(len(todo), np.int64)
+        j[merged[merged >= len(pj)] - len(pj)] = before[merged >= len(pj)] - 1
+        # the innermost enclosing event is the latest started one that is still open; none before the line's first
+        stop = np.maximum(j - MAX_PJIT_LOOKBACK, np.searchsorted(pline, t_line, side="left") - 1)
+        active = np.arange(len(j))
+        while len(active):  # a sibling that ended before the launch: look further out (at most the lookback)
+            jj = j[active]
+            active = active[(jj > stop[active]) & (pend[np.maximum(jj, 0)] < e[active])]
+            j[active] -= 1
+        found = j > stop
+        module[todo[found]] = [f"jit_{fn[k]}" for k in j[found].tolist()]
     order = np.argsort(o_start, kind="stable")
     return pd.DataFrame({"line_id": o_line[order], "start_ps": o_start[order], "end_ps": o_end[order],
                          "module": module[order]})
@@ -98,20 +98,23 @@ def _unwrapped(run_ids: np.ndarray) -> np.ndarray:
 
 def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.ndarray) -> tuple[int, int]:
     """The launch index ``o`` of the first execution maximising executions ``k`` whose launch
-    ``o + offsets[k]`` exists and starts no later than their first op; ties go to the smallest ``|o|``."""
+    ``o + offsets[k]`` exists and starts no later than their first op; ties go to the smallest ``|o|`` (the
+    negative first). ``offsets``: non-decreasing from 0; ``launch_start``: sorted."""
     n_l = len(launch_start)
     span = int(offsets[-1]) if len(offsets) else 0
     candidates = np.arange(-span, n_l)
     if len(candidates) * len(offsets) > MAX_OFFSET_WORK:
         candidates = np.array(sorted({0, n_l - 1 - span}))
-    best, best_o = -1, 0
-    for o in sorted(candidates.tolist(), key=abs):
-        idx = o + offsets
-        ok = (idx >= 0) & (idx < n_l)
-        valid = int(np.sum(launch_start[idx[ok]] <= first_start[ok]))
-        if valid > best:
-            best, best_o = valid, o
-    return best_o, best
+    # execution k counts for every o from -offsets[k] up to (not including) the number of launches starting no
+    # later than its first op, less offsets[k]: per o, the intervals containing it (a difference array)
+    lo = -offsets
+    hi = np.searchsorted(launch_start, first_start, side="right") - offsets
+    ok = hi > lo
+    diff = np.bincount(lo[ok] + span, minlength=n_l + span + 1) - np.bincount(hi[ok] + span, minlength=n_l + span + 1)
+    valid = np.cumsum(diff)[candidates + span]
+    order = np.lexsort((candidates, np.abs(candidates)))
+    best = order[np.argmax(valid[order])]
+    return int(candidates[best]), int(valid[best])
 
 
 def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.ndarray, int]:
@@ -144,9 +147,11 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
     for k, name in enumerate(str(n) for n in names):
         mine = np.flatnonzero(module == k)
         starts = lau_start[lau_module == name] if name else lau_start[:0]
-        if not len(starts) or len(np.unique(pid[mine])) > 1:  # several programs share the name: ambiguous
+        if not len(starts) or (pid[mine] != pid[mine[0]]).any():  # several programs share the name: ambiguous
             continue
-        run_keys, at = np.unique(run[mine], return_inverse=True)
+        at, run_keys = pd.factorize(run[mine])  # by a hash table, then by run id: np.unique's sort of every event
+        by_run = np.argsort(run_keys)
+        run_keys, at = run_keys[by_run], np.argsort(by_run)[at]
         first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
         np.minimum.at(first_start, at, start[mine])
         runs = _unwrapped(run_keys)
