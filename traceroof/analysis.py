@@ -55,8 +55,8 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
     return detect_chip(profile.plane_stats)
 
 
-def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence[str | Path] = (), chip: str | Chip | None = None,
-            depth: int = 2, warmup_steps: int = 1, top: int = 10,
+def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence[str | Path] = (),
+            chip: str | Chip | None = None, depth: int = 2, warmup_steps: int = 1, top: int = 10,
             optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None,
             model_flops_per_step: float | None = None, expand: bool = False, jobs: int | None = 1,
             dask_address: str | None = None) -> Analysis:
@@ -161,7 +161,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
-    costs = costs.with_communication(comm[[i if c is not None else len(collectives) for i, c in enumerate(collectives)]])
+    own_collective = [i if c is not None else len(collectives) for i, c in enumerate(collectives)]  # per op
+    costs = costs.with_communication(comm[own_collective])
     ops["comm_latency_bound"] = _latency_bound(estimates, len(collectives))[np.where(cid >= 0, cid, len(collectives))]
     if any(c is not None for c in collectives) and topo.kind == "host":
         notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "

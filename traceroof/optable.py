@@ -258,10 +258,8 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | N
     order = np.argsort(key, kind="stable")
     bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
     first = order[bounds]  # each op's first row, in order of first appearance
-    worked = costs.columns(rows, at=at) if costs is not None else {}
-    numeric = [(c, dtype.kind) for c, dtype in rows.dtypes.items()] + [(c, "f") for c in worked]
-    summed: dict[str, np.ndarray] = {}
-    for c, kind in numeric:
+    summed: dict[str, np.ndarray] = costs.sums(rows, key, n, at) if costs is not None else {}
+    for c, kind in ((c, dtype.kind) for c, dtype in rows.dtypes.items()):
         if c in _NOT_ADDITIVE or kind not in "iuf":  # bool, text, categories: the op's own
             continue
         if c == "start_ps":
@@ -269,16 +267,14 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | N
         elif kind in "iu":
             summed[c] = np.add.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
         else:
-            v = worked[c] if c in worked else pick(rows[c].to_numpy(np.float64))
-            summed[c] = np.bincount(key, weights=v, minlength=n)  # ids: first-seen
-    if "efficiency" in rows or "efficiency" in worked:
+            summed[c] = np.bincount(key, weights=pick(rows[c].to_numpy(np.float64)), minlength=n)  # ids: first-seen
+    if "efficiency" in rows or "expected_s" in summed:
         m = summed["measured_s"]
         with np.errstate(divide="ignore", invalid="ignore"):
             summed["efficiency"] = np.where(m > 0, summed["expected_s"] / m, np.nan)
     at_first = first if at is None else at[first]
-    if costs is not None:
-        own = {c: v[first] for c, v in worked.items() if c not in summed}  # the op's own: its first row's
-        out = costs.wide(rows, at_first, {**own, **summed})
+    if costs is not None:  # the other worked-out columns: the op's own (its first row's)
+        out = costs.wide(rows, at_first, summed)
         out.index = pd.RangeIndex(n)
         return out
     out = rows.take(at_first)

@@ -202,7 +202,8 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
         plane_stats.update(h.plane_stats)
     annotation = next((h.step_annotation for h in reversed(hosts) if h.step_annotation), "")
     return Profile(inputs, rows, Timeline.concat(timelines), steps, modules, last.device_kind,
-                   last.device_description, annotation, plane_stats, notes, {k: v for k, v in sources.items() if v}, superseded,
+                   last.device_description, annotation, plane_stats, notes,
+                   {k: v for k, v in sources.items() if v}, superseded,
                    ",".join(sorted({h.decoder for h in hosts} - {""})),
                    shifted_activity([(h.host_activity, (s - base) * 1000 if s is not None and base is not None
                                       else 0) for h, s in zip(hosts, starts) if not h.rows.empty]),

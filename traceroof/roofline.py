@@ -24,6 +24,8 @@ from traceroof.codes import as_text, category_text, constant_categorical, first_
 if TYPE_CHECKING:
     from traceroof.rowcosts import RowCosts
 
+CHUNK_ROWS = 1 << 18  # op rows whose worked-out cost columns are computed at once: ~2 MB per column
+
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
 
 
@@ -159,7 +161,11 @@ def roofline_rows(ops: pd.DataFrame, costs: RowCosts, chip: Chip) -> tuple[pd.Da
     first = first_rows(key)
     per_op_peak[key[first]] = peak[first]
     costs = costs.with_roofline(per_op_peak, hbm_bandwidth(chip))
-    ops["bound"] = _sorted_categorical(costs.columns(ops, ("bound",))["bound"], BOUNDS)
+    bound = np.zeros(len(ops), np.int8)
+    for lo in range(0, len(ops), CHUNK_ROWS):  # memory stays flat on millions of rows
+        part = np.arange(lo, min(lo + CHUNK_ROWS, len(ops)))
+        bound[part] = costs.columns(ops, ("bound",), part)["bound"]
+    ops["bound"] = _sorted_categorical(bound, BOUNDS)
     return ops, costs
 
 
@@ -193,7 +199,8 @@ def precision_notes(ops: pd.DataFrame, chip: Chip, flops: np.ndarray | None = No
     flops = ops["flops"].to_numpy(np.float64) if flops is None else flops
     by_key = pd.Series(flops[mm]).groupby(ops["peak_key"].iloc[mm].astype(str).to_numpy()).sum()
     total = by_key.sum()
-    parts = ", ".join(f"{k} {v / total:.0%}" if total > 0 else k for k, v in by_key.sort_values(ascending=False).items())
+    parts = ", ".join(f"{k} {v / total:.0%}" if total > 0 else k
+                      for k, v in by_key.sort_values(ascending=False).items())
     return [f"f32 matmuls judged against precision-specific peaks ({parts} of their FLOPs): on {chip.name} XLA runs "
             "an f32 dot at DEFAULT/HIGH precision as TF32 and at HIGHEST (or algorithm dot_f32_f32_f32) as FP32 "
             "(openxla/xla xla/service/gpu/matmul_utils.cc GetBlasComputationType)"]

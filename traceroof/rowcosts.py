@@ -16,12 +16,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from traceroof.roofline import roofline_values
+from traceroof.roofline import CHUNK_ROWS, roofline_values
 
 ADDITIVE = ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")  # per event x events
 TPU_OURS = ("traceroof_flops", "traceroof_hbm_bytes")  # our count beside libtpu's, on TPU rows
 ROOFLINE_FLOATS = ("compute_s", "memory_s", "communication_s", "expected_s", "efficiency",
                    "arithmetic_intensity_flops_per_byte", "lost_s")
+NOT_SUMMED = ("peak_flops_per_s", "efficiency", "arithmetic_intensity_flops_per_byte")  # an op's own, or a ratio
 # where each worked-out column stands in the whole table: after the stored column named
 _AFTER = {"source": ADDITIVE, "op_key": TPU_OURS, "instance": ("comm_s",), "comm_latency_bound": ("peak_flops_per_s",),
           "peak_key": ("compute_s", "memory_s", "communication_s", "expected_s"),
@@ -98,6 +99,24 @@ class RowCosts:
                     col("comm_latency_bound", bool) if "comm_latency_bound" in ops else None, col("measured_s"),
                     tuple(roof)))
         return {c: out[c] for c in want}
+
+    def sums(self, ops: pd.DataFrame, group: np.ndarray, n_groups: int, at: np.ndarray | None = None,
+             ) -> dict[str, np.ndarray]:
+        """Per group (``group``: codes 0..n_groups-1 of the rows ``at`` of ``ops``, default all), the sums of the
+        worked-out columns that add up (all but :data:`NOT_SUMMED`), float64: equal to the last bit to
+        ``np.bincount(group, weights=column)`` of the stored column, worked out :data:`CHUNK_ROWS` rows at a time
+        so memory stays flat (each chunk's bincount starts from the sums so far: the additions run in the same
+        order)."""
+        names = tuple(c for c in self.names() if c not in NOT_SUMMED)
+        rows = np.arange(len(ops)) if at is None else at
+        total = {c: np.zeros(n_groups) for c in names}
+        start = np.arange(n_groups)
+        for lo in range(0, len(rows), CHUNK_ROWS):
+            part = rows[lo:lo + CHUNK_ROWS]
+            codes = np.concatenate([start, group[lo:lo + CHUNK_ROWS]])
+            for c, v in self.columns(ops, names, part).items():
+                total[c] = np.bincount(codes, weights=np.concatenate([total[c], v]), minlength=n_groups)
+        return total
 
     def wide(self, ops: pd.DataFrame, at: np.ndarray | None = None,
              values: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
