@@ -61,17 +61,22 @@ def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
     key_columns = [events[c] for c in keys]
     row = group_codes(key_columns) if keys else np.zeros(len(events), np.int64)
     n_rows = int(row.max()) + 1 if len(row) else 0
-    order = np.argsort(row, kind="stable")
-    bounds = np.flatnonzero(np.diff(row[order], prepend=-1)) if len(row) else np.zeros(0, np.int64)
-    first = order[bounds]
+    first = first_rows(row)
     start = events["start_ps"].to_numpy(np.int64)
     duration = events["duration_ps"].to_numpy(np.int64)
     cols: dict[str, object] = {c: col.array.take(first) for c, col in zip(keys, key_columns)}
     cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
-    cols["duration_ps"] = np.add.reduceat(duration[order], bounds) if n_rows else np.zeros(0, np.int64)
-    cols["start_ps"] = np.minimum.reduceat(start[order], bounds) if n_rows else np.zeros(0, np.int64)
-    for c in TPU_COST_COLUMNS:
-        if c in events:
+    if n_rows == len(row):  # every event a row of its own (the ids count up in event order)
+        cols["duration_ps"], cols["start_ps"] = duration.copy(), start.copy()
+    else:  # integer sums and minima in any order: no sort of the events
+        cols["duration_ps"], cols["start_ps"] = np.zeros(n_rows, np.int64), start[first]
+        np.add.at(cols["duration_ps"], row, duration)
+        np.minimum.at(cols["start_ps"], row, start)
+    costs = [c for c in TPU_COST_COLUMNS if c in events]
+    if costs:  # float sums as reduceat adds each row's events, in event order
+        order = np.argsort(row, kind="stable")
+        bounds = np.flatnonzero(np.diff(row[order], prepend=-1))
+        for c in costs:
             v = events[c].to_numpy(np.float64)
             cols[c] = np.add.reduceat(v[order], bounds) if n_rows else np.zeros(0)  # NaN if any event lacks it
     rows = pd.DataFrame(cols, copy=False)
@@ -290,27 +295,31 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None) -> pd.DataFrame:
     selecting the wide table twice); default all."""
     if rows.empty or "op_key" not in rows or (at is not None and not len(at)):
         return rows if at is None else rows.take(at)
+    if at is not None and (np.diff(at) <= 0).any():  # the sums below add rows in their order
+        return per_op(rows.take(at))
     pick = (lambda v: v) if at is None else (lambda v: v[at])
     key = group_codes([pick(rows["op_key"].to_numpy(np.int64)), pick(rows["scope"].array)])
     n = int(key.max()) + 1
-    order = np.argsort(key, kind="stable")
-    bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
-    first = order[bounds]  # each op's first row, in order of first appearance
+    first = first_rows(key) if at is None else at[first_rows(key)]  # each op's first row, by first appearance
+    if at is not None:  # every row's op; the rows left out count in one more, dropped
+        key_at, key = key, np.full(len(rows), n, np.int64)
+        key[at] = key_at
     summed: dict[str, np.ndarray] = {}
     for c, dtype in rows.dtypes.items():
         if c in _NOT_ADDITIVE or dtype.kind not in "iuf":  # bool, text, categories: the op's own
             continue
-        if c == "start_ps":
-            summed[c] = np.minimum.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
-        elif dtype.kind in "iu":
-            summed[c] = np.add.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
-        else:
-            summed[c] = np.bincount(key, weights=pick(rows[c].to_numpy(np.float64)), minlength=n)  # ids: first-seen
+        if dtype.kind in "iu":  # integer sums and minima in any order: no sort of the rows
+            v = rows[c].to_numpy(np.int64)
+            total = np.append(v[first], 0) if c == "start_ps" else np.zeros(n + 1, np.int64)
+            (np.minimum if c == "start_ps" else np.add).at(total, key, v)
+            summed[c] = total[:n]
+        else:  # ids: first-seen
+            summed[c] = np.bincount(key, weights=rows[c].to_numpy(np.float64), minlength=n + 1)[:n]
     if "efficiency" in rows:
         m = summed["measured_s"]
         with np.errstate(divide="ignore", invalid="ignore"):
             summed["efficiency"] = np.where(m > 0, summed["expected_s"] / m, np.nan)
-    out = rows.take(first if at is None else at[first])
+    out = rows.take(first)
     out.index = pd.RangeIndex(n)
     for kind in "fi":  # one assignment per kind: a column at a time splits pandas' block each time
         names = [c for c, v in summed.items() if v.dtype.kind == kind]
