@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import FIXTURES, HOST_CHIP
 from traceroof.breakdown import COMPONENTS, breakdown_delta, slowest_vs_median, step_breakdown, step_windows
+from traceroof.hostactivity import intersect_intervals, merge_intervals, subtract_intervals
 from traceroof.optable import Timeline
 
 PROFILES = ["transformer", "scan_mlp", "sharded_mlp", "diff_base", "diff_rerun", "diff_wide"] + [
@@ -172,3 +173,24 @@ def test_diff_shows_breakdown_deltas(tmp_path) -> None:
     base.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match=r"step_breakdown\[0\]\.host_bound_s"):
         side_from_json(base)
+
+
+def test_interval_sets_match_their_points() -> None:
+    """intersect_intervals / subtract_intervals against the sets of integer points the intervals cover; results
+    merged as merge_intervals makes them (sorted, apart)."""
+    rng = np.random.default_rng(11)
+
+    def random_set() -> tuple[np.ndarray, np.ndarray]:
+        k = int(rng.integers(0, 12))
+        start = rng.integers(0, 80, k)
+        return merge_intervals(start, start + rng.integers(0, 15, k))
+
+    def points(s: tuple[np.ndarray, np.ndarray]) -> set[int]:
+        return {t for a, b in zip(*s) for t in range(a, b)}
+
+    for _ in range(2000):
+        a, b = random_set(), random_set()
+        for got, want in ((intersect_intervals(a, b), points(a) & points(b)),
+                          (subtract_intervals(a, b), points(a) - points(b))):
+            assert points(got) == want
+            assert got[0].dtype == np.int64 and (got[1] > got[0]).all() and (got[0][1:] > got[1][:-1]).all()
