@@ -70,7 +70,7 @@ def _float_json(v: float) -> str:
 def _scalar_json(v: Any) -> str:
     """A scalar as ``json.dumps(..., ensure_ascii=False)`` writes it (its tests, in its order)."""
     if isinstance(v, str):
-        return encode_basestring(v)
+        return _text(v)
     if v is None:
         return "null"
     if v is True:
@@ -101,7 +101,7 @@ def _cells(df: pd.DataFrame) -> list[list[str]]:
             else:
                 codes, names = pd.factorize(col)
                 names = names.tolist()
-            text = [encode_basestring(x) for x in names] + ["null"]  # code -1: missing
+            text = [_text(x) for x in names] + ["null"]  # code -1: missing
             out[c] = [text[i] for i in codes.tolist()]
             continue
         if not isinstance(dtype, np.dtype) or dtype.kind not in "fiub":
@@ -135,17 +135,21 @@ def _records_json(df: pd.DataFrame, pad: str) -> str:
         cells = _cells(df)
     except _NotScalar:
         return _dumps(records(df), pad)
-    item = "\n" + pad + "    "
-    columns = [[key + v for v in col] for key, col in zip((item + encode_basestring(c) + ": " for c in df.columns),
-                                                         cells)]
-    row, end = "\n" + pad + "  {", "\n" + pad + "  }"
-    return "[" + ",".join(row + ",".join(r) + end for r in zip(*columns)) + "\n" + pad + "]"
+    row = ("\n" + pad + "  {" + ",".join("\n" + pad + "    " + _text(c).replace("%", "%%") + ": %s" for c in df.columns)
+           + "\n" + pad + "  }")
+    return "[" + ",".join([row % r for r in zip(*cells)]) + "\n" + pad + "]"
 
 
 def _dumps(value: Any, pad: str) -> str:
     """``json.dumps(value, indent=2, ensure_ascii=False)`` for a value indented by ``pad`` (the newlines of its
     text are all between tokens: strings write theirs as ``\\n``)."""
-    return json.dumps(value, indent=2, ensure_ascii=False).replace("\n", "\n" + pad)
+    return json_text(json.dumps(value, indent=2, ensure_ascii=False)).replace("\n", "\n" + pad)
+
+
+def _text(s: str) -> str:
+    """A string as ``json.dumps(..., ensure_ascii=False)`` writes it, then :func:`json_text` (numbers, ``true``
+    and ``null`` hold nothing json_text changes: a report is safe when each of its strings is)."""
+    return json_text(encode_basestring(s))
 
 
 def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "collectives", "op-stats")) -> str:
@@ -153,7 +157,10 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     per finding: code, severity, title, lost_per_step_s, evidence, advice, source, source_lines, ops). With
     ``op-stats`` the report is a complete ``traceroof diff`` baseline. Written as ``json.dumps(doc, indent=2,
     ensure_ascii=False)`` writes it, tables by :func:`_records_json`."""
-    summary = clean_value(dataclasses.asdict(a.summary))
+    # the step times (one per step: thousands) as clean_value writes floats, not deep-copied one by one by asdict
+    summary = clean_value(dataclasses.asdict(dataclasses.replace(a.summary, step_times_s=())))
+    times = np.asarray(a.summary.step_times_s, np.float64)
+    summary["step_times_s"] = [None if x != x else x for x in times.tolist()]
     pad = "  "
     doc: dict[str, str] = {"summary": _dumps(summary, pad), "depth": _dumps(a.depth, pad),
                            "topology": _dumps(a.topology, pad)}
@@ -165,8 +172,7 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     doc["findings"] = _dumps([clean_value(as_record(f)) for f in a.findings], pad)
     if a.memory is not None:
         doc["memory"] = _dumps(clean_value(a.memory.to_json()), pad)
-    text = "{" + ",".join(f"\n{pad}{encode_basestring(k)}: {v}" for k, v in doc.items()) + "\n}"
-    return json_text(text) + "\n"
+    return "{" + ",".join(f"\n{pad}{_text(k)}: {v}" for k, v in doc.items()) + "\n}\n"
 
 
 def render_csv(a: Analysis, name: str = "layers") -> str:
