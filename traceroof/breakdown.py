@@ -247,10 +247,13 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
             rows[c].append(v)
         drawn = [(st, w0, w1) for st, w0, w1 in zip(w_step[w].tolist(), lo.tolist(), hi.tolist())
                  if (st, d) in draw]
-        if drawn:  # the device's idle and exposed sets, once for all its drawn steps
-            device_sets = {"exposed communication": subtract_intervals(busy, compute) if any_c else (s[:0], s[:0]),
-                           "launch gap": subtract_intervals(programs, busy), "host-bound": idle_host}
-            occupied = _union(busy, programs, idle_host)
+        if drawn:  # the device's idle and exposed sets inside its drawn steps (a few of many), once for all
+            clip = merge_intervals(np.array([w0 for _, w0, _ in drawn]), np.array([w1 for _, _, w1 in drawn]))
+            busy_d, compute_d, programs_d, host_d = (intersect_intervals(x, clip)
+                                                     for x in (busy, compute, programs, idle_host))
+            device_sets = {"exposed communication": subtract_intervals(busy_d, compute_d),
+                           "launch gap": subtract_intervals(programs_d, busy_d), "host-bound": host_d}
+            occupied = _union(busy_d, programs_d, host_d)
         for st, w0, w1 in drawn:
             win = (np.array([w0], np.int64), np.array([w1], np.int64))
             sets = {**device_sets, "outside any program": subtract_intervals(win, occupied)}

@@ -82,8 +82,9 @@ def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
     if v.dtype.kind not in "iuf" or not len(v):
         return None
     if v.dtype.kind == "f":
-        if not np.array_equal(np.floor(v), v, equal_nan=True):  # a fraction, or NaN where floor gives a number
-            return None
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, not a fraction (inf is then too far from the least)
+            if (v - np.floor(v) > 0).any():  # a fraction
+                return None
         nan = np.isnan(v)
         na = nan if na is None else na | nan
     some = v[~na] if na is not None and na.any() else v

@@ -122,8 +122,6 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
 
     n_ops = len(first_row)
     single = pick(counted["kernels_per_execution"].to_numpy(np.float64)) <= 1.0
-    measured = pick(counted["measured_s"].to_numpy(np.float64))
-    executions = pick(counted["executions"].to_numpy(np.float64))
     labels = pick(counted.index.to_numpy())
     many = np.flatnonzero(~single & pick(counted["device"].notna().to_numpy()))
     stats = None
@@ -143,7 +141,10 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
             parts_op.append(ev_op)
             parts_t.append(duration.astype(np.float64) * 1e-12)
             parts_w.append(np.ones(len(ev_op)))
-    elif single.any():
+    if len(many) or single.any() and timeline is None:  # samples from rows' times and executions
+        measured = pick(counted["measured_s"].to_numpy(np.float64))
+        executions = pick(counted["executions"].to_numpy(np.float64))
+    if single.any() and timeline is None:
         parts_op.append(op_row[single])
         with np.errstate(divide="ignore", invalid="ignore"):
             parts_t.append(measured[single] / executions[single])
