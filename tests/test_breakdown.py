@@ -176,17 +176,20 @@ def test_diff_shows_breakdown_deltas(tmp_path) -> None:
 
 
 def test_interval_sets_match_their_points() -> None:
-    """intersect_intervals / subtract_intervals against the sets of integer points the intervals cover; results
-    merged as merge_intervals makes them (sorted, apart)."""
+    """merge_intervals / intersect_intervals / subtract_intervals against the sets of integer points the
+    intervals cover; results merged (sorted, apart)."""
     rng = np.random.default_rng(11)
+
+    def points(s: tuple[np.ndarray, np.ndarray]) -> set[int]:
+        return {t for a, b in zip(*s) for t in range(a, b)}
 
     def random_set() -> tuple[np.ndarray, np.ndarray]:
         k = int(rng.integers(0, 12))
         start = rng.integers(0, 80, k)
-        return merge_intervals(start, start + rng.integers(0, 15, k))
-
-    def points(s: tuple[np.ndarray, np.ndarray]) -> set[int]:
-        return {t for a, b in zip(*s) for t in range(a, b)}
+        end = start + rng.integers(0, 15, k)
+        merged = merge_intervals(start, end)
+        assert points(merged) == points((start, end)) and (merged[0][1:] > merged[1][:-1]).all()
+        return merged
 
     for _ in range(2000):
         a, b = random_set(), random_set()

@@ -41,15 +41,19 @@ def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.
     """The union of intervals [start, end) as sorted, disjoint (start, end) int64 arrays."""
     start, end = np.asarray(start, np.int64), np.asarray(end, np.int64)
     keep = end > start
-    start, end = start[keep], end[keep]
+    if not keep.all():
+        start, end = start[keep], end[keep]
     if not len(start):
         return start, end
-    order = np.argsort(start, kind="stable")
+    order = np.argsort(start, kind="stable")  # op events come in a few sorted runs (threads): timsort merges them
     s, e = start[order], end[order]
     run_end = np.maximum.accumulate(e)
-    new = np.ones(len(s), bool)
-    new[1:] = s[1:] > run_end[:-1]
-    return s[new], np.maximum.reduceat(e, np.flatnonzero(new))  # each run of overlapping intervals: its end
+    new = np.empty(len(s), bool)
+    new[0] = True
+    np.greater(s[1:], run_end[:-1], out=new[1:])
+    first = np.flatnonzero(new)
+    # a run of overlapping intervals ends at the running max at its last interval (the runs before end earlier)
+    return s[first], run_end[np.append(first[1:] - 1, len(s) - 1)]
 
 
 def covered_ps(s: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
