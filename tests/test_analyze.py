@@ -159,6 +159,29 @@ def test_one_slow_execution_is_flagged_not_ranked_worst(transformer):
     assert outlier_executions(FindingInputs(transformer, per_op(clean), stats=execution_stats(clean))) == []
 
 
+def test_event_quantiles_match_the_weighted_ones():
+    """execution_stats' per-op order statistics of one sample per event (partition per op) equal those of the
+    general weighted path (one sort of all samples), outlier counts included, on random durations with ties,
+    zeros, negatives and ops without samples."""
+    from traceroof.opstats import OUTLIER_RATIO, _event_quantiles, _grouped_quantiles
+
+    rng = np.random.default_rng(4)
+    for case in range(2000):
+        n_ops, n = int(rng.integers(1, 8)), int(rng.integers(1, 60))
+        op = rng.integers(0, n_ops, n)
+        scale = int(rng.choice([3, 100, 10**6, 10**11]))
+        duration = rng.integers(-scale if case % 7 == 0 else 0, scale, n)
+        if case % 3 == 0:
+            duration[rng.integers(0, n)] = duration.max() * int(rng.integers(5, 30))
+        q, mx, total, mid, far = _event_quantiles(op, duration, n_ops, (0.5, 0.9))
+        t, w = duration.astype(np.float64) * 1e-12, np.ones(n)
+        q_ref, mx_ref, total_ref, mid_ref = _grouped_quantiles(op, t, w, n_ops, (0.5, 0.9))
+        far_ref = np.bincount(op, weights=np.where(t > OUTLIER_RATIO * q_ref[0.5][op], w, 0.0), minlength=n_ops)
+        for got, want in ((q[0.5], q_ref[0.5]), (q[0.9], q_ref[0.9]), (mx, mx_ref), (total, total_ref),
+                          (mid, mid_ref), (far, far_ref)):
+            np.testing.assert_array_equal(got, want)
+
+
 def test_trace_json_gives_the_same_op_times(transformer):
     a = analyze(fixture_trace_json("transformer"), hlo=[FIXTURES / "transformer" / "hlo"], chip=HOST_CHIP)
     assert a.summary.join.events_total == transformer.summary.join.events_total

@@ -14,6 +14,7 @@ import pytest
 from tests.conftest import FIXTURES, HOST_CHIP
 from traceroof.breakdown import COMPONENTS, breakdown_delta, slowest_vs_median, step_breakdown, step_windows
 from traceroof.aggregate import Timeline
+from traceroof.hostactivity import intersect_intervals, merge_intervals, subtract_intervals
 
 PROFILES = ["transformer", "scan_mlp", "sharded_mlp", "diff_base", "diff_rerun", "diff_wide"] + [
     f"{fw}/{v}" for fw in ("fw_flax_cnn", "fw_nnx_transformer", "fw_equinox_transformer", "fw_gpt2", "fw_keras_cnn",
@@ -172,3 +173,27 @@ def test_diff_shows_breakdown_deltas(tmp_path) -> None:
     base.write_text(json.dumps(doc))
     with pytest.raises(FormatError, match=r"step_breakdown\[0\]\.host_bound_s"):
         side_from_json(base)
+
+
+def test_interval_sets_match_their_points() -> None:
+    """merge_intervals / intersect_intervals / subtract_intervals against the sets of integer points the
+    intervals cover; results merged (sorted, apart)."""
+    rng = np.random.default_rng(11)
+
+    def points(s: tuple[np.ndarray, np.ndarray]) -> set[int]:
+        return {t for a, b in zip(*s) for t in range(a, b)}
+
+    def random_set() -> tuple[np.ndarray, np.ndarray]:
+        k = int(rng.integers(0, 12))
+        start = rng.integers(0, 80, k)
+        end = start + rng.integers(0, 15, k)
+        merged = merge_intervals(start, end)
+        assert points(merged) == points((start, end)) and (merged[0][1:] > merged[1][:-1]).all()
+        return merged
+
+    for _ in range(2000):
+        a, b = random_set(), random_set()
+        for got, want in ((intersect_intervals(a, b), points(a) & points(b)),
+                          (subtract_intervals(a, b), points(a) - points(b))):
+            assert points(got) == want
+            assert got[0].dtype == np.int64 and (got[1] > got[0]).all() and (got[0][1:] > got[1][:-1]).all()

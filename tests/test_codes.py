@@ -31,6 +31,21 @@ def test_group_codes_stay_exact_past_int64_radix():
     assert list(group_codes(cols)) == [0, 1, 2]
 
 
+def test_group_codes_by_offsets_and_tables_match_tuples():
+    # whole floats with NaN, far-apart integers, fractions, unsigned ints, one-valued columns, and categoricals
+    # with enough codes that the radix outgrows the table (hashing then)
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n = int(rng.integers(1, 60))
+        whole = rng.integers(-2, 3, n).astype(float)
+        whole[rng.random(n) < 0.3] = np.nan
+        cols = [whole, rng.choice([0, 10**12], n), rng.integers(0, 4, n) / 2, np.full(n, 5),
+                rng.integers(2**63, 2**63 + 3, n, dtype=np.uint64), np.ones(n, bool),
+                pd.Categorical(rng.integers(0, 40, n).astype(str)), pd.Series(pd.array(rng.integers(0, 50, n)))]
+        pick = [cols[i] for i in rng.choice(len(cols), int(rng.integers(1, 5)), replace=False)]
+        assert (group_codes(pick) == _first_seen_ids(pick)).all()
+
+
 def test_group_figures_match_pandas():
     rng = np.random.default_rng(5)
     group = rng.integers(0, 6, 60)

@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import group_codes
+from traceroof.codes import first_rows, group_codes
 
 # what makes an op row: events sharing these are executions of one op in one step on one device
 ROW_KEY = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "step", "framework_scope")
@@ -68,17 +68,22 @@ def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
     key_columns = [events[c] for c in keys]
     row = group_codes(key_columns) if keys else np.zeros(len(events), np.int64)
     n_rows = int(row.max()) + 1 if len(row) else 0
-    order = np.argsort(row, kind="stable")
-    bounds = np.flatnonzero(np.diff(row[order], prepend=-1)) if len(row) else np.zeros(0, np.int64)
-    first = order[bounds]
+    first = first_rows(row)
     start = events["start_ps"].to_numpy(np.int64)
     duration = events["duration_ps"].to_numpy(np.int64)
     cols: dict[str, object] = {c: col.array.take(first) for c, col in zip(keys, key_columns)}
     cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
-    cols["duration_ps"] = np.add.reduceat(duration[order], bounds) if n_rows else np.zeros(0, np.int64)
-    cols["start_ps"] = np.minimum.reduceat(start[order], bounds) if n_rows else np.zeros(0, np.int64)
-    for c in TPU_COST_COLUMNS:
-        if c in events:
+    if n_rows == len(row):  # every event a row of its own (the ids count up in event order)
+        cols["duration_ps"], cols["start_ps"] = duration.copy(), start.copy()
+    else:  # integer sums and minima in any order: no sort of the events
+        cols["duration_ps"], cols["start_ps"] = np.zeros(n_rows, np.int64), start[first]
+        np.add.at(cols["duration_ps"], row, duration)
+        np.minimum.at(cols["start_ps"], row, start)
+    costs = [c for c in TPU_COST_COLUMNS if c in events]
+    if costs:  # float sums as reduceat adds each row's events, in event order
+        order = np.argsort(row, kind="stable")
+        bounds = np.flatnonzero(np.diff(row[order], prepend=-1))
+        for c in costs:
             v = events[c].to_numpy(np.float64)
             cols[c] = np.add.reduceat(v[order], bounds) if n_rows else np.zeros(0)  # NaN if any event lacks it
     rows = pd.DataFrame(cols, copy=False)

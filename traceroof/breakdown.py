@@ -204,13 +204,17 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
         w = np.flatnonzero(w_dev == g)
         lo = w_start[w]
         hi = np.maximum(w_end[w], lo)
-        m = np.flatnonzero((dev == code_of.get(d, -1)) & counted)
+        on_device = (dev == code_of.get(d, -1)) & counted
+        m = slice(None) if on_device.all() else np.flatnonzero(on_device)  # a view where every event counts
         s, e = start[m], end[m]
         is_c = coll[m]
-        compute = merge_intervals(s[~is_c], e[~is_c])
-        comm_lo = _async_windows(op[m][is_c], pid[m][is_c], s[is_c], e[is_c], pairs or {}) if is_c.any() \
-            else s[is_c]
-        busy = _union(compute, merge_intervals(comm_lo, e[is_c]))
+        any_c = bool(is_c.any())
+        compute = merge_intervals(s[~is_c], e[~is_c]) if any_c else merge_intervals(s, e)
+        if any_c:  # busy: compute and communication
+            comm_lo = _async_windows(op[m][is_c], pid[m][is_c], s[is_c], e[is_c], pairs or {})
+            busy = _union(compute, merge_intervals(comm_lo, e[is_c]))
+        else:
+            busy = compute
         # executions: run id where known, else program and step
         by_run = ~np.isnan(rid[m])
         first_s, last_e, first_launch = _executions(pid[m], by_run, np.where(by_run, rid[m], step[m]), s, e,
@@ -243,10 +247,13 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
             rows[c].append(v)
         drawn = [(st, w0, w1) for st, w0, w1 in zip(w_step[w].tolist(), lo.tolist(), hi.tolist())
                  if (st, d) in draw]
-        if drawn:  # the device's idle and exposed sets, once for all its drawn steps
-            device_sets = {"exposed communication": subtract_intervals(busy, compute),
-                           "launch gap": subtract_intervals(programs, busy), "host-bound": idle_host}
-            occupied = _union(busy, programs, idle_host)
+        if drawn:  # the device's idle and exposed sets inside its drawn steps (a few of many), once for all
+            clip = merge_intervals(np.array([w0 for _, w0, _ in drawn]), np.array([w1 for _, _, w1 in drawn]))
+            busy_d, compute_d, programs_d, host_d = (intersect_intervals(x, clip)
+                                                     for x in (busy, compute, programs, idle_host))
+            device_sets = {"exposed communication": subtract_intervals(busy_d, compute_d),
+                           "launch gap": subtract_intervals(programs_d, busy_d), "host-bound": host_d}
+            occupied = _union(busy_d, programs_d, host_d)
         for st, w0, w1 in drawn:
             win = (np.array([w0], np.int64), np.array([w1], np.int64))
             sets = {**device_sets, "outside any program": subtract_intervals(win, occupied)}

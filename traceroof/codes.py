@@ -14,43 +14,92 @@ import pandas as pd
 def group_codes(columns: Sequence[Any]) -> np.ndarray:
     """Per row, a dense group id (0..n-1 in order of first appearance) shared by the rows whose values are equal in
     every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes over
-    the columns' own codes (a Categorical's codes as they are, integers of a short range less their least, other
-    columns factorized), numbered once at the end (by a table where the radix is small), or factorized sooner
+    the columns' own codes (a Categorical's codes as they are, integers by their offset from the least, other
+    columns factorized; a column of one value left out), made dense once at the end (:func:`_dense`), or sooner
     where the radix would overflow int64."""
     n_rows = len(columns[0]) if len(columns) else 0
-    group = np.zeros(n_rows, np.int64)
-    radix = 1
+    group, radix = np.zeros(n_rows, np.int64), 1
     for col in columns:
         codes, n = _column_codes(col)
+        if n <= 1:  # one value: splits nothing
+            continue
         if radix * n >= 1 << 62:
-            group, uniques = pd.factorize(group)
-            radix = len(uniques)
-        group = group * n + codes
+            group, radix = _dense(group, radix)
+        group = group * n + codes if radix > 1 else codes
         radix *= n
-    if radix > 2 * n_rows:
-        return pd.factorize(group)[0].astype(np.int64)
-    # few possible codes: number them by first row through a table, not a hash table
-    first = np.full(radix, n_rows, np.int64)
-    first[group[::-1]] = np.arange(n_rows)[::-1]
-    present = np.flatnonzero(first < n_rows)
-    ids = np.empty(radix, np.int64)
-    ids[present[np.argsort(first[present])]] = np.arange(len(present))
-    return ids[group]
+    return _dense(group, radix)[0]
 
 
-def _column_codes(col: Any) -> tuple[np.ndarray, int]:
-    """(int64 codes in 0..n-1, n) of one column: equal values share a code, NA has one of its own."""
-    if isinstance(getattr(col, "dtype", None), pd.CategoricalDtype):
-        cat = col.array if isinstance(col, pd.Series) else col
-        return np.add(cat.codes, 1, dtype=np.int64), len(cat.categories) + 1  # code -1 (NA) -> 0
-    if getattr(col, "dtype", None) == np.dtype(bool):
-        return np.asarray(col).astype(np.int64), 2
-    if isinstance(col, np.ndarray) and col.dtype.kind in "iu" and len(col):
-        low, high = int(col.min()), int(col.max())
-        if high - low < max(len(col), 1 << 16):  # a short range (dense ids, run ids): the values less the least
-            return (col - low).astype(np.int64), high - low + 1
+def _dense(group: np.ndarray, radix: int) -> tuple[np.ndarray, int]:
+    """Codes ``group`` (0..radix-1) renumbered 0..k-1 in order of first appearance, and k. A table over the radix
+    where it is no larger than twice the rows: the first row of each code scattered into it, then the codes of
+    the rows that come first numbered in row order (hashing millions of int64 codes, ``pd.factorize``, reads a
+    hash table at random: 5 times slower on 3.4 M rows); ``pd.factorize`` otherwise."""
+    n = len(group)
+    if radix > 2 * n + 1024:
+        codes, uniques = pd.factorize(group)
+        return codes.astype(np.int64), len(uniques)
+    index = np.int32 if n < 1 << 31 else np.int64
+    table = np.full(radix, n, index)
+    table[group[::-1]] = np.arange(n - 1, -1, -1, dtype=index)  # the last write wins: each code's first row
+    starts = group[table[group] == np.arange(n, dtype=index)]  # the codes of the rows that come first
+    table[starts] = np.arange(len(starts), dtype=index)
+    return table[group].astype(np.int64), len(starts)
+
+
+def _column_codes(col: Any) -> tuple[np.ndarray | None, int]:
+    """(int64 codes in 0..n-1, n) of one column: equal values share a code, NA has one of its own; (None, 1) for
+    a column of one value. Categorical: its codes + 1 (up to the highest used); bool: 0, 1; integers and whole floats
+    spanning at most twice the rows: their offset from the least + 1 (NA: 0); others factorized."""
+    dtype = getattr(col, "dtype", None)
+    n_rows = len(col)
+    if isinstance(dtype, pd.CategoricalDtype):
+        codes = (col.array if isinstance(col, pd.Series) else col).codes
+        if not n_rows or int(codes.min()) == int(codes.max()):
+            return None, 1
+        return np.add(codes, 1, dtype=np.int64), int(codes.max()) + 2  # code -1 (NA) -> 0
+    if dtype == np.dtype(bool):
+        v = np.asarray(col)
+        return (v.astype(np.int64), 2) if v.any() and not v.all() else (None, 1)
+    ranged = _offsets(col)
+    if ranged is not None:
+        return ranged
     codes, uniques = pd.factorize(col, use_na_sentinel=False)
     return codes.astype(np.int64), len(uniques)
+
+
+def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
+    """:func:`_column_codes` of a column of whole numbers (numpy or nullable integers, floats) spanning at most
+    twice the rows: value - least + 1, NA (and NaN) 0; None for other columns."""
+    arr = col.array if isinstance(col, pd.Series) else col
+    na = None
+    if isinstance(arr, (pd.arrays.IntegerArray, pd.arrays.FloatingArray)):
+        na, v = arr.isna(), arr.to_numpy(dtype=arr.dtype.numpy_dtype, na_value=0)
+    elif isinstance(arr, (np.ndarray, pd.arrays.NumpyExtensionArray)):
+        v = np.asarray(arr)
+    else:
+        return None
+    if v.dtype.kind not in "iuf" or not len(v):
+        return None
+    if v.dtype.kind == "f":
+        with np.errstate(invalid="ignore"):  # inf - inf: NaN, not a fraction (inf is then too far from the least)
+            if (v - np.floor(v) > 0).any():  # a fraction
+                return None
+        nan = np.isnan(v)
+        na = nan if na is None else na | nan
+    some = v[~na] if na is not None and na.any() else v
+    if not len(some):
+        return None, 1  # all missing
+    lo, hi = some.min(), some.max()
+    if hi - lo > 2 * len(v):  # inf too
+        return None
+    if lo == hi and some is v:
+        return None, 1
+    with np.errstate(over="ignore", invalid="ignore"):  # at NA: whatever the filler gives, overwritten
+        codes = (v - lo).astype(np.int64) + 1
+    if some is not v:
+        codes[na] = 0
+    return codes, int(hi - lo) + 2
 
 
 def first_rows(group: np.ndarray) -> np.ndarray:

@@ -41,15 +41,19 @@ def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.
     """The union of intervals [start, end) as sorted, disjoint (start, end) int64 arrays."""
     start, end = np.asarray(start, np.int64), np.asarray(end, np.int64)
     keep = end > start
-    start, end = start[keep], end[keep]
+    if not keep.all():
+        start, end = start[keep], end[keep]
     if not len(start):
         return start, end
-    order = np.argsort(start, kind="stable")
+    order = np.argsort(start, kind="stable")  # op events come in a few sorted runs (threads): timsort merges them
     s, e = start[order], end[order]
     run_end = np.maximum.accumulate(e)
-    new = np.ones(len(s), bool)
-    new[1:] = s[1:] > run_end[:-1]
-    return s[new], np.maximum.reduceat(e, np.flatnonzero(new))  # each run of overlapping intervals: its end
+    new = np.empty(len(s), bool)
+    new[0] = True
+    np.greater(s[1:], run_end[:-1], out=new[1:])
+    first = np.flatnonzero(new)
+    # a run of overlapping intervals ends at the running max at its last interval (the runs before end earlier)
+    return s[first], run_end[np.append(first[1:] - 1, len(s) - 1)]
 
 
 def covered_ps(s: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -68,47 +72,49 @@ def covered_ps(s: tuple[np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray)
     return np.maximum(before(np.asarray(hi, np.int64)) - before(np.asarray(lo, np.int64)), 0)
 
 
-def _segments(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every distinct start and end of two merged interval sets, sorted, and whether the segment from each to the
-    next lies in ``a`` / in ``b``. Each set's bounds, interleaved, are one sorted run, and a time lies in the set
-    when an odd number of them are at or before it: the two runs are merged by a stable sort in about linear time
-    and each set's parity accumulated (a binary search per time cost seconds on millions of op events)."""
-    def bounds(s: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-        out = np.empty(2 * len(s[0]), np.int64)
-        out[0::2], out[1::2] = s
-        return out
-
-    pa, pb = bounds(a), bounds(b)
-    t = np.concatenate([pa, pb])
-    order = np.argsort(t, kind="stable")
-    pts = t[order]
-    of_a = order < len(pa)
-    in_a = np.logical_xor.accumulate(of_a)  # after each bound: inside a
-    in_b = np.logical_xor.accumulate(~of_a)
-    last = np.ones(len(pts), bool)  # the state after every bound at the same time
-    last[:-1] = pts[1:] != pts[:-1]
-    return pts[last], in_a[last], in_b[last]
+def _overlapping(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Per interval of merged ``a``, the first interval of merged ``b`` that overlaps it and how many do (a run):
+    two binary searches per interval of ``a``, no sort."""
+    first = np.searchsorted(b[1], a[0], side="right")  # the first interval of b ending after it starts
+    stop = np.searchsorted(b[0], a[1], side="left")  # past the last one starting before it ends
+    return first, np.maximum(stop - first, 0)
 
 
-def _runs(pts: np.ndarray, keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The segments [pts[i], pts[i + 1]) with ``keep[i]``, adjacent ones joined: sorted, disjoint intervals."""
-    edge = np.diff(np.concatenate([[False], keep, [False]]).astype(np.int8))
-    return pts[np.flatnonzero(edge == 1)], pts[np.flatnonzero(edge == -1)]
-
-
-def subtract_intervals(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
-                       ) -> tuple[np.ndarray, np.ndarray]:
-    """Merged intervals ``a`` less merged intervals ``b`` (both sorted and disjoint)."""
-    pts, in_a, in_b = _segments(a, b)
-    return _runs(pts, (in_a & ~in_b)[:-1])
+def _spread(n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For counts ``n`` per item: each of their ``sum(n)`` slots' item and its rank (0..n-1) within the item."""
+    item = np.repeat(np.arange(len(n)), n)
+    return item, np.arange(len(item)) - np.repeat(np.cumsum(n) - n, n)
 
 
 def intersect_intervals(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
                         ) -> tuple[np.ndarray, np.ndarray]:
-    """The intersection of merged intervals ``a`` and ``b`` (both sorted and disjoint)."""
-    pts, in_a, in_b = _segments(a, b)
-    return _runs(pts, (in_a & in_b)[:-1])
+    """The intersection of merged intervals ``a`` and ``b`` (sorted, disjoint and apart, as :func:`merge_intervals`
+    makes them), merged the same way: each interval of the smaller set clipped to the run of intervals of the
+    other that it overlaps (binary searches: O(small x log(large) + output), no sort of an interval per op
+    event)."""
+    if len(a[0]) > len(b[0]):
+        a, b = b, a
+    first, n = _overlapping(a, b)
+    i, k = _spread(n)
+    j = first[i] + k
+    return np.maximum(a[0][i], b[0][j]), np.minimum(a[1][i], b[1][j])
+
+
+def subtract_intervals(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Merged intervals ``a`` less merged intervals ``b`` (as :func:`merge_intervals` makes them), merged the same
+    way: each interval of ``a`` cut at the run of intervals of ``b`` it overlaps (binary searches, no sort)."""
+    (s, e), (bs, be) = a, b
+    if not len(bs) or not len(s):
+        return s, e
+    first, n = _overlapping(a, b)
+    i, k = _spread(n + 1)  # n overlapping intervals leave n + 1 pieces (some empty)
+    j = first[i] + k
+    lo = np.where(k == 0, s[i], be[np.maximum(j - 1, 0)])  # from the start or the end of the interval before
+    hi = np.where(k == n[i], e[i], bs[np.minimum(j, len(bs) - 1)])  # to the end or the start of the next one
+    keep = hi > lo
+    return lo[keep], hi[keep]
 
 
 def _line_kind(name: str) -> str | None:

@@ -50,6 +50,46 @@ def _grouped_quantiles(op: np.ndarray, t: np.ndarray, w: np.ndarray, n_ops: int,
     return out, mx, total, mid
 
 
+def _event_quantiles(op: np.ndarray, duration_ps: np.ndarray, n_ops: int, qs: Sequence[float]
+                     ) -> tuple[dict[float, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_grouped_quantiles` of one unit-weight sample per event (op codes ``op``, times ``duration_ps`` x
+    1e-12 s), plus each op's executions slower than ``OUTLIER_RATIO`` x its median (``qs`` holds 0.5). The
+    samples grouped by op (a radix sort of the small op codes), then each op's few order statistics that the
+    figures read placed by ``np.partition``: no sort of all events. A time is monotone in its duration, so
+    positions among durations are positions among times."""
+    order = np.argsort(op.astype(np.min_scalar_type(n_ops)), kind="stable")  # radix for up to 65,536 ops
+    dur = duration_ps[order]
+    size = np.bincount(op, minlength=n_ops)
+    first = np.cumsum(size) - size
+    g = np.flatnonzero(size)  # ops with samples; the others get NaN, and no outliers
+    total = size.astype(np.float64)
+    # the first sample whose count reaches q of the op's (the tolerance as _grouped_quantiles')
+    at_q = {q: np.maximum(np.ceil(q * total - 1e-9 * total), 1).astype(np.int64) - 1 for q in qs}
+    ranks = [*at_q.values(), (size - 1) // 2, size // 2, size - 1]  # and the middle ones, the last
+    for o in g.tolist():
+        dur[first[o]:first[o] + size[o]].partition(sorted({int(k[o]) for k in ranks}))
+
+    def time_at(rank: np.ndarray) -> np.ndarray:  # the time of each op's sample of this rank
+        v = np.full(n_ops, np.nan)
+        v[g] = dur[first[g] + rank[g]].astype(np.float64) * 1e-12
+        return v
+
+    out = {q: time_at(k) for q, k in at_q.items()}
+    mx = time_at(size - 1)
+    mid = (time_at((size - 1) // 2) + time_at(size // 2)) / 2
+    # outliers: the durations from each op's least d with d * 1e-12 > the limit (float rounding: nudged to it)
+    limit = OUTLIER_RATIO * out[0.5][g]
+    d = np.clip(np.floor(limit * 1e12), -(1 << 62), 1 << 62).astype(np.int64)
+    while (down := (d - 1) * 1e-12 > limit).any():
+        d -= down
+    while (up := ~(d * 1e-12 > limit)).any():
+        d += up
+    far = np.zeros(n_ops)
+    for o, least in zip(g.tolist(), d.tolist()):
+        far[o] = np.count_nonzero(dur[first[o]:first[o] + size[o]] >= least)
+    return out, mx, total, mid, far
+
+
 def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at: np.ndarray | None = None
                     ) -> pd.DataFrame:
     """Robust per-execution statistics of every op (index ``OP_ID``, sorted): ``median_s`` and ``p90_s``
@@ -82,26 +122,33 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
 
     n_ops = len(first_row)
     single = pick(counted["kernels_per_execution"].to_numpy(np.float64)) <= 1.0
-    measured = pick(counted["measured_s"].to_numpy(np.float64))
-    executions = pick(counted["executions"].to_numpy(np.float64))
     labels = pick(counted.index.to_numpy())
+    many = np.flatnonzero(~single & pick(counted["device"].notna().to_numpy()))
+    stats = None
     parts_op, parts_t, parts_w = [], [], []
     if single.any() and timeline is not None:
         # each event of a single-kernel row is one execution: its own duration
         # counted's index labels are op-table row numbers, which the timeline's events point to
-        pos = np.full(max(int(labels.max()), int(timeline.row.max(initial=0))) + 1, -1, np.int64)
-        pos[labels[single]] = np.flatnonzero(single)
-        ev = np.flatnonzero(pos[timeline.row] >= 0)
-        r = pos[timeline.row[ev]]
-        parts_op.append(op_row[r])
-        parts_t.append(timeline.duration_ps[ev].astype(np.float64) * 1e-12)
-        parts_w.append(np.ones(len(ev)))
-    elif single.any():
+        op_of = np.full(max(int(labels.max()), int(timeline.row.max(initial=0))) + 1, -1, np.int64)
+        op_of[labels[single]] = op_row[single]
+        ev_op, duration = op_of[timeline.row], timeline.duration_ps.astype(np.int64, copy=False)
+        if (ev_op < 0).any():
+            ev = np.flatnonzero(ev_op >= 0)
+            ev_op, duration = ev_op[ev], duration[ev]
+        if not len(many):  # every sample one event: order statistics per op, no sort of all events
+            stats = _event_quantiles(ev_op, duration, n_ops, (0.5, 0.9))
+        else:
+            parts_op.append(ev_op)
+            parts_t.append(duration.astype(np.float64) * 1e-12)
+            parts_w.append(np.ones(len(ev_op)))
+    if len(many) or single.any() and timeline is None:  # samples from rows' times and executions
+        measured = pick(counted["measured_s"].to_numpy(np.float64))
+        executions = pick(counted["executions"].to_numpy(np.float64))
+    if single.any() and timeline is None:
         parts_op.append(op_row[single])
         with np.errstate(divide="ignore", invalid="ignore"):
             parts_t.append(measured[single] / executions[single])
         parts_w.append(executions[single])
-    many = np.flatnonzero(~single & pick(counted["device"].notna().to_numpy()))
     if len(many):  # per (op, device, step) sums; rows without a step are one step of their own
         step = pick(counted["step"].to_numpy(dtype="float64", na_value=-1))[many]
         per_step = group_codes([op_row[many], pick(counted["device"].array)[many], step])
@@ -110,12 +157,15 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
         with np.errstate(divide="ignore", invalid="ignore"):
             parts_t.append(m / x)
         parts_w.append(x)
-    op = np.concatenate(parts_op).astype(np.int64)
-    t = np.concatenate(parts_t)
-    w = np.concatenate(parts_w)
-    q, mx, total, mid = _grouped_quantiles(op, t, w, n_ops, (0.5, 0.9))
+    if stats is None:
+        op = np.concatenate(parts_op).astype(np.int64)
+        t = np.concatenate(parts_t)
+        w = np.concatenate(parts_w)
+        q, mx, total, mid = _grouped_quantiles(op, t, w, n_ops, (0.5, 0.9))
+        far = np.bincount(op, weights=np.where(t > OUTLIER_RATIO * q[0.5][op], w, 0.0), minlength=n_ops)
+    else:
+        q, mx, total, mid, far = stats
     median = q[0.5]
-    far = np.bincount(op, weights=np.where(t > OUTLIER_RATIO * median[op], w, 0.0), minlength=n_ops)
     mod_t, pid_t, op_t = text(module), pid[first_row], text(hlo_op)
     order = np.lexsort((np.unique(op_t, return_inverse=True)[1], pid_t, np.unique(mod_t, return_inverse=True)[1]))
     with np.errstate(divide="ignore", invalid="ignore"):

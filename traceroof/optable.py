@@ -252,32 +252,35 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | N
         if costs is not None:
             return costs.wide(rows, at)
         return rows if at is None else rows.take(at)
+    if at is not None and (np.diff(at) <= 0).any():  # the sums below add rows in their order
+        return per_op(rows.take(at), costs=costs)
     pick = (lambda v: v) if at is None else (lambda v: v[at])
     key = group_codes([pick(rows["op_key"].to_numpy(np.int64)), pick(rows["scope"].array)])
     n = int(key.max()) + 1
-    order = np.argsort(key, kind="stable")
-    bounds = np.flatnonzero(np.diff(key[order], prepend=-1))
-    first = order[bounds]  # each op's first row, in order of first appearance
+    first = first_rows(key) if at is None else at[first_rows(key)]  # each op's first row, by first appearance
     summed: dict[str, np.ndarray] = costs.sums(rows, key, n, at) if costs is not None else {}
-    for c, kind in ((c, dtype.kind) for c, dtype in rows.dtypes.items()):
-        if c in _NOT_ADDITIVE or kind not in "iuf":  # bool, text, categories: the op's own
+    if at is not None:  # every row's op; the rows left out count in one more, dropped
+        key_at, key = key, np.full(len(rows), n, np.int64)
+        key[at] = key_at
+    for c, dtype in rows.dtypes.items():
+        if c in _NOT_ADDITIVE or dtype.kind not in "iuf":  # bool, text, categories: the op's own
             continue
-        if c == "start_ps":
-            summed[c] = np.minimum.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
-        elif kind in "iu":
-            summed[c] = np.add.reduceat(pick(rows[c].to_numpy(np.int64))[order], bounds)
-        else:
-            summed[c] = np.bincount(key, weights=pick(rows[c].to_numpy(np.float64)), minlength=n)  # ids: first-seen
+        if dtype.kind in "iu":  # integer sums and minima in any order: no sort of the rows
+            v = rows[c].to_numpy(np.int64)
+            total = np.append(v[first], 0) if c == "start_ps" else np.zeros(n + 1, np.int64)
+            (np.minimum if c == "start_ps" else np.add).at(total, key, v)
+            summed[c] = total[:n]
+        else:  # ids: first-seen
+            summed[c] = np.bincount(key, weights=rows[c].to_numpy(np.float64), minlength=n + 1)[:n]
     if "efficiency" in rows or "expected_s" in summed:
         m = summed["measured_s"]
         with np.errstate(divide="ignore", invalid="ignore"):
             summed["efficiency"] = np.where(m > 0, summed["expected_s"] / m, np.nan)
-    at_first = first if at is None else at[first]
     if costs is not None:  # the other worked-out columns: the op's own (its first row's)
-        out = costs.wide(rows, at_first, summed)
+        out = costs.wide(rows, first, summed)
         out.index = pd.RangeIndex(n)
         return out
-    out = rows.take(at_first)
+    out = rows.take(first)
     out.index = pd.RangeIndex(n)
     for kind in "fi":  # one assignment per kind: a column at a time splits pandas' block each time
         names = [c for c, v in summed.items() if v.dtype.kind == kind]

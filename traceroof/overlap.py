@@ -29,8 +29,15 @@ def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
 def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``col.astype(str)`` at positions ``rows`` (a missing value reads ``nan``, as ``astype(str)`` writes it), as
     (codes into the distinct texts, the sorted distinct texts)."""
-    names, codes = np.unique(as_text(col, "nan")[rows], return_inverse=True)
-    return codes.reshape(-1).astype(np.int64), names
+    if not isinstance(col.dtype, pd.CategoricalDtype):
+        names, codes = np.unique(as_text(col, "nan")[rows], return_inverse=True)
+        return codes.reshape(-1).astype(np.int64), names
+    # a categorical: its categories' texts sorted, not one text per row
+    names, at = np.unique(np.append(category_text(col.array), "nan"), return_inverse=True)  # code -1: "nan"
+    codes = at.reshape(-1)[col.array.codes[rows]]
+    used = np.zeros(len(names), bool)
+    used[codes] = True  # the texts of these rows only, as np.unique of them gives
+    return (np.cumsum(used) - 1)[codes].astype(np.int64), names[used]
 
 
 def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tuple[object, str], str]
