@@ -168,7 +168,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "
                      "traffic only")
     ops, costs = roofline_rows(ops, costs, target)
-    notes += precision_notes(ops, target, costs.columns(ops, ("flops",))["flops"])
+    notes += precision_notes(ops, target, costs)
     ops = exposed_communication(ops, timeline, _async_pairs(profile.modules))
 
     steps = profile.steps

@@ -185,10 +185,10 @@ def main_matmul_peak(ops: pd.DataFrame, chip: Chip, default_dtype: str = "f32") 
     return (value if _usable(value) else None), key
 
 
-def precision_notes(ops: pd.DataFrame, chip: Chip, flops: np.ndarray | None = None) -> list[str]:
+def precision_notes(ops: pd.DataFrame, chip: Chip, costs: RowCosts | None = None) -> list[str]:
     """A report note for f32 matmuls judged against a precision-specific peak (TF32 or FP32 on NVIDIA): their
-    share of matmul FLOPs per key and the rule (XLA ``GetBlasComputationType``). ``flops``: per row of ``ops``
-    (default its ``flops`` column)."""
+    share of matmul FLOPs per key and the rule (XLA ``GetBlasComputationType``). ``costs``: where ``ops`` keeps
+    its cost columns per op (:mod:`traceroof.rowcosts`); default its ``flops`` column."""
     if "dot_precision" not in ops or "peak_key" not in ops:
         return []
     # matmuls with a precision request (a missing one counts as one, as astype(str) != "" has it) and its peak
@@ -196,8 +196,8 @@ def precision_notes(ops: pd.DataFrame, chip: Chip, flops: np.ndarray | None = No
                         & ~_reads(ops["dot_precision"], lambda p: p == "") & _reads(ops["peak_key"], _precision_key))
     if not len(mm):
         return []
-    flops = ops["flops"].to_numpy(np.float64) if flops is None else flops
-    by_key = pd.Series(flops[mm]).groupby(ops["peak_key"].iloc[mm].astype(str).to_numpy()).sum()
+    flops = ops["flops"].to_numpy(np.float64)[mm] if costs is None else costs.columns(ops, ("flops",), mm)["flops"]
+    by_key = pd.Series(flops).groupby(ops["peak_key"].iloc[mm].astype(str).to_numpy()).sum()
     total = by_key.sum()
     parts = ", ".join(f"{k} {v / total:.0%}" if total > 0 else k
                       for k, v in by_key.sort_values(ascending=False).items())
