@@ -108,10 +108,19 @@ class _Parser:
         self.end = end
         self.source = source
         self.first_line = first_line  # line number of ``text[0]`` in the source (operand sub-parsers)
+        self._counted = (0, first_line)  # (position, its line number): newlines counted so far, once each
 
     # -- low level -------------------------------------------------------------------------------------
+    def line_at(self, pos: int) -> int:
+        """The source line number of ``text[pos]``, counting newlines on from the last position asked (each
+        instruction asks for its own: counting from the start every time made parsing quadratic)."""
+        at, line = self._counted if pos >= self._counted[0] else (0, self.first_line)
+        line += self.t.count("\n", at, pos)
+        self._counted = (pos, line)
+        return line
+
     def error(self, what: str) -> HloParseError:
-        line = self.t.count("\n", 0, self.pos) + self.first_line
+        line = self.line_at(self.pos)
         snippet = self.t[self.pos: self.pos + 40].split("\n")[0]
         return HloParseError(f"{self.source}:{line}: {what} near {snippet!r}")
 
@@ -392,7 +401,7 @@ class _Parser:
         if opcode in ("constant", "parameter") or (opcode == "iota" and not inner.strip()):
             literal = inner.strip()
         elif inner.strip():
-            line = self.t.count("\n", 0, start) + self.first_line
+            line = self.line_at(start)
             for part in _split_top(inner):
                 sub = _Parser(part, 0, len(part), self.source, line)
                 sub.ws()

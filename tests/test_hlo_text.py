@@ -157,6 +157,19 @@ def test_malformed_text_raises_one_line_error(text):
     assert "\n" not in str(err.value) and "bad.txt" in str(err.value)
 
 
+@pytest.mark.parametrize("bad, line", [("  c = f32[2]{0} add(f32[2]{0} , f32[2]{0} %b)", 6),  # in an operand
+                                       ("  c = f32[2]{0} add(f32[2]{0} %a, %b)\n  d = f32[2]{0} add(f32[2]{0} , %b)", 7),
+                                       ("  c = f32[2]{0} add(f32[2]{0} %a, f32[2]{0} %b", 6),  # an unclosed call
+                                       ("  c f32[2]{0} add(f32[2]{0} %a)", 6)])
+def test_a_parse_error_names_its_line(bad, line):
+    """The line number in an error counts the newlines before the bad text, however many instructions with
+    operands came before it (the parser counts each newline once, from the last position it asked about)."""
+    text = ("HloModule m\n\nENTRY e {\n  a = f32[2]{0} parameter(0)\n  b = f32[2]{0} negate(f32[2]{0} %a)\n"
+            + bad + "\n  ROOT r = f32[2]{0} negate(f32[2]{0} %b)\n}\n")
+    with pytest.raises(HloParseError, match=rf"^bad\.txt:{line}: "):
+        parse_hlo_text(text, source="bad.txt")
+
+
 def test_third_party_samples_parse():
     d = THIRD_PARTY / "xla_hlo_samples"
     if not d.exists():
