@@ -27,6 +27,7 @@ from traceroof.cost import CostModel, _sizes
 from parsers.hlo import is_retiling
 from traceroof.layers import layer_of, parse_scope
 from traceroof.events import as_id
+from traceroof.optable import SharedList
 
 MAX_OP_TIME_S = DURATION_LIMIT_PS * 1e-12  # 13.3 days: the profile parsers' limit on one event's duration
 
@@ -149,7 +150,7 @@ def export_op_table(path: str | Path, depth: int = 2) -> tuple[pd.DataFrame, Exp
     ops["collective_id"] = np.array([i if c is not None else -1 for i, c in enumerate(collectives)], np.int64)
     ops["collective_group"] = [f"{c.kind}/{c.group_size}x{c.num_groups}" if c is not None else ""
                                for c in collectives]
-    ops.attrs["collectives"] = collectives
+    ops.attrs["collectives"] = SharedList(collectives)  # a plain list is deep-copied at every frame operation
     for col in ("opcode", "category", "dtype", "scope", "phase", "layer", "module", "hlo_op", "device", "host"):
         ops[col] = ops[col].astype("category")
     ops["step"] = pd.array(ops["step"], "Int64")
