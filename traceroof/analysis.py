@@ -33,6 +33,7 @@ from traceroof.progress import progress
 from traceroof.rowcosts import RowCosts
 from traceroof.results import Analysis, Summary  # noqa: F401 (the API: traceroof.analysis.Analysis)
 from traceroof.roofline import main_matmul_peak, precision_notes, roofline_rows
+from traceroof.steps import steps_with_ops
 from traceroof.utilization import _step_durations, flop_utilization, utilization_notes
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
@@ -183,7 +184,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     if len(all_steps) <= warmup_steps and warmup_steps:
         notes.append(f"only {len(all_steps)} step(s) marked: none excluded as warm-up")
         warmup_steps = 0
-    used = _steps_with_ops(tuple(all_steps[warmup_steps:]), ops, profile, notes)
+    used = steps_with_ops(tuple(all_steps[warmup_steps:]), ops["step"], profile.step_annotation,
+                          profile.inputs.description, notes)
     sel = steps[steps["step"].isin(used)]
     durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
     step_mean = float(durations.mean()) if len(durations) else float("nan")
@@ -243,45 +245,6 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  parallelism=par, row_costs=costs)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
                                           tuple(profile.modules)))
-
-
-def _steps_with_ops(used: tuple[int, ...], ops: pd.DataFrame, profile: Profile, notes: list[str]
-                    ) -> tuple[int, ...]:
-    """The marked steps among ``used`` that hold op events; the others are left out with a note. Under JAX's
-    asynchronous dispatch a loop that never blocks before ``jax.profiler.stop_trace()`` leaves its steps'
-    device work outside the profile: their annotations are there, their ops are not (a new user's README loop
-    without ``block_until_ready`` reported 5 steps of 0 FLOP and a host-bound device).
-
-    :raises InputError: no used step holds op events (one line saying to block before stopping the trace).
-    """
-    if not used or not profile.step_annotation or profile.step_annotation.startswith("executions of"):
-        return used
-    empty = [s for s, held in zip(used, _held(np.asarray(used, np.int64), ops["step"])) if not held]
-    if not empty:
-        return used
-    span = f"{empty[0]}" if len(empty) == 1 else f"{empty[0]}-{empty[-1]}" if empty[-1] - empty[0] == len(empty) - 1 \
-        else ", ".join(map(str, empty[:6])) + (" ..." if len(empty) > 6 else "")
-    advice = ("their device work ran after the trace stopped: call jax.block_until_ready() on the last step's "
-              "outputs before jax.profiler.stop_trace()")
-    if len(empty) == len(used):
-        raise InputError(f"{profile.inputs.description}: the {len(used)} marked step(s) after the warm-up "
-                         f"(steps {span}) hold no XLA op events; {advice}")
-    notes.append(f"{len(empty)} marked step(s) hold no op events (steps {span}): left out; if {advice}")
-    gone = set(empty)
-    return tuple(s for s in used if s not in gone)
-
-
-def _held(steps: np.ndarray, step: pd.Series) -> np.ndarray:
-    """Whether each of ``steps`` occurs in the op rows' ``step`` column (NA in none): a count per step over the
-    span of ``steps`` (the op rows are millions on a long profile; a set of their steps cost 0.4 s)."""
-    if not len(steps):
-        return np.zeros(0, bool)
-    lo, hi = int(steps.min()), int(steps.max())
-    if hi - lo > 4 * len(step) + 1024:  # a few steps far apart
-        return np.isin(steps, step.dropna().to_numpy(np.int64))
-    values = step.to_numpy(dtype="int64", na_value=lo - 1)
-    inside = (values >= lo) & (values <= hi)
-    return (np.bincount(values[inside] - lo, minlength=hi - lo + 1) > 0)[steps - lo]
 
 
 def _cost_disagreements(ops: pd.DataFrame, costs: RowCosts) -> list[str]:

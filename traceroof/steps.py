@@ -25,6 +25,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from parsers.errors import InputError
 from traceroof.codes import as_float64, first_rows, group_codes, na_int64
 
 # PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
@@ -277,3 +278,44 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     end = np.array([f[1] if f else 0 for f in found], np.int64)
     return steps.assign(device_start_ps=pd.arrays.IntegerArray(start, missing),
                         device_end_ps=pd.arrays.IntegerArray(end, missing.copy()))
+
+
+def steps_with_ops(used: tuple[int, ...], step: pd.Series, annotation: str, description: str, notes: list[str]
+                   ) -> tuple[int, ...]:
+    """The marked steps among ``used`` that hold op events (``step``: the op rows' step, Int64), the others left
+    out with a note appended to ``notes``; ``annotation``: the profile's step annotation (steps that are
+    executions of a program always hold ops); ``description``: the input, for the error. Under JAX's
+    asynchronous dispatch a loop that never blocks before ``jax.profiler.stop_trace()`` leaves its steps'
+    device work outside the profile: their annotations are there, their ops are not (a new user's README loop
+    without ``block_until_ready`` reported 5 steps of 0 FLOP and a host-bound device).
+
+    :raises InputError: no used step holds op events (one line saying to block before stopping the trace).
+    """
+    if not used or not annotation or annotation.startswith("executions of"):
+        return used
+    empty = [s for s, held in zip(used, _held(np.asarray(used, np.int64), step)) if not held]
+    if not empty:
+        return used
+    span = f"{empty[0]}" if len(empty) == 1 else f"{empty[0]}-{empty[-1]}" if empty[-1] - empty[0] == len(empty) - 1 \
+        else ", ".join(map(str, empty[:6])) + (" ..." if len(empty) > 6 else "")
+    advice = ("their device work ran after the trace stopped: call jax.block_until_ready() on the last step's "
+              "outputs before jax.profiler.stop_trace()")
+    if len(empty) == len(used):
+        raise InputError(f"{description}: the {len(used)} marked step(s) after the warm-up "
+                         f"(steps {span}) hold no XLA op events; {advice}")
+    notes.append(f"{len(empty)} marked step(s) hold no op events (steps {span}): left out; if {advice}")
+    gone = set(empty)
+    return tuple(s for s in used if s not in gone)
+
+
+def _held(steps: np.ndarray, step: pd.Series) -> np.ndarray:
+    """Whether each of ``steps`` occurs in the op rows' ``step`` column (NA in none): a count per step over the
+    span of ``steps`` (the op rows are millions on a long profile; a set of their steps cost 0.4 s)."""
+    if not len(steps):
+        return np.zeros(0, bool)
+    lo, hi = int(steps.min()), int(steps.max())
+    if hi - lo > 4 * len(step) + 1024:  # a few steps far apart
+        return np.isin(steps, step.dropna().to_numpy(np.int64))
+    values = step.to_numpy(dtype="int64", na_value=lo - 1)
+    inside = (values >= lo) & (values <= hi)
+    return (np.bincount(values[inside] - lo, minlength=hi - lo + 1) > 0)[steps - lo]
