@@ -387,3 +387,33 @@ def test_a_later_hosts_op_starts_and_launches_move_onto_the_first_hosts_clock(tm
     assert ((b["start_ps"] - a["start_ps"]) == 10**12).all()
     known = a["launch_ps"].notna()
     assert ((b["launch_ps"] - a["launch_ps"])[known] == 10**12).all()
+
+
+def test_a_process_returns_each_programs_hlo_once_per_analysis(tmp_path) -> None:
+    """The hosts of a pod run one program: within one analysis a process returns its HLO with the first host it
+    reads and a ModuleRef with the others, and the merge puts the module back, as read from each host (its
+    source), so the profile is the one the full copies give; a new analysis sends it again."""
+    import dataclasses
+
+    from traceroof.hlo_source import fingerprint
+    from traceroof.host import HostTask, ModuleRef, read_host
+    from traceroof.profile import merge_hosts
+
+    inputs = discover([_pod(tmp_path)], [ROOT / "fixtures" / "sharded_mlp" / "hlo"])
+    tasks = [HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files, "analysis-1") for p in inputs.profiles]
+    hosts = [read_host(t) for t in tasks]
+    assert hosts[0].modules and not any(isinstance(m, ModuleRef) for m, _ in hosts[0].modules)
+    assert all(isinstance(m, ModuleRef) for h in hosts[1:] for m, _ in h.modules)
+    assert len(pickle.dumps(hosts[1].modules)) * 20 < len(pickle.dumps(hosts[0].modules))
+    full = [read_host(dataclasses.replace(t, analysis_id="")) for t in tasks]
+    assert not any(isinstance(m, ModuleRef) for h in full for m, _ in h.modules)
+
+    def modules(p):
+        return [(m.program_id, m.name, m.source, fingerprint(m)) for m in p.modules]
+    merged, plain = merge_hosts(inputs, hosts), merge_hosts(inputs, full)
+    assert modules(merged) == modules(plain) and merged.notes == plain.notes
+    # a reference first (a Dask worker may read the hosts in any order): the module as that host read it
+    merged = merge_hosts(inputs, [hosts[1], hosts[0], hosts[2]])
+    assert modules(merged) == modules(merge_hosts(inputs, [full[1], full[0], full[2]]))
+    again = read_host(dataclasses.replace(tasks[1], analysis_id="analysis-2"))
+    assert not any(isinstance(m, ModuleRef) for m, _ in again.modules)

@@ -20,7 +20,8 @@ from parsers.xspace import read_xspace
 from traceroof.aggregate import Timeline, aggregate_events
 from traceroof.asyncends import _bound_async_ends
 from traceroof.events import _host_of, _trace_json_events, _xspace_events
-from traceroof.hlo_source import check_dumps, embedded_hlo, parse_dumps, profile_hlo, reconcile, relevant_dumps
+from traceroof.hlo_source import (check_dumps, embedded_hlo, fingerprint, parse_dumps, profile_hlo, reconcile,
+                                  relevant_dumps)
 from traceroof.hostactivity import host_activity
 from traceroof.memory import AllocatorPeak, plane_allocators
 from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps
@@ -37,6 +38,26 @@ class HostTask:
     kind: str
     hlo_files: tuple[Location, ...] = ()
     hlo_proto_files: tuple[Location, ...] = ()
+    analysis_id: str = ""  # one per analysis: a worker sends each program's HLO once per analysis (ModuleRef)
+
+
+@dataclass(frozen=True)
+class ModuleRef:
+    """In :attr:`HostEvents.modules`, instead of an HLO module the same worker process already returned for an
+    earlier host of the same analysis: its program id, name, :func:`~traceroof.hlo_source.fingerprint` and
+    ``source`` (where this host's copy came from: an embedded HloProto names the host's file). The
+    hosts of a pod run one program, so without this every host ships (pickles) its own copy of the program's
+    HLO back, and the merge unpickles and fingerprints each one: 74 ms per host for the transformer fixture's
+    2,209-instruction program, tens of seconds for a pod of hundreds of hosts running a large one."""
+
+    program_id: int | None
+    name: str
+    fingerprint: str
+    source: str = ""
+
+
+_RETURNED: dict[str, set[tuple[int | None, str, str]]] = {}  # per analysis id: the modules this process returned
+_RETURNED_ANALYSES = 4  # analysis ids remembered (``attach`` runs one analysis after another in one process)
 
 
 @dataclass(eq=False)
@@ -47,7 +68,8 @@ class HostEvents:
     ``start_ns``: the host's ``profile_start_time`` (ns since the epoch) that aligns hosts, ``None`` when
     unknown. ``read_notes``: the file's own (parser notes); ``event_notes``: async ends and steps;
     ``hlo_notes``: HLO found, skipped or superseded. ``counts``: events dropped or repaired by kind, summed over
-    hosts for the report's notes. ``modules``: ``(module, how)`` with how ``embedded`` / ``sidecar`` / ``dump``.
+    hosts for the report's notes. ``modules``: ``(module, how)`` with how ``embedded`` / ``sidecar`` / ``dump``;
+    a :class:`ModuleRef` instead of the module when this process returned it already (:func:`send_once`).
     """
 
     host: str
@@ -64,7 +86,7 @@ class HostEvents:
     event_notes: list[str] = field(default_factory=list)
     hlo_notes: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
-    modules: list[tuple[HloModule, str]] = field(default_factory=list)
+    modules: list[tuple[HloModule | ModuleRef, str]] = field(default_factory=list)
     superseded: frozenset[str] = frozenset()
     host_activity: pd.DataFrame | None = None  # host threads' busy intervals (traceroof.hostactivity)
     allocators: tuple[AllocatorPeak, ...] = ()  # traceroof.memory.plane_allocators of the /host:CPU plane
@@ -122,7 +144,26 @@ def read_host(task: HostTask) -> HostEvents:
     ev = _bound_async_ends(ev, truth + dumps, counts)
     ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes, counts)
     out.rows, out.timeline = aggregate_events(ev)
-    out.modules = list(extra) + [(m, "dump") for m in dumps]
+    out.modules = send_once(task.analysis_id, list(extra) + [(m, "dump") for m in dumps])
+    return out
+
+
+def send_once(analysis_id: str, modules: list[tuple[HloModule, str]]) -> list[tuple[HloModule | ModuleRef, str]]:
+    """``modules`` with each one this process already returned for ``analysis_id`` replaced by its
+    :class:`ModuleRef` (none replaced without an id). Called last in :func:`read_host`, so a module counts as
+    returned only with a host that was read whole."""
+    if not analysis_id:
+        return list(modules)
+    if analysis_id not in _RETURNED:
+        while len(_RETURNED) >= _RETURNED_ANALYSES:
+            _RETURNED.pop(next(iter(_RETURNED)))
+        _RETURNED[analysis_id] = set()
+    sent = _RETURNED[analysis_id]
+    out: list[tuple[HloModule | ModuleRef, str]] = []
+    for m, how in modules:
+        key = (m.program_id, m.name, fingerprint(m)[0])
+        out.append((ModuleRef(*key, m.source), how) if key in sent else (m, how))
+        sent.add(key)
     return out
 
 

@@ -9,6 +9,8 @@ or dump folders) and from ``*after_optimizations*`` dumps found beside the profi
 
 from __future__ import annotations
 
+import copy
+import uuid
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -26,7 +28,7 @@ from traceroof.codes import constant_categorical
 from traceroof.asyncends import async_notes
 from traceroof.hlo_source import fingerprint
 from traceroof.hostactivity import empty_activity, shifted_activity
-from traceroof.host import HostEvents, HostTask, read_host, step_notes
+from traceroof.host import HostEvents, HostTask, ModuleRef, read_host, step_notes
 from traceroof.memory import NO_ALLOCATOR_EVENTS, AllocatorPeak, merge_allocators
 from traceroof.parallel import map_hosts
 
@@ -86,7 +88,8 @@ def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None 
     :raises FormatError: a profile or HLO file is corrupt.
     :raises InputError: the profile holds no XLA op events.
     """
-    tasks = [HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files) for p in inputs.profiles]
+    analysis_id = uuid.uuid4().hex
+    tasks = [HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files, analysis_id) for p in inputs.profiles]
     if any(storage.process_local(p) for p in inputs.profiles):
         jobs, dask_address = 1, None
     hosts = map_hosts(read_host, tasks, jobs=jobs, dask_address=dask_address, label="hosts")
@@ -175,16 +178,24 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
                      "without it")
     notes += async_notes(counts) + _dedup([n for h in hosts for n in h.event_notes]) + step_notes(counts)
     notes += _dedup([n for h in hosts for n in h.hlo_notes])
+    # each module as (program id, name, fingerprint): a ModuleRef names one an earlier host returned
+    ids = [[(m.program_id, m.name, m.fingerprint if isinstance(m, ModuleRef) else
+             fingerprint(m)[0] if len(hosts) > 1 else "") for m, _ in h.modules] for h in hosts]
+    sent = {full: m for h, fulls in zip(hosts, ids) for (m, _), full in zip(h.modules, fulls)
+            if not isinstance(m, ModuleRef)}
     seen: dict[tuple, tuple[HloModule, str]] = {}
     owner: dict[tuple, tuple[str, str]] = {}  # program -> (first host holding it, its fingerprint)
     differing: list[str] = []
-    for h in hosts:  # one module per program (id and name; by name without an id), as the hosts ran one program
-        for m, how in h.modules:
-            key = (m.program_id, m.name)
+    for h, fulls in zip(hosts, ids):  # one module per program (id and name; by name without an id)
+        for (m, how), full in zip(h.modules, fulls):
+            key = full[:2]
             if key not in seen:
+                if isinstance(m, ModuleRef):  # the same program, returned with another host: as read from this one
+                    ref, m = m, copy.copy(sent[full])
+                    m.source = ref.source
                 seen[key] = (m, how)
-                owner[key] = (h.host, fingerprint(m)[0]) if len(hosts) > 1 else (h.host, "")
-            elif len(hosts) > 1 and fingerprint(m)[0] != owner[key][1]:
+                owner[key] = (h.host, full[2])
+            elif len(hosts) > 1 and full[2] != owner[key][1]:
                 differing.append(f"{m.name} ({owner[key][0]} vs {h.host})")
     if differing:
         notes.append(f"hosts hold different HLO under the same program id and name: {', '.join(differing[:3])}"
