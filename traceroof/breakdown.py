@@ -25,6 +25,8 @@ Executions are told apart by ``run_id`` (XLA:CPU) and otherwise by program and s
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import pandas as pd
 
@@ -57,6 +59,14 @@ def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
             return col.array.codes, np.asarray(names, dtype=object)
     codes, names = pd.factorize(col.astype(str).to_numpy(dtype=object))
     return codes, np.asarray(names, dtype=object)
+
+
+def _positions(key: np.ndarray, n: int) -> Callable[[int], np.ndarray]:
+    """For codes ``key`` in 0..n-1: a function giving the positions holding code ``k``, in increasing order
+    (``np.flatnonzero(key == k)``), from one stable sort of the codes instead of a pass over ``key`` per code."""
+    order = np.argsort(key.astype(np.min_scalar_type(max(n, 1))), kind="stable")  # a radix sort: small codes
+    bounds = np.searchsorted(key[order], np.arange(n + 1))
+    return lambda k: order[bounds[k]:bounds[k + 1]] if 0 <= k < n else order[:0]
 
 
 def _as_str(col: pd.Series, rows: np.ndarray) -> np.ndarray:
@@ -200,12 +210,18 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     w_start = windows["start_ps"].to_numpy(np.int64)
     w_end = windows["end_ps"].to_numpy(np.int64)
     rows: dict[str, list] = {c: [] for c in cols}
+    # positions grouped once (each device's in their order), not a pass over every event per device
+    ev_of = _positions(np.where(counted, dev + 1, len(dev_names) + 1), len(dev_names) + 2)
+    w_of = _positions(w_dev + 1, len(w_names) + 1)
+    act_codes, act_names = pd.factorize(act_host)
+    act_of = _positions(act_codes + 1, len(act_names) + 1)
+    act_code = {h: i for i, h in enumerate(act_names.tolist())}
     for g, d in enumerate(w_names):
-        w = np.flatnonzero(w_dev == g)
+        w = w_of(g + 1)
         lo = w_start[w]
         hi = np.maximum(w_end[w], lo)
-        on_device = (dev == code_of.get(d, -1)) & counted
-        m = slice(None) if on_device.all() else np.flatnonzero(on_device)  # a view where every event counts
+        m = ev_of(code_of.get(d, -1) + 1)
+        m = slice(None) if len(m) == len(dev) else m  # a view where every event counts
         s, e = start[m], end[m]
         is_c = coll[m]
         any_c = bool(is_c.any())
@@ -221,7 +237,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
                                                     launch[m])
         programs = merge_intervals(first_s, last_e)
         waiting = _waiting_for_launch(first_s, first_launch, programs)
-        on_host = act_host == host_of.get(d, "")
+        on_host = act_of(act_code.get(host_of.get(d, ""), -2) + 1)  # a host without activity: none
         host = merge_intervals(act_start[on_host], act_end[on_host])
         idle_host = subtract_intervals(intersect_intervals(waiting, host), busy)  # waiting: outside every program
         c_ps = covered_ps(compute, lo, hi)
@@ -235,7 +251,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
         for k in HOST_KINDS:
             share = np.full(len(lo), np.nan)
             if (hb_ps > 0).any():
-                of_kind = on_host & (act_kind == k)
+                of_kind = on_host[act_kind[on_host] == k]
                 kset = merge_intervals(act_start[of_kind], act_end[of_kind])
                 share = np.where(hb_ps > 0, covered_ps(intersect_intervals(idle_host, kset), lo, hi)
                                  / np.maximum(hb_ps, 1), np.nan)
