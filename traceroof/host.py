@@ -6,6 +6,7 @@ is a :class:`HostEvents`: the events aggregated into op rows and their slim time
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,7 @@ class ModuleRef:
 
 _RETURNED: dict[str, set[tuple[int | None, str, str]]] = {}  # per analysis id: the modules this process returned
 _RETURNED_ANALYSES = 4  # analysis ids remembered (``attach`` runs one analysis after another in one process)
+_RETURNED_LOCK = threading.Lock()  # a Dask worker runs tasks in threads
 
 
 @dataclass(eq=False)
@@ -154,16 +156,16 @@ def send_once(analysis_id: str, modules: list[tuple[HloModule, str]]) -> list[tu
     returned only with a host that was read whole."""
     if not analysis_id:
         return list(modules)
-    if analysis_id not in _RETURNED:
-        while len(_RETURNED) >= _RETURNED_ANALYSES:
-            _RETURNED.pop(next(iter(_RETURNED)))
-        _RETURNED[analysis_id] = set()
-    sent = _RETURNED[analysis_id]
-    out: list[tuple[HloModule | ModuleRef, str]] = []
-    for m, how in modules:
-        key = (m.program_id, m.name, fingerprint(m)[0])
-        out.append((ModuleRef(*key, m.source), how) if key in sent else (m, how))
-        sent.add(key)
+    keys = [(m.program_id, m.name, fingerprint(m)[0]) for m, _ in modules]
+    with _RETURNED_LOCK:
+        if analysis_id not in _RETURNED:
+            while len(_RETURNED) >= _RETURNED_ANALYSES:
+                _RETURNED.pop(next(iter(_RETURNED)))
+            _RETURNED[analysis_id] = set()
+        sent = _RETURNED[analysis_id]
+        out: list[tuple[HloModule | ModuleRef, str]] = [
+            (ModuleRef(*key, m.source), how) if key in sent else (m, how) for (m, how), key in zip(modules, keys)]
+        sent.update(keys)
     return out
 
 
