@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import group_codes
+from traceroof.codes import group_codes, group_order
 from traceroof.hostactivity import (HOST_KINDS, covered_ps, intersect_intervals, merge_intervals,
                                    subtract_intervals)
 from traceroof.aggregate import Timeline
@@ -63,9 +63,8 @@ def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
 
 def _positions(key: np.ndarray, n: int) -> Callable[[int], np.ndarray]:
     """For codes ``key`` in 0..n-1: a function giving the positions holding code ``k``, in increasing order
-    (``np.flatnonzero(key == k)``), from one stable sort of the codes instead of a pass over ``key`` per code."""
-    order = np.argsort(key.astype(np.min_scalar_type(max(n, 1))), kind="stable")  # a radix sort: small codes
-    bounds = np.searchsorted(key[order], np.arange(n + 1))
+    (``np.flatnonzero(key == k)``; none for a code outside 0..n-1), from :func:`~traceroof.codes.group_order`."""
+    order, bounds = group_order(key, n)
     return lambda k: order[bounds[k]:bounds[k + 1]] if 0 <= k < n else order[:0]
 
 

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import as_text, category_text, first_rows, group_codes, group_sum, positions
+from traceroof.codes import as_text, category_text, first_rows, group_codes, group_order, group_sum, positions
 from traceroof.aggregate import Timeline
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
@@ -57,10 +57,9 @@ def _event_quantiles(op: np.ndarray, duration_ps: np.ndarray, n_ops: int, qs: Se
     samples grouped by op (a radix sort of the small op codes), then each op's few order statistics that the
     figures read placed by ``np.partition``: no sort of all events. A time is monotone in its duration, so
     positions among durations are positions among times."""
-    order = np.argsort(op.astype(np.min_scalar_type(n_ops)), kind="stable")  # radix for up to 65,536 ops
+    order, bounds = group_order(op, n_ops)
     dur = duration_ps[order]
-    size = np.bincount(op, minlength=n_ops)
-    first = np.cumsum(size) - size
+    first, size = bounds[:-1], np.diff(bounds)
     g = np.flatnonzero(size)  # ops with samples; the others get NaN, and no outliers
     total = size.astype(np.float64)
     # the first sample whose count reaches q of the op's (the tolerance as _grouped_quantiles')

@@ -24,8 +24,6 @@ from traceroof.codes import as_text, category_text, constant_categorical, first_
 if TYPE_CHECKING:
     from traceroof.rowcosts import RowCosts
 
-CHUNK_ROWS = 1 << 18  # op rows whose worked-out cost columns are computed at once: ~2 MB per column
-
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
 
 
@@ -161,11 +159,7 @@ def roofline_rows(ops: pd.DataFrame, costs: RowCosts, chip: Chip) -> tuple[pd.Da
     first = first_rows(key)
     per_op_peak[key[first]] = peak[first]
     costs = costs.with_roofline(per_op_peak, hbm_bandwidth(chip))
-    bound = np.zeros(len(ops), np.int8)
-    for lo in range(0, len(ops), CHUNK_ROWS):  # memory stays flat on millions of rows
-        part = np.arange(lo, min(lo + CHUNK_ROWS, len(ops)))
-        bound[part] = costs.columns(ops, ("bound",), part)["bound"]
-    ops["bound"] = _sorted_categorical(bound, BOUNDS)
+    ops["bound"] = _sorted_categorical(costs.bound_codes(ops), BOUNDS)
     return ops, costs
 
 

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from traceroof.roofline import CHUNK_ROWS, roofline_values
+from traceroof.roofline import roofline_values
 
 ADDITIVE = ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")  # per event x events
 TPU_OURS = ("traceroof_flops", "traceroof_hbm_bytes")  # our count beside libtpu's, on TPU rows
 ROOFLINE_FLOATS = ("compute_s", "memory_s", "communication_s", "expected_s", "efficiency",
                    "arithmetic_intensity_flops_per_byte", "lost_s")
+CHUNK_ROWS = 1 << 18  # op rows whose worked-out columns are computed at once when reducing them: ~2 MB per column
 NOT_SUMMED = ("peak_flops_per_s", "efficiency", "arithmetic_intensity_flops_per_byte")  # an op's own, or a ratio
 # where each worked-out column stands in the whole table: after the stored column named
 _AFTER = {"source": ADDITIVE, "op_key": TPU_OURS, "instance": ("comm_s",), "comm_latency_bound": ("peak_flops_per_s",),
@@ -117,6 +118,15 @@ class RowCosts:
             for c, v in self.columns(ops, names, part).items():
                 total[c] = np.bincount(codes, weights=np.concatenate([total[c], v]), minlength=n_groups)
         return total
+
+    def bound_codes(self, ops: pd.DataFrame) -> np.ndarray:
+        """Per row of ``ops``, what bounds it (int8 codes into :data:`traceroof.roofline.BOUNDS`), worked out
+        :data:`CHUNK_ROWS` rows at a time."""
+        out = np.zeros(len(ops), np.int8)
+        for lo in range(0, len(ops), CHUNK_ROWS):
+            part = np.arange(lo, min(lo + CHUNK_ROWS, len(ops)))
+            out[part] = self.columns(ops, ("bound",), part)["bound"]
+        return out
 
     def wide(self, ops: pd.DataFrame, at: np.ndarray | None = None,
              values: dict[str, np.ndarray] | None = None) -> pd.DataFrame:
