@@ -211,3 +211,26 @@ with jax.profiler.trace({str(logdir)!r}):
     (run,) = list((logdir / "plugins" / "profile").iterdir())
     assert (run / "traceroof_report.md").exists() and (run / "traceroof_report.json").exists()
     assert str(run) in out and "step " in out
+
+
+def test_watch_analyzes_again_a_run_whose_file_was_incomplete(tmp_path):
+    """A profile caught half-written (its size stable over one poll) fails to analyze; once the writer finishes,
+    the watcher analyzes the run again instead of skipping it for good."""
+    from traceroof.attach import watch
+
+    whole = (ROOT / "fixtures" / "fuzz" / "tiny.xplane.pb").read_bytes()
+    run = tmp_path / "plugins" / "profile" / "run1"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(whole[: len(whole) // 3])
+    seen: list[str] = []
+
+    def on_report(path, analysis, error):
+        seen.append(error)
+        if error:  # the writer finishes
+            (path / "host.xplane.pb").write_bytes(whole)
+
+    done = watch(tmp_path, interval_s=0.05, timeout_s=60, max_reports=1, chip=HOST_CHIP, on_report=on_report,
+                 existing=True)
+    assert done == [run]
+    assert len(seen) == 2 and seen[0] and seen[1] == ""
+    assert (run / "traceroof_report.json").exists()

@@ -477,29 +477,36 @@ def watch(logdir: str | Path, interval_s: float = 2.0, timeout_s: float | None =
 
     Runs present when watching starts are skipped unless ``existing``. Stops after ``timeout_s`` or
     ``max_reports`` reports. A run that fails to analyze is reported through ``on_report`` with the error and
-    skipped. Returns the run directories analyzed.
+    skipped until its files change: a profile still being written (a writer that paused longer than a poll on a
+    busy machine or a slow network disk) is analyzed again once it is whole. Returns the run directories analyzed.
     """
     root = Path(logdir) / "plugins" / "profile"
     seen: set[Path] = set() if existing else (set(root.glob("*")) if root.exists() else set())
     sizes: dict[Path, int] = {}
+    failed: dict[Path, dict[Path, int]] = {}  # run -> its files' sizes when it failed
     done: list[Path] = []
     start = time.monotonic()
     while True:
         for run in sorted(root.glob("*")) if root.exists() else []:
             if run in seen or not run.is_dir() or not _complete(run, sizes):
                 continue
-            seen.add(run)
+            files = {f: s for f, s in sizes.items() if f.parent == run}
+            if failed.get(run) == files:
+                continue
             try:
                 from traceroof.analysis import analyze
 
                 a = analyze(run, chip=chip)
                 write_reports(a, run)
-                done.append(run)
-                if on_report:
-                    on_report(run, a, "")
             except TraceroofError as e:
+                failed[run] = files
                 if on_report:
                     on_report(run, None, str(e))
+                continue
+            seen.add(run)
+            done.append(run)
+            if on_report:
+                on_report(run, a, "")
             if max_reports is not None and len(done) >= max_reports:
                 return done
         if timeout_s is not None and time.monotonic() - start > timeout_s:
