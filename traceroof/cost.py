@@ -97,6 +97,7 @@ class OpCost:
                       self.hbm_bytes * k, self.opaque, self.note)
 
 
+_ZERO = OpCost()  # the cost of parameters, constants, bitcasts, control ops ... (frozen: one shared instance)
 _NO_LEAF = Shape("tuple", tuple_shapes=())
 
 
@@ -111,14 +112,17 @@ def _sizes(shape: Shape | None) -> tuple[int, int, int]:
     if shape is None:
         return 0, 0, 0
     logical = shape.byte_size()
-    if shape.is_tuple:
+    layout = shape.layout
+    if shape.tuple_shapes is not None or layout is None:
         return logical, logical, logical
-    padded = shape.padded_byte_size()
-    on_hbm = shape.layout is None or shape.layout.memory_space == 0
-    return logical, padded, padded if on_hbm else 0
+    padded = shape.padded_byte_size() if layout.tiles else logical  # no tiles: no padding
+    return logical, padded, padded if layout.memory_space == 0 else 0
 
 
 def _leaf_sizes(shape: Shape) -> tuple[int, int, int]:
+    """(logical, padded, hbm) bytes summed over the array leaves of a shape."""
+    if shape.tuple_shapes is None:
+        return _sizes(shape)
     totals = [0, 0, 0]
     for leaf in shape.leaves():
         for i, v in enumerate(_sizes(leaf)):
@@ -144,7 +148,7 @@ class CostModel:
     """
 
     module: HloModule
-    _cache: dict[tuple[str, str], OpCost] = field(default_factory=dict)
+    _cache: dict[str, OpCost] = field(default_factory=dict)
     _comp_cache: dict[str, OpCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -242,11 +246,10 @@ class CostModel:
     def cost(self, inst: Instruction) -> OpCost:
         """Cost of one execution of ``inst`` itself. Control ops (while, call, conditional) cost 0 here: their
         bodies are costed per instruction and counted by :attr:`executions`."""
-        key = (self.comp_of.get(inst.name).name if inst.name in self.comp_of else "", inst.name)
-        c = self._cache.get(key)
+        c = self._cache.get(inst.name)  # by name, as :attr:`comp_of` finds an instruction's computation
         if c is None:
             c = _checked(self._cost(inst), inst)
-            self._cache[key] = c
+            self._cache[inst.name] = c
         return c
 
     def computation_cost(self, name: str) -> OpCost:
@@ -254,28 +257,31 @@ class CostModel:
         if name in self._comp_cache:
             return self._comp_cache[name]
         comp = self.module.computations.get(name)
-        total = OpCost()
-        if comp is not None:
-            for inst in comp.instructions:
-                total = total + self.cost(inst)
+        # OpCost.__add__ over the instructions in order, without an OpCost per step
+        flops = trans = logical = padded = hbm = 0.0
+        opaque, note = False, ""
+        for inst in comp.instructions if comp is not None else ():
+            c = self.cost(inst)
+            if c is _ZERO:
+                continue
+            flops, trans = flops + c.flops, trans + c.transcendentals
+            logical, padded, hbm = logical + c.bytes_accessed, padded + c.padded_bytes, hbm + c.hbm_bytes
+            opaque, note = opaque or c.opaque, note or c.note
+        total = OpCost(flops, trans, logical, padded, hbm, opaque, note)
         self._comp_cache[name] = total
         return total
 
     def _default_bytes(self, inst: Instruction) -> tuple[float, float, float]:
-        out = _sizes(inst.shape)
-        tot = list(out)
+        logical, padded, hbm = _sizes(inst.shape)
         for i in range(len(inst.operands)):
             s = _sizes(self.operand_shape(inst, i))
-            for j in range(3):
-                tot[j] += s[j]
-        return tot[0], tot[1], tot[2]
+            logical, padded, hbm = logical + s[0], padded + s[1], hbm + s[2]
+        return logical, padded, hbm
 
     def _cost(self, inst: Instruction) -> OpCost:
         op = inst.opcode
-        if op in ZERO_COST_OPCODES:
-            return OpCost()
-        if op in CONTROL_OPCODES:
-            return OpCost()
+        if op in ZERO_COST_OPCODES or op in CONTROL_OPCODES:
+            return _ZERO
         if op in DONE_OPCODES:
             return OpCost(note=f"{op}: the -start of the pair carries the cost")
         if op == "fusion":
@@ -287,7 +293,8 @@ class CostModel:
             src = _sizes(self.operand_shape(inst, 0))
             b = (2 * src[0], 2 * src[1], 2 * src[2])
         flops = trans = 0.0
-        out_elems = sum(leaf.elements for leaf in inst.shape.leaves())
+        shape = inst.shape
+        out_elems = shape.elements if shape.tuple_shapes is None else sum(leaf.elements for leaf in shape.leaves())
         if op in ELEMENTWISE_OPCODES:
             if op in TRANSCENDENTAL_OPCODES:
                 trans = out_elems
@@ -617,9 +624,11 @@ def _dict(value: object) -> dict:
 def _checked(cost: OpCost, inst: Instruction) -> OpCost:
     """``cost`` when every figure is finite and non-negative; else an opaque zero cost whose note says why (a
     figure derived from inconsistent shapes or attributes is dropped, never used)."""
-    figures = (cost.flops, cost.transcendentals, cost.bytes_accessed, cost.padded_bytes, cost.hbm_bytes)
-    if all(math.isfinite(v) and v >= 0 for v in figures):
+    if cost is _ZERO or (0 <= cost.flops < math.inf and 0 <= cost.transcendentals < math.inf
+                         and 0 <= cost.bytes_accessed < math.inf and 0 <= cost.padded_bytes < math.inf
+                         and 0 <= cost.hbm_bytes < math.inf):  # NaN fails every comparison
         return cost
+    figures = (cost.flops, cost.transcendentals, cost.bytes_accessed, cost.padded_bytes, cost.hbm_bytes)
     return OpCost(opaque=True, note=f"cost of {inst.opcode} {inst.name} dropped: its shapes or attributes give "
                                     f"non-finite or negative figures ({', '.join(f'{v:.3g}' for v in figures)})")
 
