@@ -185,10 +185,9 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
             cols[col] = cat
     scope = cols["scope"]
     if scope_of_op:  # events per scope from the ops' (sums of whole event counts: exact in any order)
-        at, names = keys, scope.categories
-        codes = _categories(table["scope"])[1] if len(rows) else np.zeros(0, np.int64)
-        scope_events = np.bincount(codes, weights=events_u, minlength=len(names))
-        rows_of = np.bincount(codes, minlength=len(names))
+        at, codes = keys, _categories(table["scope"])[1]  # the scope of each op (its code in scope.categories)
+        scope_events = np.bincount(codes, weights=events_u, minlength=len(scope.categories))
+        rows_of = np.bincount(codes, minlength=len(scope.categories))
     else:
         at, codes = scope.codes, np.arange(len(scope.categories))
         named = at >= 0
@@ -273,9 +272,11 @@ def _devices_per_module(device: pd.Series, mod_idx: np.ndarray, n_modules: int) 
     n_dev = int(dev.max()) + 1 if len(dev) else 0
     if not n_dev:
         return np.zeros(n_modules, np.int64)
-    pair = mod_idx * n_dev + dev
-    on = (mod_idx >= 0) & (dev >= 0)
-    ran = np.bincount(pair if on.all() else pair[on], minlength=n_modules * n_dev) > 0
+    # the pairs of the first rows of runs of one (module, device) are those of every row
+    heads = np.flatnonzero(np.concatenate([[True], (dev[1:] != dev[:-1]) | (mod_idx[1:] != mod_idx[:-1])]))
+    module, dev = mod_idx[heads], dev[heads].astype(np.int64)
+    on = (module >= 0) & (dev >= 0)
+    ran = np.bincount(module[on] * n_dev + dev[on], minlength=n_modules * n_dev) > 0
     return ran.reshape(n_modules, n_dev).sum(axis=1)
 
 
