@@ -71,7 +71,8 @@ class Shape:
         """Number of elements of an array shape (0 for a tuple, 1 for a scalar)."""
         if self.tuple_shapes is not None:
             return 0
-        return math.prod(max(d, 0) for d in self.dims)
+        dims = self.dims
+        return math.prod(dims) if not dims or min(dims) >= 0 else 0  # an unbounded dim (-1) holds none
 
     def leaves(self) -> list["Shape"]:
         """Array (and token) leaves, depth first."""
@@ -88,7 +89,15 @@ class Shape:
 
     def byte_size(self) -> int:
         """Logical bytes, as ``ShapeUtil::ByteSizeOf(shape, pointer_size=8)``: tuple = 8 B per element (the
-        pointer table), token 0, sub-byte types packed only when the layout says ``E(bits)``."""
+        pointer table), token 0, sub-byte types packed only when the layout says ``E(bits)``. Worked out once per
+        shape (the cost model asks for each operand's size at every use)."""
+        size = self.__dict__.get("_byte_size")
+        if size is None:
+            size = self._byte_size()
+            self.__dict__["_byte_size"] = size  # not a field: equality, hash and repr ignore it
+        return size
+
+    def _byte_size(self) -> int:
         if self.tuple_shapes is not None:
             return POINTER_BYTES * len(self.tuple_shapes)
         bits = ELEMENT_BITS.get(self.element_type, 0)
@@ -313,8 +322,13 @@ class Computation:
         if self._users is None:
             users: dict[str, list[Instruction]] = {}
             for inst in self.instructions:
-                for op in dict.fromkeys(inst.operands):
-                    users.setdefault(op, []).append(inst)
+                ops = inst.operands
+                for op in dict.fromkeys(ops) if len(ops) > 1 else ops:
+                    got = users.get(op)
+                    if got is None:
+                        users[op] = [inst]
+                    else:
+                        got.append(inst)
             self._users = users
         return self._users
 

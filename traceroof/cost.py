@@ -44,6 +44,9 @@ ELEMENTWISE_OPCODES = TRANSCENDENTAL_OPCODES | frozenset({
 ZERO_COST_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "domain", "after-all",
                                "add-dependency", "bitcast", "opt-barrier", "optimization-barrier"})
 # partition-id / replica-id keep the default bytes (their u32[] output): HandlePartitionId, HandleReplicaId
+# opcodes costed by their bytes alone (no FLOPs, transcendentals, opacity or note): data movement
+BYTES_ONLY_OPCODES = frozenset({"broadcast", "copy", "reshape", "transpose", "slice", "dynamic-slice",
+                                "dynamic-update-slice", "gather", "concatenate", "iota", "pad", "reverse", "tuple"})
 CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
 GEMM_CUSTOM_CALL = re.compile(r"^__cublas\$(gemm|lt\$matmul.*)$|^__hipblaslt\$|^__rocblas\$gemm")
 CONV_CUSTOM_CALL = re.compile(r"^__cudnn\$conv")
@@ -97,6 +100,7 @@ class OpCost:
                       self.hbm_bytes * k, self.opaque, self.note)
 
 
+_ZERO = OpCost()  # the cost of parameters, constants, bitcasts, control ops ... (frozen: one shared instance)
 _NO_LEAF = Shape("tuple", tuple_shapes=())
 
 
@@ -111,14 +115,17 @@ def _sizes(shape: Shape | None) -> tuple[int, int, int]:
     if shape is None:
         return 0, 0, 0
     logical = shape.byte_size()
-    if shape.is_tuple:
+    layout = shape.layout
+    if shape.tuple_shapes is not None or layout is None:
         return logical, logical, logical
-    padded = shape.padded_byte_size()
-    on_hbm = shape.layout is None or shape.layout.memory_space == 0
-    return logical, padded, padded if on_hbm else 0
+    padded = shape.padded_byte_size() if layout.tiles else logical  # no tiles: no padding
+    return logical, padded, padded if layout.memory_space == 0 else 0
 
 
 def _leaf_sizes(shape: Shape) -> tuple[int, int, int]:
+    """(logical, padded, hbm) bytes summed over the array leaves of a shape."""
+    if shape.tuple_shapes is None:
+        return _sizes(shape)
     totals = [0, 0, 0]
     for leaf in shape.leaves():
         for i, v in enumerate(_sizes(leaf)):
@@ -144,17 +151,23 @@ class CostModel:
     """
 
     module: HloModule
-    _cache: dict[tuple[str, str], OpCost] = field(default_factory=dict)
+    _cache: dict[str, OpCost] = field(default_factory=dict)
     _comp_cache: dict[str, OpCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.comp_of: dict[str, Computation] = {}
         self.fused: set[str] = set()
+        count = 0
         for comp in self.module.computations.values():
+            count += len(comp.instructions)
             for inst in comp.instructions:
                 self.comp_of[inst.name] = comp
                 if inst.opcode == "fusion":
                     self.fused.update(inst.called)
+        # costs are cached by name: where two computations reuse a name, the first costed serves both, so every
+        # instruction is costed in full (see _computation_flops)
+        self._names_unique = count == len(self.comp_of)
+        self._flops_cache: dict[str, tuple[float, float, bool, str]] = {}
         self.executions = self._execution_counts()
 
     # -- operand helpers -----------------------------------------------------------------------------
@@ -242,11 +255,10 @@ class CostModel:
     def cost(self, inst: Instruction) -> OpCost:
         """Cost of one execution of ``inst`` itself. Control ops (while, call, conditional) cost 0 here: their
         bodies are costed per instruction and counted by :attr:`executions`."""
-        key = (self.comp_of.get(inst.name).name if inst.name in self.comp_of else "", inst.name)
-        c = self._cache.get(key)
+        c = self._cache.get(inst.name)  # by name, as :attr:`comp_of` finds an instruction's computation
         if c is None:
             c = _checked(self._cost(inst), inst)
-            self._cache[key] = c
+            self._cache[inst.name] = c
         return c
 
     def computation_cost(self, name: str) -> OpCost:
@@ -254,28 +266,67 @@ class CostModel:
         if name in self._comp_cache:
             return self._comp_cache[name]
         comp = self.module.computations.get(name)
-        total = OpCost()
-        if comp is not None:
-            for inst in comp.instructions:
-                total = total + self.cost(inst)
+        # OpCost.__add__ over the instructions in order, without an OpCost per step
+        flops = trans = logical = padded = hbm = 0.0
+        opaque, note = False, ""
+        for inst in comp.instructions if comp is not None else ():
+            c = self.cost(inst)
+            if c is _ZERO:
+                continue
+            flops, trans = flops + c.flops, trans + c.transcendentals
+            logical, padded, hbm = logical + c.bytes_accessed, padded + c.padded_bytes, hbm + c.hbm_bytes
+            opaque, note = opaque or c.opaque, note or c.note
+        total = OpCost(flops, trans, logical, padded, hbm, opaque, note)
         self._comp_cache[name] = total
         return total
 
+    def _computation_flops(self, name: str) -> tuple[float, float, bool, str]:
+        """``(flops, transcendentals, opaque, note)`` of :meth:`computation_cost` (all a fusion or a reduction takes
+        from the computation it calls), without working out the bytes of instructions not costed yet whose cost
+        has no FLOPs but their elements (elementwise ops: their output elements in FLOPs or transcendentals) or
+        none at all (:data:`ZERO_COST_OPCODES`, :data:`CONTROL_OPCODES`, :data:`BYTES_ONLY_OPCODES`): most of a
+        fused computation. Same figures, same order of additions."""
+        got = self._flops_cache.get(name)
+        if got is not None:
+            return got
+        if not self._names_unique:
+            c = self.computation_cost(name)
+            got = self._flops_cache[name] = (c.flops, c.transcendentals, c.opaque, c.note)
+            return got
+        comp = self.module.computations.get(name)
+        flops = trans = 0.0
+        opaque, note = False, ""
+        for inst in comp.instructions if comp is not None else ():
+            c = self._cache.get(inst.name)
+            if c is None:
+                op = inst.opcode
+                if op in ELEMENTWISE_OPCODES:
+                    shape = inst.shape
+                    n = shape.elements if shape.tuple_shapes is None else sum(x.elements for x in shape.leaves())
+                    if op in TRANSCENDENTAL_OPCODES:
+                        trans = trans + n
+                    else:
+                        flops = flops + n
+                    continue
+                if op in ZERO_COST_OPCODES or op in CONTROL_OPCODES or op in BYTES_ONLY_OPCODES:
+                    continue
+                c = self.cost(inst)
+            flops, trans = flops + c.flops, trans + c.transcendentals
+            opaque, note = opaque or c.opaque, note or c.note
+        got = self._flops_cache[name] = (flops, trans, opaque, note)
+        return got
+
     def _default_bytes(self, inst: Instruction) -> tuple[float, float, float]:
-        out = _sizes(inst.shape)
-        tot = list(out)
+        logical, padded, hbm = _sizes(inst.shape)
         for i in range(len(inst.operands)):
             s = _sizes(self.operand_shape(inst, i))
-            for j in range(3):
-                tot[j] += s[j]
-        return tot[0], tot[1], tot[2]
+            logical, padded, hbm = logical + s[0], padded + s[1], hbm + s[2]
+        return logical, padded, hbm
 
     def _cost(self, inst: Instruction) -> OpCost:
         op = inst.opcode
-        if op in ZERO_COST_OPCODES:
-            return OpCost()
-        if op in CONTROL_OPCODES:
-            return OpCost()
+        if op in ZERO_COST_OPCODES or op in CONTROL_OPCODES:
+            return _ZERO
         if op in DONE_OPCODES:
             return OpCost(note=f"{op}: the -start of the pair carries the cost")
         if op == "fusion":
@@ -287,7 +338,8 @@ class CostModel:
             src = _sizes(self.operand_shape(inst, 0))
             b = (2 * src[0], 2 * src[1], 2 * src[2])
         flops = trans = 0.0
-        out_elems = sum(leaf.elements for leaf in inst.shape.leaves())
+        shape = inst.shape
+        out_elems = shape.elements if shape.tuple_shapes is None else sum(leaf.elements for leaf in shape.leaves())
         if op in ELEMENTWISE_OPCODES:
             if op in TRANSCENDENTAL_OPCODES:
                 trans = out_elems
@@ -403,9 +455,9 @@ class CostModel:
         return 2.0 * (input_feature / fgc) * output_feature * (batch / bgc) * positions
 
     def _reduction_flops(self, inst: Instruction, out_elems: int) -> tuple[float, float]:
-        sub = OpCost()
+        flops = trans = 0.0
         for c in inst.called[:1]:
-            sub = self.computation_cost(c)
+            flops, trans = self._computation_flops(c)[:2]
         op = inst.opcode
         if op == "reduce":
             in_elems = self.operand_shape(inst, 0).elements if self.operand_shape(inst, 0) else 0
@@ -425,7 +477,7 @@ class CostModel:
             return float(out_elems), 0.0
         else:  # map, select-and-scatter, reduce-scatter
             k = out_elems
-        return sub.flops * k, sub.transcendentals * k
+        return flops * k, trans * k
 
     def _transpose_is_bitcast(self, inst: Instruction) -> bool:
         src = self.operand_shape(inst, 0)
@@ -492,7 +544,7 @@ class CostModel:
         if comp is None:
             b = self._default_bytes(inst)
             return OpCost(0, 0, b[0], b[1], b[2], opaque=True, note="fused computation missing")
-        sub = self.computation_cost(comp.name)
+        flops, trans, opaque, note = self._computation_flops(comp.name)
         total = [0.0, 0.0, 0.0]
         root = comp.root
         leaves = inst.shape.tuple_shapes if inst.shape.is_tuple else (inst.shape,)
@@ -521,7 +573,7 @@ class CostModel:
             outer = self.operand_shape(inst, num)
             for j, v in enumerate(self._param_read_bytes(p, users, outer, in_place)):
                 total[j] += v
-        return OpCost(sub.flops, sub.transcendentals, total[0], total[1], total[2], sub.opaque, sub.note)
+        return OpCost(flops, trans, total[0], total[1], total[2], opaque, note)
 
     def _scatter_in_place(self, r: Instruction, comp: Computation) -> bool:
         """A scatter whose operands to update are the fusion's parameters: XLA writes into their buffers."""
@@ -617,9 +669,11 @@ def _dict(value: object) -> dict:
 def _checked(cost: OpCost, inst: Instruction) -> OpCost:
     """``cost`` when every figure is finite and non-negative; else an opaque zero cost whose note says why (a
     figure derived from inconsistent shapes or attributes is dropped, never used)."""
-    figures = (cost.flops, cost.transcendentals, cost.bytes_accessed, cost.padded_bytes, cost.hbm_bytes)
-    if all(math.isfinite(v) and v >= 0 for v in figures):
+    if cost is _ZERO or (0 <= cost.flops < math.inf and 0 <= cost.transcendentals < math.inf
+                         and 0 <= cost.bytes_accessed < math.inf and 0 <= cost.padded_bytes < math.inf
+                         and 0 <= cost.hbm_bytes < math.inf):  # NaN fails every comparison
         return cost
+    figures = (cost.flops, cost.transcendentals, cost.bytes_accessed, cost.padded_bytes, cost.hbm_bytes)
     return OpCost(opaque=True, note=f"cost of {inst.opcode} {inst.name} dropped: its shapes or attributes give "
                                     f"non-finite or negative figures ({', '.join(f'{v:.3g}' for v in figures)})")
 

@@ -44,11 +44,15 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule], weights: n
     for i, m in enumerate(modules):
         by_name.setdefault(m.name, []).append(i)
     names = events["module"].astype("category")
-    mcodes = names.cat.codes.to_numpy().astype(np.int64)
+    mcodes = names.cat.codes.to_numpy()
     pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)  # ids are checked: NA or in [0, 2^63)
-    pcodes, pids = pd.factorize(pid)
+    # rows come in runs of one (module, program id): each pair is first seen at the start of a run, so the pairs
+    # of the runs' first rows, in order, are those of every row (a few runs, not millions of rows, hashed)
+    n = len(events)
+    starts = np.flatnonzero(np.concatenate([[n > 0], (mcodes[1:] != mcodes[:-1]) | (pid[1:] != pid[:-1])]))
+    pcodes, pids = pd.factorize(pid[starts])
     width = max(len(pids), 1)
-    codes, uniques = pd.factorize(mcodes * width + pcodes)  # (module, program id) pairs; no overflow: both < n
+    codes, uniques = pd.factorize(mcodes[starts].astype(np.int64) * width + pcodes)  # (module, program id) pairs
     cats = list(names.cat.categories)
     chosen = np.full(len(uniques), -1, np.int64)
     unmatched, ambiguous = set(), set()
@@ -69,4 +73,4 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule], weights: n
     n_events = int(weights.sum()) if weights is not None else len(events)
     report = JoinReport(n_events, 0, int(events["duration_ps"].sum()), 0, tuple(sorted(unmatched)), 0,
                         tuple(sorted(ambiguous)), tuple(sorted({modules[i].source for i in chosen if i >= 0})))
-    return chosen[codes] if len(events) else np.zeros(0, np.int64), report
+    return np.repeat(chosen[codes], np.diff(np.append(starts, n))), report

@@ -58,20 +58,21 @@ def _optimizer_re(optimizer_pattern: str) -> re.Pattern:
 
 
 def _split_path(op_name: str) -> list[str]:
-    """Split on '/' outside parentheses."""
-    parts, depth, cur = [], 0, []
-    for ch in op_name:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "/" and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return parts
+    """Split on '/' outside parentheses and brackets (a '/' where the opened ``(`` and ``[`` minus the closed
+    ones before it are not 0 is part of a segment)."""
+    parts = op_name.split("/")
+    if "(" not in op_name and ")" not in op_name and "[" not in op_name and "]" not in op_name:
+        return parts
+    out: list[str] = []
+    depth, start = 0, 0
+    for i, part in enumerate(parts):
+        depth += part.count("(") + part.count("[") - part.count(")") - part.count("]")
+        if depth == 0:
+            out.append("/".join(parts[start:i + 1]))
+            start = i + 1
+    if start < len(parts):
+        out.append("/".join(parts[start:]))
+    return out
 
 
 def _unwrap(segment: str) -> tuple[str, bool]:
@@ -85,8 +86,9 @@ def _unwrap(segment: str) -> tuple[str, bool]:
         segment = m.group(2)
 
 
+@functools.lru_cache(maxsize=1 << 14)
 def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> tuple[str, str]:
-    """(scope path, phase) of an ``op_name``.
+    """(scope path, phase) of an ``op_name``. Cached: a program's instructions share a few hundred names.
 
     The scope path joins the named scopes with '/' after dropping ``jit(...)`` segments, unwrapping
     ``jvp``/``transpose`` wrappers, dropping ``jit(...)`` segments also where a wrapper held them

@@ -112,14 +112,14 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
     modules = profile.modules
     n_events = rows["events"].to_numpy(np.float64)
     mod_idx, partial = match_modules(rows, modules, weights=rows["events"].to_numpy(np.int64))
-    op_codes = rows["hlo_op"].cat.codes.to_numpy().astype(np.int64)
-    keys, uniques = pd.factorize(mod_idx * (1 << 32) + op_codes)
     op_names = list(rows["hlo_op"].cat.categories)
+    keys, uniques = _op_keys(mod_idx, rows["hlo_op"].cat.codes.to_numpy(), len(modules), len(op_names))
     models: dict[int, CostModel] = {}
     module_scopes: dict[int, ModuleScopes] = {}
     devices_of: dict[int, int] = {}
     attrs: list[dict[str, object] | None] = []
     comps_with_events: set[tuple[int, str]] = set()
+    ran_on: np.ndarray | None = None  # devices that ran each module
     for key in uniques:
         mi, oc = int(key) >> 32, int(key) & 0xFFFFFFFF
         if mi < 0 or mi >= len(modules):
@@ -135,8 +135,8 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
         if mi not in module_scopes:
             module_scopes[mi] = assign_scopes(modules[mi], optimizer_pattern)
             # an HloProto from the profile has no num_partitions: the devices that ran it count instead
-            ran_on = int(rows["device"][mod_idx == mi].nunique())
-            devices_of[mi] = max(module_devices(modules[mi]), ran_on)
+            ran_on = _devices_per_module(rows["device"], mod_idx, len(modules)) if ran_on is None else ran_on
+            devices_of[mi] = max(module_devices(modules[mi]), int(ran_on[mi]))
         attrs.append(_attrs(model, inst, optimizer_pattern, module_scopes[mi].get(inst.name), devices_of[mi]))
     table = {c: [(a if a is not None else _BLANK)[c] for a in attrs] for c in _ATTR_COLUMNS}  # per op
     joined_u = np.array([a is not None for a in attrs] or [False])
@@ -167,32 +167,44 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
         else:
             cols[col] = _broadcast(table[col], keys)
     cols["counted"] = counted_u[keys] if len(rows) else np.zeros(0, bool)
-    cols["op_key"] = keys.astype(np.int64)  # one per (module, HLO op): what :func:`per_op` groups by
+    cols["op_key"] = keys  # one per (module, HLO op): what :func:`per_op` groups by
+    scope_of_op = True  # the scope column is the ops' (else relabelled per row below)
     if "framework_scope" in rows:  # framework ops without HLO: scope and phase from the framework op path
+        scope_of_op = False
         scopes = rows["framework_scope"].astype(str)
         cols["scope"] = pd.Categorical(scopes)
         phases = {sc: phase_of(sc.split("/"), False, optimizer_pattern) for sc in scopes.unique()}
         cols["phase"] = pd.Categorical(scopes.map(phases))
         cols["category"] = pd.Categorical(["framework op"] * len(rows))
     elif "attributed" in rows and not rows["attributed"].all():
+        scope_of_op = False
         un = ~rows["attributed"].to_numpy(bool)
         for col, label in (("category", "unattributed kernel"), ("scope", "(unattributed kernels)")):
             cat = cols[col] if label in cols[col].categories else cols[col].add_categories([label])
             cat[un] = label
             cols[col] = cat
     scope = cols["scope"]
-    named = scope.codes >= 0
-    scope_events = np.bincount(scope.codes[named], weights=n_events[named], minlength=len(scope.categories))
-    rows_of = np.bincount(scope.codes[named], minlength=len(scope.categories))
+    if scope_of_op:  # events per scope from the ops' (sums of whole event counts: exact in any order)
+        at, codes = keys, _categories(table["scope"])[1]  # the scope of each op (its code in scope.categories)
+        scope_events = np.bincount(codes, weights=events_u, minlength=len(scope.categories))
+        rows_of = np.bincount(codes, minlength=len(scope.categories))
+    else:
+        at, codes = scope.codes, np.arange(len(scope.categories))
+        named = at >= 0
+        scope_events = np.bincount(at[named], weights=n_events[named], minlength=len(scope.categories))
+        rows_of = np.bincount(at[named], minlength=len(scope.categories))
     namer = LayerNamer.build({str(sc): int(e) for sc, e, r in zip(scope.categories, scope_events, rows_of) if r},
                              {k: v for ms in module_scopes.values() for k, v in ms.repeats.items()})
-    cols["layer"] = _broadcast([namer.layer(str(sc), depth, expand) for sc in scope.categories], scope.codes)
-    cols["instance"] = _broadcast(["" if expand else namer.instance(str(sc), depth) for sc in scope.categories],
-                                  scope.codes)
+    layers = [namer.layer(str(sc), depth, expand) for sc in scope.categories]
+    instances = ["" if expand else namer.instance(str(sc), depth) for sc in scope.categories]
+    cols["layer"] = _broadcast([layers[c] for c in codes], at)  # per op (taken at keys) or per scope
+    cols["instance"] = _broadcast([instances[c] for c in codes], at)
     out = pd.DataFrame(cols, copy=False)  # every column is a new array
-    joined_mask = cols["joined"]
-    report = JoinReport(partial.events_total, int(n_events[joined_mask].sum()), partial.time_total_ps,
-                        int(rows["duration_ps"].to_numpy()[joined_mask].sum()), partial.unmatched_modules,
+    events_joined, time_joined_ps = n_events, rows["duration_ps"].to_numpy()
+    if not joined_u.all():
+        events_joined, time_joined_ps = events_joined[cols["joined"]], time_joined_ps[cols["joined"]]
+    report = JoinReport(partial.events_total, int(events_joined.sum()), partial.time_total_ps,
+                        int(time_joined_ps.sum()), partial.unmatched_modules,
                         int(sum(1 for u, a in enumerate(attrs) if a is None and 0 <= int(uniques[u]) >> 32
                                 < len(modules))),
                         partial.ambiguous_modules, partial.matched_sources)
@@ -203,14 +215,69 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
 def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:
     """``pd.Categorical(values)`` taken at ``at``: a column of text ``values`` (one per distinct op or scope;
     code -1 in ``at``: missing). Categories sorted, found with a set and a dict (``np.unique`` of an object
-    array and pandas' factorize cost more on the tens of values of a small profile)."""
+    array and pandas' factorize cost more on the tens of values of a small profile); the codes taken in the
+    dtype pandas keeps them in (int8 below 127 categories ...), so the column is one pass over ``at``."""
     if not len(at):
         return pd.Categorical([])
+    names, codes = _categories(values)
+    codes = np.append(codes, -1).astype(_code_dtype(len(names)))  # at -1 -> -1
+    return pd.Categorical.from_codes(codes[at], dtype=pd.CategoricalDtype(names), validate=False)
+
+
+def _categories(values: Sequence[str]) -> tuple[list[str], np.ndarray]:
+    """The distinct ``values`` sorted, and the position of each value among them (int64)."""
     names = sorted(set(values))
     pos = {v: i for i, v in enumerate(names)}
-    codes = np.fromiter((pos[v] for v in values), np.int64, len(values))
-    codes = np.append(codes, -1)  # at -1 -> -1
-    return pd.Categorical.from_codes(codes[at], dtype=pd.CategoricalDtype(names), validate=False)
+    return names, np.fromiter((pos[v] for v in values), np.int64, len(values))
+
+
+def _code_dtype(n: int) -> type:
+    """The integer dtype pandas stores the codes of ``n`` categories in (``coerce_indexer_dtype``)."""
+    for dtype in (np.int8, np.int16, np.int32):
+        if n < np.iinfo(dtype).max:
+            return dtype
+    return np.int64
+
+
+def _op_keys(mod_idx: np.ndarray, op_codes: np.ndarray, n_modules: int, n_ops: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """``pd.factorize(mod_idx * 2**32 + op_codes)``: per row, the id of its (module, HLO op) pair, numbered in
+    order of first appearance, and each pair so encoded (``mod_idx``: -1 .. n_modules - 1; ``op_codes``: -1 ..
+    n_ops - 1). Hashing millions of rows costs more than finding each pair's first row in a table over every
+    possible pair (when there are not many more of them than rows)."""
+    n = len(op_codes)
+    width = n_ops + 1
+    radix = (n_modules + 1) * width
+    if radix > 2 * n + 1024:
+        keys, uniques = pd.factorize(mod_idx * (1 << 32) + op_codes.astype(np.int64))
+        return keys.astype(np.int64, copy=False), uniques
+    pair = mod_idx + 1  # (module + 1) * width + op + 1: 0 .. radix - 1
+    pair *= width
+    pair += op_codes
+    pair += 1
+    first = np.full(radix, n, np.int64)
+    np.minimum.at(first, pair, np.arange(n, dtype=np.int64))
+    seen = np.flatnonzero(first < n)
+    order = seen[np.argsort(first[seen], kind="stable")]  # the pairs in order of first appearance
+    number = np.zeros(radix, np.int64)
+    number[order] = np.arange(len(order))
+    module, op = np.divmod(order, width)
+    return number[pair], (module - 1) * (1 << 32) + (op - 1)
+
+
+def _devices_per_module(device: pd.Series, mod_idx: np.ndarray, n_modules: int) -> np.ndarray:
+    """Per module (index into the profile's modules), how many distinct devices (NA not counted) ran rows of it
+    (``mod_idx``: each row's module, -1 for none)."""
+    dev = device.cat.codes.to_numpy() if isinstance(device.dtype, pd.CategoricalDtype) else pd.factorize(device)[0]
+    n_dev = int(dev.max()) + 1 if len(dev) else 0
+    if not n_dev:
+        return np.zeros(n_modules, np.int64)
+    # the pairs of the first rows of runs of one (module, device) are those of every row
+    heads = np.flatnonzero(np.concatenate([[True], (dev[1:] != dev[:-1]) | (mod_idx[1:] != mod_idx[:-1])]))
+    module, dev = mod_idx[heads], dev[heads].astype(np.int64)
+    on = (module >= 0) & (dev >= 0)
+    ran = np.bincount(module[on] * n_dev + dev[on], minlength=n_modules * n_dev) > 0
+    return ran.reshape(n_modules, n_dev).sum(axis=1)
 
 
 def _executions_per_op(op: np.ndarray, kernel: np.ndarray, n_events: np.ndarray, n_ops: int) -> np.ndarray:
@@ -219,6 +286,12 @@ def _executions_per_op(op: np.ndarray, kernel: np.ndarray, n_events: np.ndarray,
     in the run. Estimator: executions of an op = the most common launch count among its kernel names (ties: the
     larger). Each kernel event carries executions / events of the op's cost, so sums over rows count executions x
     cost. CPU and TPU (one kernel name per op): one per event."""
+    if not len(kernel) or kernel.min() == kernel.max():  # one kernel name: one execution per event
+        out = np.ones(n_ops)
+        events = np.bincount(op, weights=n_events, minlength=n_ops)
+        ran = np.bincount(op, minlength=n_ops) > 0
+        out[ran] = events[ran]
+        return out
     pair = group_codes([op, kernel])  # (op, kernel name)
     first = first_rows(pair)
     launches = np.bincount(pair, weights=n_events)  # events of each kernel name of each op

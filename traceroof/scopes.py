@@ -107,7 +107,8 @@ class ModuleScopes:
 
 def _named(inst: Instruction) -> bool:
     """True when the instruction carries a framework path (not a bare compiler or parameter name)."""
-    return "/" in inst.metadata.op_name.split(";")[0]
+    name = inst.metadata.op_name
+    return "/" in name and "/" in name.partition(";")[0]
 
 
 def _fused_carrier(module: HloModule, comp_name: str, depth: int = 0) -> Instruction | None:
@@ -281,12 +282,14 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
     changed = False
     wait = True  # contractions wait for all their operands' labels before taking a user's
     operands = False  # whether this round may read operands
+    todo = comp.instructions  # the unlabelled ones, in order (labels are only added)
     while True:
+        todo = [inst for inst in todo if inst.name not in infos]
+        if not todo:  # every round would change nothing
+            return changed
         new: dict[str, ScopeInfo] = {}
         deferred = False
-        for inst in comp.instructions:
-            if inst.name in infos:
-                continue
+        for inst in todo:
             if weight_grads and inst.name in weight_grads:
                 new[inst.name] = weight_grads[inst.name]
                 continue
@@ -552,6 +555,7 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
     frames = _Frames(module.stack_frames)
     infos: dict[str, ScopeInfo] = {}
     opt_lib: set[str] = set()
+    seen: dict[tuple, tuple[ScopeInfo, bool]] = {}  # _info of each metadata: far fewer than instructions
     for comp in module.computations.values():
         for inst in comp.instructions:
             carrier, how = (inst, "op_name") if _named(inst) else (None, "")
@@ -560,7 +564,12 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
                 how = "fused"
             if carrier is None:
                 continue
-            infos[inst.name], in_opt = _info(module, carrier, frames, how, optimizer_pattern)
+            md = carrier.metadata  # what _info reads
+            key = (md.op_name, md.stack_frame_id, md.source_file, md.source_line, how)
+            got = seen.get(key)
+            if got is None:
+                got = seen[key] = _info(module, carrier, frames, how, optimizer_pattern)
+            infos[inst.name], in_opt = got
             if in_opt:
                 opt_lib.add(inst.name)
     callers: dict[str, Instruction] = {}
@@ -970,17 +979,22 @@ def _repeats(module: HloModule, infos: Mapping[str, ScopeInfo]) -> dict[str, str
     sig: dict[str, Counter] = {}
     children: dict[str, set[str]] = {}
     members = {m: c for c, ms in groups.items() for m in ms}
+    found: dict[str, list[tuple[str, str]]] = {}  # scope -> (instance prefix, the scope below it)
     for comp in module.computations.values():
         for inst in comp.instructions:
             info = infos.get(inst.name)
             if info is None:
                 continue
-            for prefix in _prefixes(info.scope, members):
-                rel = info.scope[len(prefix) + 1:]
-                if rel:
-                    children.setdefault(prefix, set()).add(rel.split("/")[0])
-                if inst.opcode in ("dot", "convolution"):  # a rematerialised forward matmul may be CSE-d away
-                    phase = "forward" if info.phase == "remat" else info.phase
+            within = found.get(info.scope)
+            if within is None:
+                within = found[info.scope] = [(prefix, info.scope[len(prefix) + 1:])
+                                              for prefix in _prefixes(info.scope, members)]
+                for prefix, rel in within:
+                    if rel:
+                        children.setdefault(prefix, set()).add(rel.split("/")[0])
+            if within and inst.opcode in ("dot", "convolution"):  # a rematerialised forward matmul may be CSE-d away
+                phase = "forward" if info.phase == "remat" else info.phase
+                for prefix, rel in within:
                     sig.setdefault(prefix, Counter())[(rel, phase, inst.opcode, str(inst.shape))] += 1
     out: dict[str, str] = {}
     for collapsed, ms in sorted(groups.items()):
