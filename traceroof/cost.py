@@ -44,9 +44,6 @@ ELEMENTWISE_OPCODES = TRANSCENDENTAL_OPCODES | frozenset({
 ZERO_COST_OPCODES = frozenset({"parameter", "constant", "get-tuple-element", "domain", "after-all",
                                "add-dependency", "bitcast", "opt-barrier", "optimization-barrier"})
 # partition-id / replica-id keep the default bytes (their u32[] output): HandlePartitionId, HandleReplicaId
-# opcodes costed by their bytes alone (no FLOPs, transcendentals, opacity or note): data movement
-BYTES_ONLY_OPCODES = frozenset({"broadcast", "copy", "reshape", "transpose", "slice", "dynamic-slice",
-                                "dynamic-update-slice", "gather", "concatenate", "iota", "pad", "reverse", "tuple"})
 CONTROL_OPCODES = frozenset({"while", "call", "conditional"})
 GEMM_CUSTOM_CALL = re.compile(r"^__cublas\$(gemm|lt\$matmul.*)$|^__hipblaslt\$|^__rocblas\$gemm")
 CONV_CUSTOM_CALL = re.compile(r"^__cudnn\$conv")
@@ -157,17 +154,11 @@ class CostModel:
     def __post_init__(self) -> None:
         self.comp_of: dict[str, Computation] = {}
         self.fused: set[str] = set()
-        count = 0
         for comp in self.module.computations.values():
-            count += len(comp.instructions)
             for inst in comp.instructions:
                 self.comp_of[inst.name] = comp
                 if inst.opcode == "fusion":
                     self.fused.update(inst.called)
-        # costs are cached by name: where two computations reuse a name, the first costed serves both, so every
-        # instruction is costed in full (see _computation_flops)
-        self._names_unique = count == len(self.comp_of)
-        self._flops_cache: dict[str, tuple[float, float, bool, str]] = {}
         self.executions = self._execution_counts()
 
     # -- operand helpers -----------------------------------------------------------------------------
@@ -279,42 +270,6 @@ class CostModel:
         total = OpCost(flops, trans, logical, padded, hbm, opaque, note)
         self._comp_cache[name] = total
         return total
-
-    def _computation_flops(self, name: str) -> tuple[float, float, bool, str]:
-        """``(flops, transcendentals, opaque, note)`` of :meth:`computation_cost` (all a fusion or a reduction takes
-        from the computation it calls), without working out the bytes of instructions not costed yet whose cost
-        has no FLOPs but their elements (elementwise ops: their output elements in FLOPs or transcendentals) or
-        none at all (:data:`ZERO_COST_OPCODES`, :data:`CONTROL_OPCODES`, :data:`BYTES_ONLY_OPCODES`): most of a
-        fused computation. Same figures, same order of additions."""
-        got = self._flops_cache.get(name)
-        if got is not None:
-            return got
-        if not self._names_unique:
-            c = self.computation_cost(name)
-            got = self._flops_cache[name] = (c.flops, c.transcendentals, c.opaque, c.note)
-            return got
-        comp = self.module.computations.get(name)
-        flops = trans = 0.0
-        opaque, note = False, ""
-        for inst in comp.instructions if comp is not None else ():
-            c = self._cache.get(inst.name)
-            if c is None:
-                op = inst.opcode
-                if op in ELEMENTWISE_OPCODES:
-                    shape = inst.shape
-                    n = shape.elements if shape.tuple_shapes is None else sum(x.elements for x in shape.leaves())
-                    if op in TRANSCENDENTAL_OPCODES:
-                        trans = trans + n
-                    else:
-                        flops = flops + n
-                    continue
-                if op in ZERO_COST_OPCODES or op in CONTROL_OPCODES or op in BYTES_ONLY_OPCODES:
-                    continue
-                c = self.cost(inst)
-            flops, trans = flops + c.flops, trans + c.transcendentals
-            opaque, note = opaque or c.opaque, note or c.note
-        got = self._flops_cache[name] = (flops, trans, opaque, note)
-        return got
 
     def _default_bytes(self, inst: Instruction) -> tuple[float, float, float]:
         logical, padded, hbm = _sizes(inst.shape)
@@ -455,9 +410,9 @@ class CostModel:
         return 2.0 * (input_feature / fgc) * output_feature * (batch / bgc) * positions
 
     def _reduction_flops(self, inst: Instruction, out_elems: int) -> tuple[float, float]:
-        flops = trans = 0.0
+        sub = OpCost()
         for c in inst.called[:1]:
-            flops, trans = self._computation_flops(c)[:2]
+            sub = self.computation_cost(c)
         op = inst.opcode
         if op == "reduce":
             in_elems = self.operand_shape(inst, 0).elements if self.operand_shape(inst, 0) else 0
@@ -477,7 +432,7 @@ class CostModel:
             return float(out_elems), 0.0
         else:  # map, select-and-scatter, reduce-scatter
             k = out_elems
-        return flops * k, trans * k
+        return sub.flops * k, sub.transcendentals * k
 
     def _transpose_is_bitcast(self, inst: Instruction) -> bool:
         src = self.operand_shape(inst, 0)
@@ -544,7 +499,7 @@ class CostModel:
         if comp is None:
             b = self._default_bytes(inst)
             return OpCost(0, 0, b[0], b[1], b[2], opaque=True, note="fused computation missing")
-        flops, trans, opaque, note = self._computation_flops(comp.name)
+        sub = self.computation_cost(comp.name)
         total = [0.0, 0.0, 0.0]
         root = comp.root
         leaves = inst.shape.tuple_shapes if inst.shape.is_tuple else (inst.shape,)
@@ -573,7 +528,7 @@ class CostModel:
             outer = self.operand_shape(inst, num)
             for j, v in enumerate(self._param_read_bytes(p, users, outer, in_place)):
                 total[j] += v
-        return OpCost(flops, trans, total[0], total[1], total[2], opaque, note)
+        return OpCost(sub.flops, sub.transcendentals, total[0], total[1], total[2], sub.opaque, sub.note)
 
     def _scatter_in_place(self, r: Instruction, comp: Computation) -> bool:
         """A scatter whose operands to update are the fusion's parameters: XLA writes into their buffers."""
