@@ -141,9 +141,8 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
         window_row = np.bincount(r, weights=window, minlength=len(out))
         hidden_row = np.bincount(r, weights=hidden, minlength=len(out))
         exposed_row = window_row - hidden_row
-    out["comm_window_s"] = window_row
-    out["comm_hidden_s"] = hidden_row
-    out["comm_exposed_s"] = exposed_row
+    for c, v in (("comm_window_s", window_row), ("comm_hidden_s", hidden_row), ("comm_exposed_s", exposed_row)):
+        out[c] = pd.Series(v, index=out.index, copy=False)  # new arrays: no copy (setting an array copies it)
     return out
 
 
