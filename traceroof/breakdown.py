@@ -237,8 +237,9 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     rows: dict[str, list] = {c: [] for c in cols}
     # positions grouped once (each device's in their order), not a pass over every event per device
     n_dev = len(dev_names)
-    key = np.where(ops["counted"].to_numpy(bool), np.add(dev_codes, 1, dtype=np.int64), n_dev + 1)
-    ev_of = _positions(key.astype(np.min_scalar_type(n_dev + 1))[r], n_dev + 2)
+    small = np.min_scalar_type(-n_dev - 2)  # a signed type holding -1 .. n_dev + 1
+    key = np.where(ops["counted"].to_numpy(bool), np.add(dev_codes, 1, dtype=small), small.type(n_dev + 1))
+    ev_of = _positions(key[r], n_dev + 2)
     w_of = _positions(w_dev + 1, len(w_names) + 1)
     act_codes, act_names = _factorize(act_host)
     act_of = _positions(act_codes + 1, len(act_names) + 1)
@@ -267,7 +268,14 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
         e = s + duration[m]
         is_c = coll_row[row_m] if any_coll else None
         any_c = is_c is not None and bool(is_c.any())
-        compute = merge_intervals(s[~is_c], e[~is_c]) if any_c else merge_intervals(s, e)
+        drawn = [(st, w0, w1) for st, w0, w1 in zip(w_step[w].tolist(), lo.tolist(), hi.tolist())
+                 if (st, d) in draw]
+        by_start = np.argsort(s, kind="stable") if drawn else None  # (the order merge_intervals would sort in)
+        s_sorted = s[by_start] if drawn else None
+        if any_c:
+            compute = merge_intervals(s[~is_c], e[~is_c])
+        else:
+            compute = merge_intervals(s_sorted, e[by_start]) if drawn else merge_intervals(s, e)
         pid = pid_row[row_m]
         # executions: run id where known, else program and step
         rid_m = rid[m]
@@ -326,8 +334,6 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
                      ("host_bound_s", hb_ps * 1e-12), ("outside_program_s", np.maximum(outside, 0) * 1e-12),
                      ("_rank", np.full(len(w), dev_rank[g]))):
             rows.setdefault(c, []).append(v)
-        drawn = [(st, w0, w1) for st, w0, w1 in zip(w_step[w].tolist(), lo.tolist(), hi.tolist())
-                 if (st, d) in draw]
         if drawn:  # the device's idle and exposed sets inside its drawn steps (a few of many), once for all
             clip = merge_intervals(np.array([w0 for _, w0, _ in drawn]), np.array([w1 for _, _, w1 in drawn]))
             busy_d, compute_d, programs_d = (intersect_intervals(x, clip) for x in (busy, compute, programs))
@@ -336,8 +342,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
                            "launch gap": subtract_intervals(programs_d, busy_d), "host-bound": host_d}
             occupied = _union(busy_d, programs_d, host_d)
             # the events overlapping a step: those starting before its end, after its start less the longest
-            by_start = np.argsort(s, kind="stable")
-            s_sorted, reach = s[by_start], int((e - s).max(initial=0))
+            reach = int(duration[m].max(initial=0))
         for st, w0, w1 in drawn:
             win = (np.array([w0], np.int64), np.array([w1], np.int64))
             sets = {**device_sets, "outside any program": subtract_intervals(win, occupied)}
