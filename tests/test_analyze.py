@@ -173,13 +173,67 @@ def test_event_quantiles_match_the_weighted_ones():
         duration = rng.integers(-scale if case % 7 == 0 else 0, scale, n)
         if case % 3 == 0:
             duration[rng.integers(0, n)] = duration.max() * int(rng.integers(5, 30))
-        q, mx, total, mid, far = _event_quantiles(op, duration, n_ops, (0.5, 0.9))
+        skip = rng.random(n) < 0.2  # events of no op (rows not read): code n_ops
+        q, mx, total, mid, far = _event_quantiles(np.where(skip, n_ops, op), duration, n_ops, (0.5, 0.9))
+        op, duration, n = op[~skip], duration[~skip], int((~skip).sum())
         t, w = duration.astype(np.float64) * 1e-12, np.ones(n)
         q_ref, mx_ref, total_ref, mid_ref = _grouped_quantiles(op, t, w, n_ops, (0.5, 0.9))
         far_ref = np.bincount(op, weights=np.where(t > OUTLIER_RATIO * q_ref[0.5][op], w, 0.0), minlength=n_ops)
         for got, want in ((q[0.5], q_ref[0.5]), (q[0.9], q_ref[0.9]), (mx, mx_ref), (total, total_ref),
                           (mid, mid_ref), (far, far_ref)):
             np.testing.assert_array_equal(got, want)
+
+
+def test_execution_stats_keys_ops_by_module_program_and_name():
+    """execution_stats' ops are the (module, program id, HLO op) of the rows read, whatever the columns' codes:
+    several programs, missing names (written "nan", beside a module named "nan": two ops alike in text, in order
+    of first appearance), rows outside ``at``, multi-kernel rows without a device (an op without samples), an
+    index that is not the rows' positions, many categories; against order statistics of each op's events taken
+    one by one."""
+    import pandas as pd
+
+    from traceroof.aggregate import Timeline
+    from traceroof.opstats import OUTLIER_RATIO, execution_stats
+
+    rng = np.random.default_rng(7)
+    for case in range(40):
+        n_rows = int(rng.integers(1, 300))
+        module = pd.Categorical.from_codes(rng.integers(-1, 3, n_rows), categories=["b", "nan", "a"])
+        names = [f"op{i}" for i in range(70_000 if case % 5 == 0 else 5)]  # many: rows grouped, no key table
+        hlo_op = pd.Categorical.from_codes(rng.integers(-1, 5, n_rows), categories=names)
+        pid = pd.array(rng.choice([7, 3, 10**12], n_rows) if case % 2 else np.full(n_rows, 5), "Int64")
+        pid[rng.random(n_rows) < 0.1] = pd.NA
+        kernels = np.where(rng.random(n_rows) < (0.1 if case else 1.0), 2.0, 1.0)  # case 0: no op sampled
+        counted = pd.DataFrame({"module": module, "program_id": pid, "hlo_op": hlo_op,
+                                "kernels_per_execution": kernels, "device": pd.array([None] * n_rows, "string")},
+                               index=np.arange(n_rows) * 3 + 2 if case % 3 == 0 else None)
+        at = np.flatnonzero(rng.random(n_rows) < 0.8) if case % 4 else None
+        n_ev = int(rng.integers(1, 2000))
+        timeline = Timeline(rng.choice(counted.index.to_numpy(), n_ev), np.zeros(n_ev, np.int64),
+                            rng.integers(1, 10**6, n_ev) * int(rng.choice([1, 10**6])))
+        if at is not None and not len(at):
+            continue
+        got = execution_stats(counted, timeline, at)
+        # the reference: ops in order of first appearance among the rows read, then sorted by their text
+        read = counted.iloc[at] if at is not None else counted
+        ident = list(zip(read["module"].cat.codes, read["program_id"].fillna(-1), read["hlo_op"].cat.codes))
+        ops = list(dict.fromkeys(ident))
+        text = [(str(read["module"].cat.categories[m]) if m >= 0 else "nan", int(p),
+                 f"op{h}" if h >= 0 else "nan") for m, p, h in ops]
+        order = sorted(range(len(ops)), key=lambda i: text[i])  # stable: alike texts keep first appearance
+        assert list(got.index) == [text[i] for i in order]
+        label_op = {label: ops.index(k) for label, k, kpe in zip(read.index, ident, read["kernels_per_execution"])
+                    if kpe <= 1}
+        for row, i in zip(got.itertuples(), order):
+            x = np.sort([d for r, d in zip(timeline.row, timeline.duration_ps) if label_op.get(r) == i])
+            assert row.samples == len(x)
+            if not len(x):
+                assert np.isnan(row.median_s) and row.outlier_executions == 0
+                continue
+            at_q = [max(int(np.ceil(q * len(x) - 1e-9 * len(x))), 1) - 1 for q in (0.5, 0.9)]
+            assert (row.median_s, row.p90_s, row.max_s) == (x[at_q[0]] * 1e-12, x[at_q[1]] * 1e-12, x[-1] * 1e-12)
+            far = int(np.sum(x * 1e-12 > OUTLIER_RATIO * row.median_s)) if len(x) >= 3 else 0
+            assert row.outlier_executions == far
 
 
 def test_trace_json_gives_the_same_op_times(transformer):

@@ -14,7 +14,8 @@ import pytest
 from tests.conftest import FIXTURES, HOST_CHIP
 from traceroof.breakdown import COMPONENTS, breakdown_delta, slowest_vs_median, step_breakdown, step_windows
 from traceroof.aggregate import Timeline
-from traceroof.hostactivity import intersect_intervals, merge_intervals, subtract_intervals
+from traceroof.hostactivity import (covered_both_ps, covered_ps, intersect_intervals, merge_intervals,
+                                   subtract_intervals)
 
 PROFILES = ["transformer", "scan_mlp", "sharded_mlp", "diff_base", "diff_rerun", "diff_wide"] + [
     f"{fw}/{v}" for fw in ("fw_flax_cnn", "fw_nnx_transformer", "fw_equinox_transformer", "fw_gpt2", "fw_keras_cnn",
@@ -114,6 +115,41 @@ def test_async_pair_window_is_communication() -> None:
     assert round(r["launch_gap_s"] * 1e12) == 0
 
 
+def test_async_pair_across_executions_is_not_host_bound() -> None:
+    """An async collective started in execution A (run 1, [10, 22)) and done in execution B (run 2, launched at
+    50, [60, 80)): its window [20, 65) covers the wait between them, so the busy host there is not host-bound
+    time (the device was communicating); host-bound only before A and after B."""
+    ops = _ops([("d0", "f", "fusion", 0, 1), ("d0", "ag-start", "collective", 0, 1),
+                ("d0", "ag-done", "collective", 0, 1), ("d0", "g", "fusion", 0, 1)])
+    tl = Timeline(row=np.array([0, 1, 2, 3]), start_ps=np.array([10, 20, 60, 65]),
+                  duration_ps=np.array([10, 2, 5, 15]))
+    run = np.array([1, 1, 2, 2], float)
+    launch = np.array([np.nan, np.nan, 50.0, 50.0])
+    act = pd.DataFrame({"host": "h", "kind": ["python"], "start_ps": [0], "end_ps": [100]})
+    win = pd.DataFrame({"step": [0], "device": ["d0"], "start_ps": [0], "end_ps": [100]})
+    r = step_breakdown(ops, tl, win, run, launch, act, {(1, "ag-done"): "ag-start"}).iloc[0]
+    ps = {c: round(r[c] * 1e12) for c in ("step_time_s", *COMPONENTS)}
+    assert ps == {"step_time_s": 100, "compute_s": 10 + 15, "exposed_comm_s": 70 - 25, "launch_gap_s": 0,
+                  "host_bound_s": 10 + 20, "outside_program_s": 0}
+    assert r["host_bound_python_share"] == 1.0
+
+
+def test_positions_of_codes_in_runs_or_not() -> None:
+    """breakdown._positions (from runs of equal codes, or one sort) gives np.flatnonzero(key == k) for every code
+    and none outside 0..n-1."""
+    from traceroof.breakdown import _positions
+
+    rng = np.random.default_rng(5)
+    for case in range(300):
+        n = int(rng.integers(1, 6))
+        runs = rng.integers(0, n, int(rng.integers(0, 20)))
+        key = np.repeat(runs, rng.integers(1, 200 if case % 2 else 3, len(runs))).astype(np.uint8)
+        at = _positions(key, n)
+        for k in range(-1, n + 1):
+            want = np.flatnonzero(key == k) if 0 <= k < n else np.zeros(0, np.int64)
+            assert at(k).tolist() == want.tolist()
+
+
 def test_windows_tile_each_device() -> None:
     """Steps end at the later of their marker and last op; the next starts there (no time counted twice)."""
     steps = pd.DataFrame({"host": "h", "step": pd.array([0, 1, 2], "Int64"), "start_ps": [0, 100, 200],
@@ -176,8 +212,8 @@ def test_diff_shows_breakdown_deltas(tmp_path) -> None:
 
 
 def test_interval_sets_match_their_points() -> None:
-    """merge_intervals / intersect_intervals / subtract_intervals against the sets of integer points the
-    intervals cover; results merged (sorted, apart)."""
+    """merge_intervals / intersect_intervals / subtract_intervals / covered_both_ps against the sets of integer
+    points the intervals cover; results merged (sorted, apart)."""
     rng = np.random.default_rng(11)
 
     def points(s: tuple[np.ndarray, np.ndarray]) -> set[int]:
@@ -197,3 +233,8 @@ def test_interval_sets_match_their_points() -> None:
                           (subtract_intervals(a, b), points(a) - points(b))):
             assert points(got) == want
             assert got[0].dtype == np.int64 and (got[1] > got[0]).all() and (got[0][1:] > got[1][:-1]).all()
+        lo = rng.integers(-5, 100, 4)
+        hi = lo + rng.integers(-3, 40, 4)  # some windows empty or reversed
+        both = points(a) & points(b)
+        assert covered_both_ps(a, b, lo, hi).tolist() == [len(both & set(range(x, y))) for x, y in zip(lo, hi)]
+        assert (covered_both_ps(a, b, lo, hi) == covered_ps(intersect_intervals(a, b), lo, hi)).all()

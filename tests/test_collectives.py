@@ -236,6 +236,35 @@ def test_exposed_communication_sync_and_async():
     assert r.loc["fusion.1", "comm_exposed_s"] == 0
 
 
+def test_async_windows_match_a_walk_over_each_device():
+    """Each collective event's window start (from the latest earlier -start of its pair on its device) and which
+    events are -start events, as one walk over every device's events by start finds them: several devices and
+    programs, missing program ids, ties in start, -done events without a -start before them, an op both the
+    -done of one pair and the -start of another, pairs whose -start never ran."""
+    from traceroof.overlap import _pair_windows
+
+    rng = np.random.default_rng(3)
+    names = np.array(["a-start", "a-done", "b-start", "b-done", "c", "d-start"], dtype=object)
+    pairs = {(1, "a-done"): "a-start", (None, "a-done"): "a-start", (2, "b-done"): "b-start",
+             (1, "b-start"): "a-start", (1, "x-done"): "x-start", (3, "d-done"): "d-start", (-4, "a-done"): "a-start"}
+    for _ in range(300):
+        n = int(rng.integers(1, 60))
+        dev, pid, op = rng.integers(0, 3, n), rng.choice([-1.0, 1.0, 2.0], n), rng.integers(0, len(names), n)
+        start = rng.integers(0, 30, n)
+        is_start, lo = _pair_windows(dev, pid, op, names, start, pairs)
+        want_lo, want_start = start.copy(), np.zeros(n, bool)
+        starts = {(p, st) for (p, _), st in pairs.items()}
+        for d in range(3):
+            last = {}
+            for j in sorted(np.flatnonzero(dev == d).tolist(), key=lambda j: (start[j], j)):
+                key = (int(pid[j]) if pid[j] >= 0 else None, names[op[j]])
+                if key in starts:
+                    last[key], want_start[j] = start[j], True
+                elif key in pairs and (key[0], pairs[key]) in last:
+                    want_lo[j] = last[(key[0], pairs[key])]
+        assert is_start.tolist() == want_start.tolist() and lo.tolist() == want_lo.tolist()
+
+
 def test_arrival_skew_names_the_late_device():
     rows = []
     for step in range(3):

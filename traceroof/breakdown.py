@@ -31,8 +31,8 @@ import numpy as np
 import pandas as pd
 
 from traceroof.codes import group_codes, group_order
-from traceroof.hostactivity import (HOST_KINDS, covered_ps, intersect_intervals, merge_intervals,
-                                   subtract_intervals)
+from traceroof.hostactivity import (HOST_KINDS, covered_both_ps, covered_ps, intersect_intervals,
+                                   merge_intervals, subtract_intervals)
 from traceroof.aggregate import Timeline
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
@@ -63,9 +63,26 @@ def _codes(col: pd.Series) -> tuple[np.ndarray, np.ndarray]:
 
 def _positions(key: np.ndarray, n: int) -> Callable[[int], np.ndarray]:
     """For codes ``key`` in 0..n-1: a function giving the positions holding code ``k``, in increasing order
-    (``np.flatnonzero(key == k)``; none for a code outside 0..n-1), from :func:`~traceroof.codes.group_order`."""
-    order, bounds = group_order(key, n)
-    return lambda k: order[bounds[k]:bounds[k + 1]] if 0 <= k < n else order[:0]
+    (``np.flatnonzero(key == k)``; none for a code outside 0..n-1): from the runs of equal codes where they are
+    long (a device's events one after another), else from :func:`~traceroof.codes.group_order`."""
+    change = np.flatnonzero(key[1:] != key[:-1]) + 1
+    if len(change) > len(key) // 64:
+        order, bounds = group_order(key, n)
+        return lambda k: order[bounds[k]:bounds[k + 1]] if 0 <= k < n else order[:0]
+    run_start, run_end = np.append(0, change), np.append(change, len(key))
+    run_code = key[run_start] if len(key) else key[:0]
+    return lambda k: np.concatenate([np.zeros(0, np.int64)] + [np.arange(run_start[i], run_end[i])
+                                                              for i in np.flatnonzero(run_code == k).tolist()])
+
+
+def _factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``pd.factorize`` of an object array, hashing only the first value of each run of equal values (the host
+    activity table holds each host's rows, and each kind's, one after another)."""
+    new = np.ones(len(values), bool)
+    new[1:] = values[1:] != values[:-1]
+    heads = np.flatnonzero(new)
+    codes, names = pd.factorize(values[heads])
+    return np.repeat(codes, np.diff(np.append(heads, len(values)))), names
 
 
 def _as_str(col: pd.Series, rows: np.ndarray) -> np.ndarray:
@@ -75,10 +92,15 @@ def _as_str(col: pd.Series, rows: np.ndarray) -> np.ndarray:
 
 
 def _device_hosts(ops: pd.DataFrame) -> dict[str, str]:
-    """Each device of the op table -> its host (both as ``str``), devices in order of first appearance."""
+    """Each device of the op table -> its host (both as ``str``), devices in order of first appearance. The rows
+    of a (device, host) pair mostly follow one another: its distinct pairs are found among the rows where the
+    pair changes."""
     dev, dev_names = _codes(ops["device"])
     host, host_names = _codes(ops["host"])
     n_host = len(host_names) + 1
+    new = np.ones(len(dev), bool)
+    new[1:] = (dev[1:] != dev[:-1]) | (host[1:] != host[:-1])
+    dev, host = dev[new], host[new]
     pair = pd.unique((dev.astype(np.int64) + 1) * n_host + (host + 1))  # codes shifted: 0 is a missing value
     dev_names, host_names = np.append(np.nan, dev_names), np.append(np.nan, host_names)
     return dict(zip(dev_names[pair // n_host].tolist(), host_names[pair % n_host].tolist()))
@@ -178,30 +200,34 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     """:func:`step_breakdown`'s rows, and the items of the (step, device) strips in ``draw`` as
     :func:`timeline_items` reads them: ``step``, ``device``, ``kind``, ``start_ps``, ``end_ps``, ``w0`` (the
     step's start, ps) and ``row`` (the op row of an op bar, else -1). ``host_of``: :func:`_device_hosts` of
-    ``ops`` when already made."""
+    ``ops`` when already made.
+
+    Op rows' columns are read per row and gathered per device (no copy of them per event). Every op event lies
+    inside its execution, so the compute set lies inside the program spans; where the communication windows do
+    too (always, but for an async pair spanning two executions), the device is never busy while it waits for a
+    launch: then host-bound time is the waiting time the host is busy, measured without building those sets."""
     share_cols = [f"host_bound_{k}_share" for k in HOST_KINDS]
     cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols]
-    items: dict[str, list] = {c: [] for c in ("step", "device", "kind", "start_ps", "end_ps", "w0", "row")}
+    items: dict[str, list] = {c: [] for c in ("step", "device", "kind", "start_ps", "end_ps", "w0", "row", "n")}
     if windows.empty or not len(timeline):
         return pd.DataFrame(columns=cols), {}
     r = timeline.row
-    counted = ops["counted"].to_numpy(bool)[r]
     dev_codes, dev_names = _codes(ops["device"])
     code_of = {name: i for i, name in enumerate(dev_names.tolist())}
-    dev = dev_codes[r]
     cat_codes, cat_names = _codes(ops["category"])
-    coll = np.append(cat_names == "collective", False)[cat_codes][r]
-    pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1)[r]
-    step = ops["step"].to_numpy(dtype="float64", na_value=-1)[r]
-    op = _as_str(ops["hlo_op"], r) if coll.any() else None
-    start = timeline.start_ps
-    end = start + timeline.duration_ps
+    is_coll = np.append(cat_names == "collective", False)
+    any_coll = bool(is_coll.any()) and bool(is_coll[cat_codes].any())
+    coll_row = is_coll[cat_codes] if any_coll else None
+    pid_row = ops["program_id"].to_numpy(dtype="float64", na_value=-1)
+    step_row = None  # read where run ids are missing
+    op_codes, op_names = _codes(ops["hlo_op"]) if any_coll else (None, None)
+    start, duration = timeline.start_ps, timeline.duration_ps
     rid = run_id if run_id is not None else np.full(len(r), np.nan)
     launch = launch_ps if launch_ps is not None else np.full(len(r), np.nan)
     host_of = _device_hosts(ops) if host_of is None else host_of
     act = host_activity if host_activity is not None and len(host_activity) else None
     act_host = act["host"].to_numpy(object) if act is not None else np.zeros(0, object)
-    act_kind = act["kind"].to_numpy(object) if act is not None else np.zeros(0, object)
+    act_kind, kind_names = _factorize(act["kind"].to_numpy(object) if act is not None else np.zeros(0, object))
     act_start = act["start_ps"].to_numpy(np.int64) if act is not None else np.zeros(0, np.int64)
     act_end = act["end_ps"].to_numpy(np.int64) if act is not None else np.zeros(0, np.int64)
     w_dev, w_names = pd.factorize(windows["device"])  # devices in order of first appearance
@@ -210,97 +236,174 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     w_end = windows["end_ps"].to_numpy(np.int64)
     rows: dict[str, list] = {c: [] for c in cols}
     # positions grouped once (each device's in their order), not a pass over every event per device
-    ev_of = _positions(np.where(counted, dev + 1, len(dev_names) + 1), len(dev_names) + 2)
+    n_dev = len(dev_names)
+    small = np.min_scalar_type(-n_dev - 2)  # a signed type holding -1 .. n_dev + 1
+    key = np.where(ops["counted"].to_numpy(bool), np.add(dev_codes, 1, dtype=small), small.type(n_dev + 1))
+    ev_of = _positions(key[r], n_dev + 2)
     w_of = _positions(w_dev + 1, len(w_names) + 1)
-    act_codes, act_names = pd.factorize(act_host)
+    act_codes, act_names = _factorize(act_host)
     act_of = _positions(act_codes + 1, len(act_names) + 1)
     act_code = {h: i for i, h in enumerate(act_names.tolist())}
+    host_sets: dict[int, tuple[Intervals, np.ndarray, dict[int, Intervals]]] = {}  # per host: activity, its rows
+    kind_at = {k: i for i, k in enumerate(kind_names.tolist())}
+
+    def kind_set(h: int, kind: str) -> Intervals:  # host h's activity of this kind, merged once
+        _, on_host, kinds = host_sets[h]
+        k = kind_at.get(kind, -2)  # -2: a kind without activity (-1 is a missing one)
+        if k not in kinds:
+            of_kind = on_host[act_kind[on_host] == k]
+            kinds[k] = merge_intervals(act_start[of_kind], act_end[of_kind])
+        return kinds[k]
+
+    dev_rank = np.unique(np.asarray(w_names, dtype=object), return_inverse=True)[1].reshape(-1)  # by text
     for g, d in enumerate(w_names):
         w = w_of(g + 1)
         lo = w_start[w]
         hi = np.maximum(w_end[w], lo)
         m = ev_of(code_of.get(d, -1) + 1)
-        m = slice(None) if len(m) == len(dev) else m  # a view where every event counts
-        s, e = start[m], end[m]
-        is_c = coll[m]
-        any_c = bool(is_c.any())
-        compute = merge_intervals(s[~is_c], e[~is_c]) if any_c else merge_intervals(s, e)
-        if any_c:  # busy: compute and communication
-            comm_lo = _async_windows(op[m][is_c], pid[m][is_c], s[is_c], e[is_c], pairs or {})
-            busy = _union(compute, merge_intervals(comm_lo, e[is_c]))
+        if len(m) and m[-1] - m[0] + 1 == len(m):  # the device's events one after another: views of them
+            m = slice(int(m[0]), int(m[-1]) + 1)
+        row_m = r[m]
+        s = start[m]
+        e = s + duration[m]
+        is_c = coll_row[row_m] if any_coll else None
+        any_c = is_c is not None and bool(is_c.any())
+        drawn = [(st, w0, w1) for st, w0, w1 in zip(w_step[w].tolist(), lo.tolist(), hi.tolist())
+                 if (st, d) in draw]
+        by_start = np.argsort(s, kind="stable") if drawn else None  # (the order merge_intervals would sort in)
+        s_sorted = s[by_start] if drawn else None
+        if any_c:
+            compute = merge_intervals(s[~is_c], e[~is_c])
         else:
-            busy = compute
+            compute = merge_intervals(s_sorted, e[by_start]) if drawn else merge_intervals(s, e)
+        pid = pid_row[row_m]
         # executions: run id where known, else program and step
-        by_run = ~np.isnan(rid[m])
-        first_s, last_e, first_launch = _executions(pid[m], by_run, np.where(by_run, rid[m], step[m]), s, e,
-                                                    launch[m])
+        rid_m = rid[m]
+        by_run = ~np.isnan(rid_m)
+        if not by_run.all() and step_row is None:
+            step_row = ops["step"].to_numpy(dtype="float64", na_value=-1)
+        first_s, last_e, first_launch = _executions(pid, by_run, rid_m if by_run.all() else
+                                                    np.where(by_run, rid_m, step_row[row_m]), s, e, launch[m])
         programs = merge_intervals(first_s, last_e)
+        if any_c:  # busy: compute and communication
+            comm_lo = _async_windows(np.append(op_names, np.nan)[op_codes[row_m[is_c]]], pid[is_c], s[is_c],
+                                     e[is_c], pairs or {})
+            comm = merge_intervals(comm_lo, e[is_c])
+            busy = _union(compute, comm)
+            inside = _inside(comm, programs)
+        else:
+            busy, inside = compute, True
         waiting = _waiting_for_launch(first_s, first_launch, programs)
-        on_host = act_of(act_code.get(host_of.get(d, ""), -2) + 1)  # a host without activity: none
-        host = merge_intervals(act_start[on_host], act_end[on_host])
-        idle_host = subtract_intervals(intersect_intervals(waiting, host), busy)  # waiting: outside every program
+        h = act_code.get(host_of.get(d, ""), -2)  # a host without activity: none
+        if h not in host_sets:
+            on_host = act_of(h + 1)
+            host_sets[h] = (merge_intervals(act_start[on_host], act_end[on_host]), on_host, {})
+        host = host_sets[h][0]
         c_ps = covered_ps(compute, lo, hi)
-        busy_ps = covered_ps(busy, lo, hi)
+        busy_ps = covered_ps(busy, lo, hi) if any_c else c_ps
         prog_ps = covered_ps(programs, lo, hi)
-        prog_busy_ps = covered_ps(intersect_intervals(programs, busy), lo, hi)
-        hb_ps = covered_ps(idle_host, lo, hi)
+        if inside:  # busy within the programs, waiting outside them: idle_host is waiting and host
+            prog_busy_ps = busy_ps
+
+            def idle_host_ps(x: Intervals) -> np.ndarray:  # per window, idle_host's time in x (within the host's)
+                return covered_both_ps(waiting, x, lo, hi)
+
+            def idle_host_in(clip: Intervals) -> Intervals:
+                return intersect_intervals(intersect_intervals(waiting, clip), host)
+        else:
+            prog_busy_ps = covered_ps(intersect_intervals(programs, busy), lo, hi)
+            idle = subtract_intervals(intersect_intervals(waiting, host), busy)  # waiting: outside every program
+
+            def idle_host_ps(x: Intervals) -> np.ndarray:
+                return covered_both_ps(idle, x, lo, hi)
+
+            def idle_host_in(clip: Intervals) -> Intervals:
+                return intersect_intervals(idle, clip)
+        hb_ps = idle_host_ps(host)
         total = hi - lo
         launch_gap = prog_ps - prog_busy_ps
         outside = total - busy_ps - launch_gap - hb_ps
         for k in HOST_KINDS:
             share = np.full(len(lo), np.nan)
             if (hb_ps > 0).any():
-                of_kind = on_host[act_kind[on_host] == k]
-                kset = merge_intervals(act_start[of_kind], act_end[of_kind])
-                share = np.where(hb_ps > 0, covered_ps(intersect_intervals(idle_host, kset), lo, hi)
-                                 / np.maximum(hb_ps, 1), np.nan)
+                share = np.where(hb_ps > 0, idle_host_ps(kind_set(h, k)) / np.maximum(hb_ps, 1), np.nan)
             rows[f"host_bound_{k}_share"].append(share)
         for c, v in (("step", w_step[w]), ("device", np.full(len(w), d, dtype=object)),
                      ("step_time_s", total * 1e-12), ("compute_s", c_ps * 1e-12),
                      ("exposed_comm_s", (busy_ps - c_ps) * 1e-12), ("launch_gap_s", launch_gap * 1e-12),
-                     ("host_bound_s", hb_ps * 1e-12), ("outside_program_s", np.maximum(outside, 0) * 1e-12)):
-            rows[c].append(v)
-        drawn = [(st, w0, w1) for st, w0, w1 in zip(w_step[w].tolist(), lo.tolist(), hi.tolist())
-                 if (st, d) in draw]
+                     ("host_bound_s", hb_ps * 1e-12), ("outside_program_s", np.maximum(outside, 0) * 1e-12),
+                     ("_rank", np.full(len(w), dev_rank[g]))):
+            rows.setdefault(c, []).append(v)
         if drawn:  # the device's idle and exposed sets inside its drawn steps (a few of many), once for all
             clip = merge_intervals(np.array([w0 for _, w0, _ in drawn]), np.array([w1 for _, _, w1 in drawn]))
-            busy_d, compute_d, programs_d, host_d = (intersect_intervals(x, clip)
-                                                     for x in (busy, compute, programs, idle_host))
+            busy_d, compute_d, programs_d = (intersect_intervals(x, clip) for x in (busy, compute, programs))
+            host_d = idle_host_in(clip)
             device_sets = {"exposed communication": subtract_intervals(busy_d, compute_d),
                            "launch gap": subtract_intervals(programs_d, busy_d), "host-bound": host_d}
             occupied = _union(busy_d, programs_d, host_d)
+            # the events overlapping a step: those starting before its end, after its start less the longest
+            reach = int(duration[m].max(initial=0))
         for st, w0, w1 in drawn:
             win = (np.array([w0], np.int64), np.array([w1], np.int64))
             sets = {**device_sets, "outside any program": subtract_intervals(win, occupied)}
-            sel = np.flatnonzero((e > w0) & (s < w1))
-            parts = [("op", np.maximum(s[sel], w0), np.minimum(e[sel], w1), r[m][sel])]
+            sel = np.sort(by_start[np.searchsorted(s_sorted, w0 - reach, side="right"):
+                                   np.searchsorted(s_sorted, w1, side="left")])
+            sel = sel[e[sel] > w0]
+            parts = [("op", np.maximum(s[sel], w0), np.minimum(e[sel], w1), row_m[sel])]
             for kind, iv in sets.items():
                 a0, a1 = intersect_intervals(iv, win)
                 parts.append((kind, a0, a1, np.full(len(a0), -1, np.int64)))
-            for kind, a0, a1, row in parts:
-                for c, v in (("step", st), ("device", d), ("kind", kind), ("w0", w0)):
-                    items[c].append(np.full(len(a0), v, dtype=np.int64 if c in ("step", "w0") else object))
-                items["start_ps"].append(a0)
-                items["end_ps"].append(a1)
-                items["row"].append(row)
+            for kind, a0, a1, row in parts:  # each part's step, device, kind and w0 repeated at the end
+                for c, v in (("step", st), ("device", d), ("kind", kind), ("w0", w0), ("start_ps", a0),
+                             ("end_ps", a1), ("row", row), ("n", len(a0))):
+                    items[c].append(v)
     rows = {c: np.concatenate(v) for c, v in rows.items()}
-    order = np.lexsort((np.unique(rows["device"], return_inverse=True)[1], rows["step"]))  # by step, device
+    order = np.lexsort((rows.pop("_rank"), rows["step"]))  # by step, device
     out = pd.DataFrame({c: v[order] for c, v in rows.items()})
-    return out, {c: np.concatenate(v) for c, v in items.items()} if items["row"] else {}
+    if not items["row"]:
+        return out, {}
+    n = items.pop("n")
+    return out, {c: np.concatenate(v) if c in ("start_ps", "end_ps", "row") else
+                 np.repeat(np.array(v, dtype=np.int64 if c in ("step", "w0") else object), n)
+                 for c, v in items.items()}
+
+
+def _inside(a: Intervals, b: Intervals) -> bool:
+    """Whether merged intervals ``a`` lie inside merged intervals ``b``: each within the one of ``b`` starting at
+    or before it."""
+    if not len(a[0]) or not len(b[0]):
+        return not len(a[0])
+    j = np.searchsorted(b[0], a[0], side="right") - 1
+    return bool(((j >= 0) & (a[1] <= b[1][np.maximum(j, 0)])).all())
 
 
 def _executions(program: np.ndarray, by_run: np.ndarray, key: np.ndarray, start: np.ndarray, end: np.ndarray,
                 launch: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per execution (the events sharing ``program``, ``by_run`` and ``key``; in order of first appearance): its
-    first op start, last op end (ps, int64) and earliest known launch (ps, float; NaN when none is known)."""
-    group = group_codes([program, by_run, key])
-    n = int(group.max()) + 1 if len(group) else 0
-    first = np.full(n, np.iinfo(np.int64).max)
-    last = np.full(n, np.iinfo(np.int64).min)
-    first_launch = np.full(n, np.nan)
-    np.minimum.at(first, group, start)
-    np.maximum.at(last, group, end)
-    np.fmin.at(first_launch, group, launch)  # fmin: a NaN launch is no launch
+    first op start, last op end (ps, int64) and earliest known launch (ps, float; NaN when none is known).
+    Consecutive events of one execution are reduced first (an execution's events mostly follow one another),
+    then the runs grouped (:func:`~traceroof.codes.group_codes` of a few rows instead of every event)."""
+    n = len(key)
+    new = np.ones(n, bool)  # where a run of events of one execution starts
+    for col in (key, program, by_run):
+        new[1:] &= col[1:] == col[:-1]
+    np.logical_not(new, out=new)
+    new[:1] = True
+    at = np.flatnonzero(new)
+    first = np.minimum.reduceat(start, at) if n else np.zeros(0, np.int64)
+    last = np.maximum.reduceat(end, at) if n else np.zeros(0, np.int64)
+    first_launch = np.fmin.reduceat(launch, at) if n else np.zeros(0)  # fmin: a NaN launch is no launch
+    group = group_codes([program[at], by_run[at], key[at]])
+    k = int(group.max()) + 1 if len(group) else 0
+    if k == len(at):  # every execution one run
+        return first, last, first_launch
+    run_first, run_last, run_launch = first, last, first_launch
+    first = np.full(k, np.iinfo(np.int64).max)
+    last = np.full(k, np.iinfo(np.int64).min)
+    first_launch = np.full(k, np.nan)
+    np.minimum.at(first, group, run_first)
+    np.maximum.at(last, group, run_last)
+    np.fmin.at(first_launch, group, run_launch)
     return first, last, first_launch
 
 
@@ -411,7 +514,10 @@ def timeline_items(items: dict[str, np.ndarray], ops: pd.DataFrame) -> pd.DataFr
     step, device, kind = items["step"], items["device"], items["kind"]
     start_s = (items["start_ps"] - items["w0"]) * 1e-12
     duration_s = (items["end_ps"] - items["start_ps"]) * 1e-12
-    devices, dev_rank = np.unique(device, return_inverse=True)
+    dev_code, devices = pd.factorize(device)
+    dev_rank = np.empty(len(devices), np.int64)
+    dev_rank[np.argsort(devices, kind="stable")] = np.arange(len(devices))  # as np.unique's: by text
+    dev_rank = dev_rank[dev_code]
     strip = pd.factorize(step * len(devices) + dev_rank)[0]
     is_op = kind == "op"
     strips = max(len(np.unique(strip[is_op])), 1)

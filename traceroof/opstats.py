@@ -23,7 +23,9 @@ def _grouped_quantiles(op: np.ndarray, t: np.ndarray, w: np.ndarray, n_ops: int,
     sample whose cumulative weight reaches ``q`` of the op's total (numpy's ``inverted_cdf``; for unit weights
     an actual execution time, the lower middle one for an even count); the max; the total weight; and the
     unweighted median of the samples (the mean of the two middle ones for an even count, as pandas'
-    ``median``)."""
+    ``median``). No samples: NaN everywhere, totals 0."""
+    if not len(op):
+        return {q: np.full(n_ops, np.nan) for q in qs}, np.full(n_ops, np.nan), np.zeros(n_ops), np.full(n_ops, np.nan)
     # by op, then time; equal times may come in any order: they give the same quantiles, max and median
     order = np.argsort(t)
     order = order[np.argsort(op[order].astype(np.min_scalar_type(n_ops)), kind="stable")]  # radix: small ints
@@ -53,13 +55,15 @@ def _grouped_quantiles(op: np.ndarray, t: np.ndarray, w: np.ndarray, n_ops: int,
 def _event_quantiles(op: np.ndarray, duration_ps: np.ndarray, n_ops: int, qs: Sequence[float]
                      ) -> tuple[dict[float, np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_grouped_quantiles` of one unit-weight sample per event (op codes ``op``, times ``duration_ps`` x
-    1e-12 s), plus each op's executions slower than ``OUTLIER_RATIO`` x its median (``qs`` holds 0.5). The
-    samples grouped by op (a radix sort of the small op codes), then each op's few order statistics that the
-    figures read placed by ``np.partition``: no sort of all events. A time is monotone in its duration, so
-    positions among durations are positions among times."""
-    order, bounds = group_order(op, n_ops)
-    dur = duration_ps[order]
-    first, size = bounds[:-1], np.diff(bounds)
+    1e-12 s; an event of code ``n_ops`` is no sample), plus each op's executions slower than ``OUTLIER_RATIO`` x
+    its median (``qs`` holds 0.5). The samples grouped by op (a radix sort of the small op codes), then each op's
+    few order statistics that the figures read placed by ``np.partition``: no sort of all events. A time is
+    monotone in its duration, so positions among durations are positions among times."""
+    order, bounds = group_order(op, n_ops + 1)
+    if len(duration_ps) and 0 <= duration_ps.min() and duration_ps.max() < 1 << 32:  # gathered in half the bytes
+        duration_ps = duration_ps.astype(np.uint32)
+    dur = duration_ps[order[:bounds[n_ops]]]  # the samples, by op
+    first, size = bounds[:-2], np.diff(bounds[:-1])
     g = np.flatnonzero(size)  # ops with samples; the others get NaN, and no outliers
     total = size.astype(np.float64)
     # the first sample whose count reaches q of the op's (the tolerance as _grouped_quantiles')
@@ -84,9 +88,61 @@ def _event_quantiles(op: np.ndarray, duration_ps: np.ndarray, n_ops: int, qs: Se
     while (up := ~(d * 1e-12 > limit)).any():
         d += up
     far = np.zeros(n_ops)
-    for o, least in zip(g.tolist(), d.tolist()):
+    for o, least in zip(g.tolist(), d.tolist()):  # (numpy compares with a Python int out of the dtype's range)
         far[o] = np.count_nonzero(dur[first[o]:first[o] + size[o]] >= least)
     return out, mx, total, mid, far
+
+
+def _op_codes(counted: pd.DataFrame, at: np.ndarray | None
+              ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
+    """The op (``OP_ID``) of every row of ``counted``: per row its op code (0..n-1, in the smallest unsigned type
+    that holds n; n for a row not at the positions ``at``, default all rows), n, and per op its module, program
+    id (missing: -1) and HLO op as ``astype(str)`` writes them (a missing name: ``nan``). Each op is known from
+    a mixed-radix key of the two categorical columns' codes (and the program id's, where they differ), present
+    keys numbered in key order from a table over the keys: no sort or hash of the rows
+    (:func:`~traceroof.codes.group_codes` of the rows at ``at`` where that table would be too large)."""
+    module, hlo_op = _categorical(counted["module"]), _categorical(counted["hlo_op"])
+    pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
+    n_rows = len(pid)
+    pid_code = group_codes([pid]) if len(pid) and pid.min() < pid.max() else None
+    n_mod, n_pid, n_hlo = len(module.categories) + 1, int(pid_code.max()) + 1 if pid_code is not None else 1, \
+        len(hlo_op.categories) + 1
+    radix = n_mod * n_pid * n_hlo  # key = ((module code + 1) * n_pid + program) * n_hlo + HLO op code + 1
+    mod_names = np.append(category_text(module), "nan")  # code -1: NA
+    hlo_names = np.append(category_text(hlo_op), "nan")
+    if radix > 4 * n_rows + (1 << 16):  # a table over the keys would be mostly empty: group the rows
+        rows = np.arange(n_rows) if at is None else at
+        op_at = group_codes([module.codes[rows], pid[rows], hlo_op.codes[rows]])
+        n_ops = int(op_at.max()) + 1
+        row_op = np.full(n_rows, n_ops, np.min_scalar_type(n_ops))
+        row_op[rows] = op_at
+        first = rows[first_rows(op_at)]
+        return row_op, n_ops, mod_names[module.codes[first]], pid[first], hlo_names[hlo_op.codes[first]]
+    key = np.add(module.codes, 1, dtype=np.int64)  # (numpy indexes with intp fastest)
+    if pid_code is not None:
+        key *= n_pid
+        key += pid_code
+    key *= n_hlo
+    key += hlo_op.codes
+    key += 1
+    if at is not None:  # rows elsewhere: key `radix`, no op
+        kept = np.zeros(n_rows, bool)
+        kept[at] = True
+        key = np.where(kept, key, radix)
+    keys = np.flatnonzero(np.bincount(key, minlength=radix + 1)[:radix])
+    n_ops = len(keys)
+    op_of_key = np.full(radix + 1, n_ops, np.min_scalar_type(n_ops))
+    op_of_key[keys] = np.arange(n_ops)
+    hlo = keys % n_hlo - 1
+    mod, program = np.divmod(keys // n_hlo, n_pid)
+    mod -= 1
+    if pid_code is None:
+        pid_op = np.full(n_ops, pid[0], np.int64)
+    else:
+        pid_of = np.empty(n_pid, np.int64)
+        pid_of[pid_code] = pid
+        pid_op = pid_of[program]
+    return op_of_key[key], n_ops, mod_names[mod], pid_op, hlo_names[hlo]
 
 
 def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at: np.ndarray | None = None
@@ -109,64 +165,75 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
     """
     if counted.empty or (at is not None and not len(at)):
         return pd.DataFrame(columns=STATS_COLUMNS, index=pd.MultiIndex.from_tuples([], names=OP_ID))
-    pick = (lambda v: v) if at is None else (lambda v: v[at])
-    module, hlo_op = pick(_categorical(counted["module"])), pick(_categorical(counted["hlo_op"]))
-    pid = pick(counted["program_id"].to_numpy(dtype="int64", na_value=-1))
-    op_row = group_codes([module, pid, hlo_op])
-    first_row = first_rows(op_row)
+    row_op, n_ops, mod_t, pid_t, op_t = _op_codes(counted, at)
+    rows = np.arange(len(counted)) if at is None else at
 
-    def text(cat: pd.Categorical) -> np.ndarray:
-        names = np.append(category_text(cat), "nan")  # code -1: NA
-        return names[cat.codes[first_row]]
+    def seen() -> np.ndarray:  # each op's rank by its first row read: the order group_codes would number them
+        first = np.full(n_ops, len(rows))
+        first[row_op[rows][::-1]] = np.arange(len(rows))[::-1]
+        rank = np.empty(n_ops, np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(n_ops)
+        return rank
 
-    n_ops = len(first_row)
-    single = pick(counted["kernels_per_execution"].to_numpy(np.float64)) <= 1.0
-    labels = pick(counted.index.to_numpy())
-    many = np.flatnonzero(~single & pick(counted["device"].notna().to_numpy()))
-    stats = None
+    multi = ~(counted["kernels_per_execution"].to_numpy(np.float64) <= 1.0)  # NaN too
+    many = rows[multi[rows] & counted["device"].notna().to_numpy()[rows]] if multi.any() else rows[:0]
+    single_op = np.where(multi, n_ops, row_op).astype(row_op.dtype, copy=False) if multi.any() else row_op
+    any_single = bool((single_op < n_ops).any())  # rows whose events are one execution each (others: n_ops)
+    stats = rank = None
     parts_op, parts_t, parts_w = [], [], []
-    if single.any() and timeline is not None:
+    if any_single and timeline is not None:
         # each event of a single-kernel row is one execution: its own duration
         # counted's index labels are op-table row numbers, which the timeline's events point to
-        op_of = np.full(max(int(labels.max()), int(timeline.row.max(initial=0))) + 1, -1, np.int64)
-        op_of[labels[single]] = op_row[single]
+        index, last = counted.index, int(timeline.row.max(initial=0))
+        if isinstance(index, pd.RangeIndex) and index.start == 0 and index.step == 1 and last < len(index):
+            op_of = single_op  # labels are positions
+        else:
+            labels = index.to_numpy()
+            op_of = np.full(max(int(labels.max()), last) + 1, n_ops, single_op.dtype)
+            op_of[labels] = single_op
         ev_op, duration = op_of[timeline.row], timeline.duration_ps.astype(np.int64, copy=False)
-        if (ev_op < 0).any():
-            ev = np.flatnonzero(ev_op >= 0)
-            ev_op, duration = ev_op[ev], duration[ev]
         if not len(many):  # every sample one event: order statistics per op, no sort of all events
             stats = _event_quantiles(ev_op, duration, n_ops, (0.5, 0.9))
         else:
-            parts_op.append(ev_op)
-            parts_t.append(duration.astype(np.float64) * 1e-12)
-            parts_w.append(np.ones(len(ev_op)))
-    if len(many) or single.any() and timeline is None:  # samples from rows' times and executions
-        measured = pick(counted["measured_s"].to_numpy(np.float64))
-        executions = pick(counted["executions"].to_numpy(np.float64))
-    if single.any() and timeline is None:
-        parts_op.append(op_row[single])
+            ev = np.flatnonzero(ev_op < n_ops)
+            parts_op.append(ev_op[ev])
+            parts_t.append(duration[ev].astype(np.float64) * 1e-12)
+            parts_w.append(np.ones(len(ev)))
+    if len(many) or any_single and timeline is None:  # samples from rows' times and executions
+        measured = counted["measured_s"].to_numpy(np.float64)
+        executions = counted["executions"].to_numpy(np.float64)
+    if any_single and timeline is None:
+        single = rows[single_op[rows] < n_ops]
+        parts_op.append(row_op[single])
         with np.errstate(divide="ignore", invalid="ignore"):
             parts_t.append(measured[single] / executions[single])
         parts_w.append(executions[single])
     if len(many):  # per (op, device, step) sums; rows without a step are one step of their own
-        step = pick(counted["step"].to_numpy(dtype="float64", na_value=-1))[many]
-        per_step = group_codes([op_row[many], pick(counted["device"].array)[many], step])
+        step = counted["step"].to_numpy(dtype="float64", na_value=-1)[many]
+        per_step = group_codes([row_op[many], counted["device"].array[many], step])
         m, x = np.bincount(per_step, weights=measured[many]), np.bincount(per_step, weights=executions[many])
-        parts_op.append(op_row[many][first_rows(per_step)])
+        parts_op.append(row_op[many][first_rows(per_step)])
         with np.errstate(divide="ignore", invalid="ignore"):
             parts_t.append(m / x)
         parts_w.append(x)
-    if stats is None:
-        op = np.concatenate(parts_op).astype(np.int64)
-        t = np.concatenate(parts_t)
-        w = np.concatenate(parts_w)
+    if stats is None:  # ops renumbered in order of first appearance, so float sums run in the same order, and back
+        rank = seen()
+        op = rank[np.concatenate([np.zeros(0, np.int64), *parts_op])]
+        t = np.concatenate([np.zeros(0), *parts_t])
+        w = np.concatenate([np.zeros(0), *parts_w])
         q, mx, total, mid = _grouped_quantiles(op, t, w, n_ops, (0.5, 0.9))
         far = np.bincount(op, weights=np.where(t > OUTLIER_RATIO * q[0.5][op], w, 0.0), minlength=n_ops)
+        q, mx, total, mid, far = {k: v[rank] for k, v in q.items()}, mx[rank], total[rank], mid[rank], far[rank]
     else:
         q, mx, total, mid, far = stats
     median = q[0.5]
-    mod_t, pid_t, op_t = text(module), pid[first_row], text(hlo_op)
-    order = np.lexsort((np.unique(op_t, return_inverse=True)[1], pid_t, np.unique(mod_t, return_inverse=True)[1]))
+    keys = [np.unique(op_t, return_inverse=True)[1].reshape(-1), pid_t, np.unique(mod_t, return_inverse=True)[1]]
+    order = np.lexsort(keys)
+    alike = np.ones(n_ops - 1, bool)
+    for k in keys:
+        alike &= np.diff(k[order]) == 0
+    if alike.any():  # ops alike in text (a missing name and one written "nan"): in order of first appearance
+        order = np.lexsort([seen() if rank is None else rank, *keys])
     with np.errstate(divide="ignore", invalid="ignore"):
         spread = q[0.9] / np.where(median > 0, median, np.nan)
     out = {"median_s": median, "p90_s": q[0.9], "spread": spread, "max_s": mx, "samples": total,

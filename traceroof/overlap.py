@@ -12,17 +12,20 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import as_text, category_text, first_rows, group_codes
+from traceroof.codes import as_text, category_text, first_rows, group_codes, group_order
 from traceroof.hostactivity import covered_ps, merge_intervals
 from traceroof.aggregate import Timeline
 
 
 def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
-    """Whether each op row's ``category`` is ``collective`` (tested once per category of a categorical column)."""
+    """Whether each op row's ``category`` is ``collective`` (tested once per category of a categorical column;
+    no row read where no category is)."""
     col = ops["category"]
     if isinstance(col.dtype, pd.CategoricalDtype):
-        return np.append(category_text(col.array) == "collective",
-                         False)[col.array.codes]  # code -1 (missing): the False appended
+        is_coll = category_text(col.array) == "collective"
+        if not is_coll.any():
+            return np.zeros(len(col), bool)
+        return np.append(is_coll, False)[col.array.codes]  # code -1 (missing): the False appended
     return (col.astype(str) == "collective").to_numpy(bool)
 
 
@@ -40,6 +43,49 @@ def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return (np.cumsum(used) - 1)[codes].astype(np.int64), names[used]
 
 
+def _pair_windows(dev: np.ndarray, pid: np.ndarray, op: np.ndarray, op_names: np.ndarray, start: np.ndarray,
+                  pairs: dict[tuple[object, str], str]) -> tuple[np.ndarray, np.ndarray]:
+    """For collective events (device codes ``dev``, program ids ``pid`` with -1 where missing, op codes ``op``
+    into ``op_names``, starts ``start``, ps): whether each is the ``-start`` event of an async pair (its window is
+    accounted on its done event), and each one's window start: from the latest start event of its pair before it
+    on its device (by start; ties in event order), else its own start. ``pairs``: (program id, ``-done`` op) ->
+    ``-start`` op. Vectorized: one sort of the events, a binary search per done event among its pair's starts."""
+    lo = start.copy()
+    if not pairs or not len(start):
+        return np.zeros(len(start), bool), lo
+    code_of = {name: i for i, name in enumerate(op_names.tolist())}
+    program = np.where(pid >= 0, pid, -1).astype(np.int64)  # a missing or negative id: None in pairs
+    key = group_codes([program, op])  # (program, op) of each event, few distinct
+    first = first_rows(key)
+    slot_of: dict[tuple[int, int], int] = {}  # (program, -start op) -> its slot
+    for (p, _), st in pairs.items():
+        if (p is None or p >= 0) and st in code_of:
+            slot_of.setdefault((-1 if p is None else int(p), code_of[st]), len(slot_of))
+    start_slot = np.full(len(first), -1, np.int64)  # per key: the slot it starts, or the slot its done ends
+    done_slot = np.full(len(first), -1, np.int64)
+    for k, (p, o) in enumerate(zip(program[first].tolist(), op[first].tolist())):
+        if (p, o) in slot_of:
+            start_slot[k] = slot_of[(p, o)]
+        elif (None if p < 0 else p, op_names[o]) in pairs:
+            done_slot[k] = slot_of.get((p, code_of.get(pairs[(None if p < 0 else p, op_names[o])], -1)), -1)
+    is_start = start_slot[key] >= 0
+    order = np.lexsort((start, dev))  # by device, then start; ties in event order
+    n = len(start)
+    span = np.int64(n + 1)
+    pos = np.empty(n, np.int64)
+    pos[order] = np.arange(n)
+    slots = len(slot_of)
+    starts = np.flatnonzero(is_start)
+    marks = np.sort((dev[starts] * slots + start_slot[key[starts]]) * span + pos[starts])  # by pair, then order
+    done = np.flatnonzero(done_slot[key] >= 0)
+    want = dev[done] * slots + done_slot[key[done]]
+    at = np.searchsorted(marks, want * span + pos[done]) - 1  # the latest start of the pair before each done
+    hit = at >= 0
+    hit[hit] = marks[at[hit]] // span == want[hit]
+    lo[done[hit]] = start[order[marks[at[hit]] % span]]
+    return is_start, lo
+
+
 def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tuple[object, str], str]
                           ) -> pd.DataFrame:
     """Add ``comm_window_s``, ``comm_hidden_s`` and ``comm_exposed_s`` (sums over each row's events) to the
@@ -52,8 +98,7 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
     """
     out = ops
     is_coll_row = _collective_rows(out)
-    window_row = np.zeros(len(out))
-    hidden_row = np.zeros(len(out))
+    window_row, hidden_row, exposed_row = np.zeros(len(out)), np.zeros(len(out)), np.zeros(len(out))
     if is_coll_row.any():
         rows = np.arange(len(out))
         row_dev, _ = _text_codes(out["device"], rows)
@@ -68,41 +113,36 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
         is_coll = is_coll_row[r]
         start = timeline.start_ps[ev].astype(np.int64)
         end = start + timeline.duration_ps[ev].astype(np.int64)
-        row_op, op_names = _text_codes(out["hlo_op"], rows)
-        op = op_names[row_op[r]]
-        pid = out["program_id"].to_numpy(dtype="float64", na_value=-1)[r]
         counted = out["counted"].to_numpy(bool)[r]
-        starts_of_pairs = {(p, s) for (p, _), s in pairs.items()}
         dev = row_dev[r]
-        by_dev = np.argsort(dev, kind="stable")
-        bounds = np.flatnonzero(np.diff(dev[by_dev], prepend=-1)).tolist() + [len(ev)]
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        coll_ev = np.flatnonzero(is_coll)
+        coll_rows = np.flatnonzero(is_coll_row)
+        op_codes, op_names = _text_codes(out["hlo_op"], coll_rows)  # the collectives' names
+        row_op = np.zeros(len(out), np.int64)
+        row_op[coll_rows] = op_codes
+        pid = out["program_id"].to_numpy(dtype="float64", na_value=-1)
+        rc = r[coll_ev]
+        is_start, coll_lo = _pair_windows(dev[coll_ev], pid[rc], row_op[rc], op_names, start[coll_ev], pairs)
+        lo_of = np.zeros(len(ev), np.int64)
+        lo_of[coll_ev] = coll_lo
+        kept = np.zeros(len(ev), bool)
+        kept[coll_ev] = ~is_start  # a start event's window is accounted on its done event
+        by_dev, bounds = group_order(dev, int(dev.max(initial=-1)) + 1)  # each device's events, in their order
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
             idx = by_dev[a:b]
-            coll = idx[is_coll[idx]]
+            coll = idx[kept[idx]]
             if len(coll) == 0:
                 continue
             other = idx[~is_coll[idx] & counted[idx]]
-            lo, hi = start[coll].copy(), end[coll].copy()
-            keep = np.ones(len(coll), bool)
-            last_start: dict[tuple[int | None, str], int] = {}
-            for j in np.argsort(start[coll], kind="stable"):
-                e = coll[j]
-                key = (int(pid[e]) if pid[e] >= 0 else None, op[e])
-                if key in starts_of_pairs:
-                    last_start[key] = e
-                    keep[j] = False  # a start event: its window is accounted on its done event
-                elif key in pairs:
-                    s = last_start.get((key[0], pairs[key]))
-                    if s is not None:
-                        lo[j] = start[s]
+            lo, hi = lo_of[coll], end[coll]
             covered = covered_ps(merge_intervals(start[other], end[other]), lo, hi)
-            window[coll[keep]] = (hi - lo)[keep] * 1e-12
-            hidden[coll[keep]] = np.minimum(covered, hi - lo)[keep] * 1e-12
+            window[coll] = (hi - lo) * 1e-12
+            hidden[coll] = np.minimum(covered, hi - lo) * 1e-12
         window_row = np.bincount(r, weights=window, minlength=len(out))
         hidden_row = np.bincount(r, weights=hidden, minlength=len(out))
-    out["comm_window_s"] = window_row
-    out["comm_hidden_s"] = hidden_row
-    out["comm_exposed_s"] = window_row - hidden_row
+        exposed_row = window_row - hidden_row
+    for c, v in (("comm_window_s", window_row), ("comm_hidden_s", hidden_row), ("comm_exposed_s", exposed_row)):
+        out[c] = pd.Series(v, index=out.index, copy=False)  # new arrays: no copy (setting an array copies it)
     return out
 
 
@@ -120,7 +160,8 @@ def arrival_skew(ops: pd.DataFrame, timeline: Timeline) -> pd.DataFrame:
         return pd.DataFrame(columns=cols)
     rows = np.flatnonzero(pick)
     row_dev, dev_names = _text_codes(ops["device"], rows)
-    if len(np.unique(row_dev[ops["device"].notna().to_numpy(bool)[rows]])) < 2:  # devices (NA not one)
+    named = row_dev[ops["device"].notna().to_numpy(bool)[rows]]  # devices (NA not one)
+    if not len(named) or (named == named[0]).all():  # fewer than two
         return pd.DataFrame(columns=cols)
     ev = np.flatnonzero(pick[timeline.row]) if len(timeline) else np.zeros(0, np.int64)
     ev = ev[np.argsort(timeline.start_ps[ev], kind="stable")]  # by start; ties in event order
