@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 import types
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -230,47 +229,6 @@ def test_a_killed_dask_worker_is_an_input_error(dask_address: str) -> None:
         map_hosts(operator.call, [dying, os.getpid], dask_address=dask_address)
 
 
-# --- in_child: part of an analysis in a forked child --------------------------------------------------------------
-
-@pytest.fixture
-def forkable(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process as ``traceroof analyze`` runs (no JAX imported), or skip where a fork is not safe."""
-    for name in parallel._FORK_UNSAFE_MODULES:
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    if parallel.start_method() != "fork":
-        pytest.skip("no fork here (another thread runs, or not Linux)")
-
-
-def test_in_child_computes_in_another_process_or_here_when_disabled(forkable: None) -> None:
-    with parallel.in_child(os.getpid) as result:
-        assert result() != os.getpid()
-    with parallel.in_child(os.getpid, enabled=False) as result:
-        assert result() == os.getpid()
-
-
-@pytest.mark.parametrize("call", BAD_CALLS)
-def test_in_child_errors_keep_their_class_and_message(forkable: None, call: partial) -> None:
-    with pytest.raises(TraceroofError) as expected:
-        call()
-    with parallel.in_child(call) as result:
-        with pytest.raises(type(expected.value)) as caught:
-            result()
-    assert str(caught.value) == str(expected.value)
-
-
-def test_a_child_that_dies_is_an_input_error(forkable: None) -> None:
-    with parallel.in_child(os._exit, 1) as result:
-        with pytest.raises(InputError, match="--jobs 1"):
-            result()
-
-
-def test_leaving_in_child_without_the_result_stops_the_child(forkable: None) -> None:
-    start = time.monotonic()
-    with parallel.in_child(time.sleep, 60):
-        pass
-    assert time.monotonic() - start < 30
-
-
 # --- whole analyses: a run directory of several hosts, read one by one, by a pool and by Dask --------------------
 
 def _pod(tmp_path) -> Path:
@@ -296,33 +254,6 @@ def test_jobs_read_hosts_in_parallel_with_the_same_result(tmp_path) -> None:
     assert _report(logdir, "--jobs", "2") == one and _report(logdir) == one
     doc = json.loads(one)
     assert doc["summary"]["devices"] == 24 and doc["summary"]["join"]["events_joined"] > 0
-
-
-def test_timeline_stages_in_a_child_give_the_same_analysis(tmp_path, forkable: None,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """With more than one job, the timeline stages of a large analysis run in a forked child; the result is the
-    one a single process gives (here forced on a small pod: 3 hosts x 8 devices)."""
-    import traceroof.analysis as analysis
-
-    pids: list[int] = []
-    real = parallel.in_child
-
-    @contextmanager
-    def spy(fn, *args, enabled=True):
-        with real(lambda *a: (fn(*a), os.getpid()), *args, enabled=enabled) as result:
-            def unwrap():
-                value, pid = result()
-                pids.append(pid)
-                return value
-            yield unwrap
-
-    monkeypatch.setattr(analysis, "in_child", spy)
-    monkeypatch.setattr(analysis, "CHILD_MIN_ROWS", 0)
-    logdir = _pod(tmp_path)
-    one = _report(logdir, "--jobs", "1")
-    assert pids == [os.getpid()]
-    assert _report(logdir, "--jobs", "2") == one
-    assert len(pids) == 2 and pids[1] != os.getpid()
 
 
 def test_dask_run_equals_the_local_run(tmp_path, dask_address: str) -> None:

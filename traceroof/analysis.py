@@ -14,7 +14,6 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.storage import is_url
 from parsers.hlo_text import is_known_opcode
-from traceroof.aggregate import Timeline
 from traceroof.breakdown import analysis_breakdown
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
 from traceroof.collectives import default_topology, expected_time, module_devices, parse_topology
@@ -29,7 +28,6 @@ from traceroof.mesh_book import book_on_mesh
 from traceroof.optable import SharedList, op_table, per_op
 from traceroof.opstats import execution_stats, top_ops
 from traceroof.overlap import arrival_skew, exposed_communication
-from traceroof.parallel import in_child
 from traceroof.profile import Profile, load_profile
 from traceroof.progress import progress
 from traceroof.rowcosts import RowCosts
@@ -39,10 +37,6 @@ from traceroof.steps import steps_with_ops
 from traceroof.utilization import _step_durations, flop_utilization, utilization_notes
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
-CHILD_MIN_ROWS = 100_000
-"""Op rows from which the timeline stages run in a child process (when allowed): starting the child and sending
-its tables back costs about 20 ms (measured: 4 hosts x 2 M events, 1.4 M rows), the stages take about 0.2 s per
-million rows."""
 
 
 def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
@@ -83,9 +77,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         device count.
     :param model_flops_per_step: the model's FLOPs of one step over all devices (e.g. 6·N·T) for the MFU;
         default: executed FLOPs without the rematerialised forward.
-    :param jobs: hosts (profile files) read in parallel processes (``None``: the cores this process may use);
-        above 1 (or ``None``), a large profile's timeline stages also run in a child process beside the per-op
-        stages (:func:`_timeline_stages`; the same results).
+    :param jobs: hosts (profile files) read in parallel processes (``None``: the cores this process may use).
     :param dask_address: read the hosts on this Dask cluster instead (``tcp://host:8786``; extra ``dask``).
     :raises TraceroofError: bad input (see :mod:`parsers.errors`), unknown chip, HLO that does not match.
     """
@@ -102,16 +94,15 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
         profile = load_profile(inputs, jobs=jobs, dask_address=dask_address)
         bar.advance()
         a = _analyze_profile(profile, chip, depth, warmup_steps, top, optimizer_pattern, topology,
-                             model_flops_per_step, expand, parallel=jobs is None or jobs > 1)
+                             model_flops_per_step, expand)
         bar.advance()
     return a
 
 
 def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warmup_steps: int, top: int,
                      optimizer_pattern: str, topology: str | None, model_flops_per_step: float | None,
-                     expand: bool, parallel: bool = False) -> Analysis:
-    """The analysis of a loaded profile (see :func:`analyze` for the parameters; ``parallel``: the timeline
-    stages may run in a child process when the op table has at least :data:`CHILD_MIN_ROWS` rows)."""
+                     expand: bool) -> Analysis:
+    """The analysis of a loaded profile (see :func:`analyze` for the parameters)."""
     notes = list(profile.notes)
     target, chip_note = resolve_chip(profile, chip)
     chip_ici = target  # links stay per chip
@@ -210,60 +201,50 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     at = np.flatnonzero(ops["counted"].to_numpy(bool) & in_used)  # op rows of the used steps
     device = ops["device"].array[at]
     n_dev = max(len(pd.unique(device[pd.notna(device)])), 1)
-    with in_child(_timeline_stages, profile, ops, timeline, steps, used, at,
-                  enabled=parallel and len(ops) >= CHILD_MIN_ROWS) as timeline_stages:
-        skew = arrival_skew(ops, timeline)
-        counted = per_op(ops, at, costs)  # from here on per-op sums over devices and steps: a small table
-        per = max(len(used), 1) * n_dev  # totals over the used steps and devices -> per step, per device
-        flops = float(counted["flops"].sum()) / per
-        hbm = float(counted["hbm_bytes"].sum()) / per
-        expected = float(counted["expected_s"].sum()) / per
-        op_time = float(counted["measured_s"].sum()) / per
-        exposed_comm = float(counted["comm_exposed_s"].sum()) / per
-        peak, peak_key = main_matmul_peak(counted, target, "f32")
-        program_devices = max([module_devices(m) for m in profile.modules] + [n_dev])
-        model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, program_devices,
-                                                               model_flops_per_step)
-        if not join.events_joined:
-            mfu = hfu = float("nan")
-        efficiency = expected / step_mean if step_mean > 0 and join.events_joined else float("nan")
-        notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
-        summary = Summary(
-            input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
-            chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
-            hbm_bandwidth_bytes_per_s=target.hbm_bandwidth_bytes_per_s, step_annotation=profile.step_annotation,
-            steps_total=len(all_steps), steps_used=used, warmup_steps=min(warmup_steps, len(all_steps)),
-            step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
-            expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
-            roofline_efficiency=efficiency,
-            devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
-            step_times_s=tuple(float(x) for x in durations),
-            hlo_sources=hlo_sources, notes=tuple(notes), host_step_time_mean_s=host_mean,
-            model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
-            chip_calibrated_at=target.calibrated_at, decoder=profile.decoder,
-        )
-        coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
-        par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # traceroof.mesh_book
-        memory = analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
-                                 scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None)
-        stats, breakdown, step_timeline = timeline_stages()
+    stats = execution_stats(ops, timeline, at)
+    skew = arrival_skew(ops, timeline)
+    counted = per_op(ops, at, costs)  # from here on per-op sums over devices and steps: a small table
+    per = max(len(used), 1) * n_dev  # totals over the used steps and devices -> per step, per device
+    flops = float(counted["flops"].sum()) / per
+    hbm = float(counted["hbm_bytes"].sum()) / per
+    expected = float(counted["expected_s"].sum()) / per
+    op_time = float(counted["measured_s"].sum()) / per
+    exposed_comm = float(counted["comm_exposed_s"].sum()) / per
+    peak, peak_key = main_matmul_peak(counted, target, "f32")
+    program_devices = max([module_devices(m) for m in profile.modules] + [n_dev])
+    model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, program_devices,
+                                                           model_flops_per_step)
+    if not join.events_joined:
+        mfu = hfu = float("nan")
+    efficiency = expected / step_mean if step_mean > 0 and join.events_joined else float("nan")
+    notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
+    summary = Summary(
+        input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
+        chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
+        hbm_bandwidth_bytes_per_s=target.hbm_bandwidth_bytes_per_s, step_annotation=profile.step_annotation,
+        steps_total=len(all_steps), steps_used=used, warmup_steps=min(warmup_steps, len(all_steps)),
+        step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
+        expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
+        roofline_efficiency=efficiency,
+        devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
+        step_times_s=tuple(float(x) for x in durations),
+        hlo_sources=hlo_sources, notes=tuple(notes), host_step_time_mean_s=host_mean,
+        model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
+        chip_calibrated_at=target.calibrated_at, decoder=profile.decoder,
+    )
     layers = rollup(counted, per, step_mean, stats)
+    coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
+    breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used)
+    par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # traceroof.mesh_book
     ops.attrs["collectives"] = counted.attrs["collectives"] = SharedList(collectives)  # as build_op_table's
     # (set last: pandas deep-copies attrs into every selection made of a frame)
     a = Analysis(summary, ops, layers, top_ops(counted, per, top, stats), steps, depth, (), coll_table,
                  topo.describe(), per, per_op_rows=counted, step_breakdown=breakdown, step_timeline=step_timeline,
-                 memory=memory, parallelism=par, row_costs=costs)
+                 memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
+                                        scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None),
+                 parallelism=par, row_costs=costs)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
                                           tuple(profile.modules)))
-
-
-def _timeline_stages(profile: Profile, ops: pd.DataFrame, timeline: Timeline, steps: pd.DataFrame,
-                     used: tuple[int, ...], at: np.ndarray) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """The stages that read the events' timeline and return small tables: the spread of single executions
-    (:func:`~traceroof.opstats.execution_stats` of the rows ``at``) and the step breakdown of the ``used`` steps
-    with its timeline items (:func:`~traceroof.breakdown.analysis_breakdown`). Run in a child process beside the
-    per-op stages when the analysis may use more than one core (:func:`~traceroof.parallel.in_child`)."""
-    return (execution_stats(ops, timeline, at), *analysis_breakdown(profile, ops, timeline, steps, used))
 
 
 def _cost_disagreements(ops: pd.DataFrame, costs: RowCosts) -> list[str]:

@@ -22,8 +22,7 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, TypeVar
@@ -155,69 +154,6 @@ def _map_pool(fn: Callable[[T], R], items: list[T], workers: int, label: str) ->
         pool.shutdown(wait=True, cancel_futures=True)
         if method == "fork":
             gc.unfreeze()
-
-
-@contextmanager
-def in_child(fn: Callable[..., R], *args: Any, enabled: bool = True) -> Iterator[Callable[[], R]]:
-    """``fn(*args)`` computed in a forked child process while this one goes on: yields ``result``, which waits
-    for the child and returns its value (or raises what ``fn`` raised, as it was raised). The child shares this
-    process's memory (its inputs are not pickled; only the result travels back through a pipe), so ``fn`` must
-    only read its arguments and return a small value. Leaving the block without asking for the result stops the
-    child.
-
-    Without a child (``enabled`` False, or :func:`start_method` says a fork is not safe here) ``result`` computes
-    ``fn(*args)`` in this process when called: the same value either way.
-
-    :raises InputError: the child died before answering (killed, often for lack of memory).
-    """
-    if not enabled or start_method() != "fork":
-        yield lambda: fn(*args)
-        return
-    context = multiprocessing.get_context("fork")
-    receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child, args=(fn, args, send), daemon=True)
-    gc.freeze()  # as in _map_pool: a collection in the child would write to every shared object
-    try:
-        child.start()
-    finally:
-        gc.unfreeze()
-    send.close()
-    answered = False
-
-    def result() -> R:
-        nonlocal answered
-        try:
-            ok, value = receive.recv()
-        except EOFError:
-            raise InputError("the process computing part of the analysis died (killed, often for lack of "
-                             "memory): run with --jobs 1") from None
-        answered = True
-        if not ok:
-            raise value
-        return value
-
-    try:
-        yield result
-    finally:
-        receive.close()
-        if not answered:
-            child.terminate()
-        child.join()
-
-
-def _child(fn: Callable[..., R], args: tuple, send: Any) -> None:
-    """In the child of :func:`in_child`: send ``(True, fn(*args))``, or ``(False, the error)``."""
-    silence()
-    try:
-        out: tuple[bool, Any] = (True, fn(*args))
-    except BaseException as error:  # noqa: BLE001 (re-raised in the parent)
-        out = (False, error)
-    try:
-        send.send(out)
-    except Exception as error:  # a value or an error that does not pickle
-        send.send((False, RuntimeError(f"{fn.__name__} in a child process: {_line(error)}")))
-    finally:
-        send.close()
 
 
 def _map_dask(fn: Callable[[T], R], items: list[T], address: str, label: str) -> list[R]:
