@@ -5,6 +5,7 @@ fixed 0.1-1 ms per call, which is most of the time on the tens of rows of a smal
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -15,51 +16,67 @@ def group_codes(columns: Sequence[Any]) -> np.ndarray:
     """Per row, a dense group id (0..n-1 in order of first appearance, int64) shared by the rows whose values are
     equal in every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes
     over the columns' own codes (a Categorical's codes as they are, integers by their offset from the least, other
-    columns factorized; a column of one value left out), made dense once at the end (:func:`_dense`), or sooner
-    where the radix would overflow int64."""
-    n_rows = len(columns[0]) if len(columns) else 0
-    group, radix = None, 1
-    for col in columns:
-        codes, n = _column_codes(col)
-        if n <= 1:  # one value: splits nothing
-            continue
-        if group is None:
-            group, radix = codes.astype(np.int64), n  # a copy: the codes below are added in place
-            continue
+    columns factorized; a column of one value left out), in the smallest of int16, int32 and int64 that holds
+    them, made dense once at the end (:func:`_dense`), or sooner where the radix would overflow int64."""
+    parts = [p for p in map(_column_codes, columns) if p[1] > 1]  # a column of one value splits nothing
+    if not parts:
+        return np.zeros(len(columns[0]) if len(columns) else 0, np.int64)
+    if len(parts) == 1:
+        return _dense(parts[0][0].astype(np.int64, copy=False), parts[0][1])[0]
+    whole = prod(n for _, n in parts)
+    kind = np.int16 if whole < 1 << 15 else np.int32 if whole < 1 << 31 else np.int64
+    group, radix = parts[0][0].astype(kind), parts[0][1]  # a copy: the codes below are added in place
+    for codes, n in parts[1:]:
         if radix * n >= 1 << 62:
             group, radix = _dense(group, radix)
         group *= n
         group += codes
         radix *= n
-    return np.zeros(n_rows, np.int64) if group is None else _dense(group, radix)[0]
+    return _dense(group.astype(np.int64, copy=False), radix)[0]
 
 
 def _dense(group: np.ndarray, radix: int) -> tuple[np.ndarray, int]:
     """Codes ``group`` (int64, 0..radix-1) renumbered 0..k-1 in order of first appearance (int64), and k. Where the
-    radix is no larger than twice the rows: each code's first row (:func:`_first_rows`), and the codes present
-    ranked by it in a table over the radix that the rows look up (hashing millions of int64 codes,
-    ``pd.factorize``, reads a hash table at random: 5 times slower on 3.4 M rows); ``pd.factorize`` otherwise."""
+    radix is no larger than twice the rows, a table over the radix that the rows look up: the codes ranked by
+    their first rows among the first ``max(radix, 2**16)`` rows (a code first seen later reads -1 there, and
+    then the first rows of every code are found, :func:`_first_rows`: on an op table every op shows up in its
+    first step); hashing millions of int64 codes, ``pd.factorize``, reads a hash table at random: 5 times slower
+    on 3.4 M rows. ``pd.factorize`` otherwise."""
     n = len(group)
     if radix > 2 * n + 1024:
         codes, uniques = pd.factorize(group)
         return codes.astype(np.int64), len(uniques)
-    first = _first_rows(group, radix)
+    head = min(n, max(radix, 1 << 16))
+    first = np.full(radix, n, np.int64)
+    first[group[:head][::-1]] = np.arange(head - 1, -1, -1)  # the last write wins: each code's first row
+    table, k = _ranks(first, n)
+    codes = table[group]
+    if head < n and codes[head:].min() < 0:
+        np.minimum(first, _first_rows(group[head:], radix) + head, out=first)
+        table, k = _ranks(first, n)
+        codes = table[group]
+    return codes, k
+
+
+def _ranks(first: np.ndarray, n: int) -> tuple[np.ndarray, int]:
+    """Per code, its rank (int64; -1: none) among the codes that have a first row (``first`` below ``n``), by that
+    row; and how many have one."""
     present = np.flatnonzero(first < n)
-    table = np.zeros(radix, np.int64)
+    table = np.full(len(first), -1, np.int64)
     table[present[np.argsort(first[present], kind="stable")]] = np.arange(len(present))
-    return table[group], len(present)
+    return table, len(present)
 
 
 def _first_rows(group: np.ndarray, n_codes: int) -> np.ndarray:
     """Per code 0..n_codes-1 (int64), the first row of ``group`` (int64 codes) that holds it; ``len(group)`` for a
     code no row holds. The first rows of the first ``max(n_codes, 2**16)`` rows are scattered into a table (the last
-    write wins: rows in reverse order); the other rows only checked for a code not seen yet (a look-up per row, no
-    write), and scattered too if one holds one: on an op table every op shows up in its first step."""
+    write wins: rows in reverse order); the other rows are read only where some code was not seen in those:
+    checked for such a code (a look-up per row, no write), and scattered too if one holds it."""
     n = len(group)
     first = np.full(n_codes, n, np.int64)
     head = min(n, max(n_codes, 1 << 16))
     first[group[:head][::-1]] = np.arange(head - 1, -1, -1)
-    if head < n and not (first < n)[group[head:]].all():
+    if head < n and (first == n).any() and not (first < n)[group[head:]].all():
         rest = np.full(n_codes, n, np.int64)
         rest[group[head:][::-1]] = np.arange(n - 1, head - 1, -1)
         np.minimum(first, rest, out=first)
@@ -70,7 +87,8 @@ def _column_codes(col: Any) -> tuple[np.ndarray | None, int]:
     """(integer codes in 0..n-1, n) of one column: equal values share a code, NA has one of its own; (None, 1) for
     a column of one value. The codes may be the column's own array (not to be written to), of any integer type.
     Categorical: its codes (+ 1 where some are missing: NA 0), up to the highest used; bool: 0, 1; integers and
-    whole floats spanning at most twice the rows: their offset from the least + 1 (NA: 0); others factorized."""
+    whole floats spanning at most twice the rows: their offset from the least (the same + 1 where some are
+    missing); others factorized."""
     dtype = getattr(col, "dtype", None)
     n_rows = len(col)
     if isinstance(dtype, pd.CategoricalDtype):
@@ -91,7 +109,7 @@ def _column_codes(col: Any) -> tuple[np.ndarray | None, int]:
 
 def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
     """:func:`_column_codes` of a column of whole numbers (numpy or nullable integers, floats) spanning at most
-    twice the rows: value - least + 1 (int64), NA (and NaN) 0; None for other columns."""
+    twice the rows: value - least (int64; + 1 where some are missing: NA and NaN 0); None for other columns."""
     arr = col.array if isinstance(col, pd.Series) else col
     na = None
     if isinstance(arr, (pd.arrays.IntegerArray, pd.arrays.FloatingArray)):
@@ -122,9 +140,10 @@ def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
     else:
         with np.errstate(over="ignore", invalid="ignore"):  # at NA: whatever the filler gives, overwritten
             codes = (v - lo).astype(np.int64)
+    if some is v:
+        return codes, int(span) + 1
     codes += 1
-    if some is not v:
-        codes[na] = 0
+    codes[na] = 0
     return codes, int(span) + 2
 
 

@@ -53,11 +53,12 @@ def _precision_key(key: str) -> bool:
 
 def _sorted_categorical(codes: np.ndarray, names: tuple[str, ...]) -> pd.Categorical:
     """``names[codes]`` as ``pd.Categorical`` of those strings makes it (categories: the names present, in order),
-    without building the strings; ``names`` sorted."""
-    used = np.flatnonzero(np.bincount(codes, minlength=len(names)))
+    without building the strings; ``names`` sorted and few (a pass over the codes per name finds those present)."""
+    used = [i for i in range(len(names)) if (codes == i).any()]
     remap = np.zeros(len(names), np.int8)
     remap[used] = np.arange(len(used))
-    return pd.Categorical.from_codes(remap[codes], categories=pd.Index([names[i] for i in used], dtype="str"))
+    return pd.Categorical.from_codes(np.take(remap, codes), categories=pd.Index([names[i] for i in used], dtype="str"),
+                                     validate=False)
 
 
 def op_peaks(ops: pd.DataFrame, chip: Chip) -> tuple[np.ndarray, pd.Categorical]:
@@ -76,8 +77,8 @@ def op_peaks(ops: pd.DataFrame, chip: Chip) -> tuple[np.ndarray, pd.Categorical]
         peak_keys.append(key)
     peak = np.array(peaks, dtype=np.float64)[codes] if len(ops) else np.zeros(0)
     names = sorted(set(peak_keys))  # the categories pd.Categorical(peak_keys) would have
-    key_codes = np.array([names.index(k) for k in peak_keys], np.int64)
-    peak_key = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str")) \
+    key_codes = np.array([names.index(k) for k in peak_keys], np.int8 if len(names) < 1 << 7 else np.int64)
+    peak_key = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str"), validate=False) \
         if len(ops) else pd.Categorical([])
     return peak, peak_key
 
@@ -107,7 +108,7 @@ def roofline_values(work: np.ndarray, hbm: np.ndarray, comm_s: np.ndarray | None
             comm = np.zeros(len(work))
         else:  # np.nan_to_num, without its passes for infinities where there are none
             comm = np.nan_to_num(comm_s) if np.isinf(comm_s).any() else np.where(np.isnan(comm_s), 0.0, comm_s)
-        unknown = ~joined | opaque
+        unknown = ~joined | opaque if want - {"bound", "arithmetic_intensity_flops_per_byte"} else None
         if want & {"expected_s", "efficiency", "lost_s"}:
             expected = np.maximum(compute, memory)
             np.maximum(expected, comm, out=expected)
