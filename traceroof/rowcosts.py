@@ -104,8 +104,9 @@ class RowCosts:
     def _worked(self, stored: dict[str, np.ndarray], want: tuple[str, ...], at: np.ndarray | slice | None,
                 ) -> dict[str, np.ndarray]:
         """:meth:`columns` ``want`` of the rows ``at`` (positions or a slice; None: all) from :meth:`_stored`."""
-        def col(name: str) -> np.ndarray:
-            return stored[name] if at is None else stored[name][at]
+        def col(name: str) -> np.ndarray:  # np.take: faster than [at]
+            v = stored[name]
+            return v if at is None else v[at] if isinstance(at, slice) else np.take(v, at)
 
         roof = self._roof(want)
         key = col("op_key")
@@ -114,7 +115,7 @@ class RowCosts:
         needed = set(want) | ({"flops", "transcendentals", "hbm_bytes"} if roof else set())
         for c in ADDITIVE:
             if c in needed or (self.tpu and "traceroof_" + c in needed):
-                out[c] = self.per_event[c][key].astype(np.float64, copy=False)
+                out[c] = np.take(self.per_event[c], key).astype(np.float64, copy=False)
                 out[c] *= n_events
         if self.tpu:  # libtpu's own per-op FLOPs and bytes win where present; ours kept beside
             for c, libtpu in (("flops", "profile_flops"), ("hbm_bytes", "profile_bytes_accessed")):
@@ -124,10 +125,10 @@ class RowCosts:
                     out[c] = np.where(np.isnan(theirs), out[c], theirs)
         comm = None
         if self.comm_per_execution_s is not None:
-            comm = out["comm_s"] = self.comm_per_execution_s[key]
+            comm = out["comm_s"] = np.take(self.comm_per_execution_s, key)
             comm *= col("executions")
         if self.peak_flops_per_s is not None and ("peak_flops_per_s" in want or roof):
-            out["peak_flops_per_s"] = self.peak_flops_per_s[key]
+            out["peak_flops_per_s"] = np.take(self.peak_flops_per_s, key)
         if roof:
             out.update(roofline_values(
                 out["flops"] + out["transcendentals"], out["hbm_bytes"], comm, out["peak_flops_per_s"],
