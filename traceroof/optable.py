@@ -270,8 +270,9 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | N
             total = np.append(v[first], 0) if c == "start_ps" else np.zeros(n + 1, np.int64)
             (np.minimum if c == "start_ps" else np.add).at(total, key, v)
         else:  # in row order, as np.bincount adds (np.add.at skips its pass for the codes' range)
-            total = np.zeros(n + 1)
-            np.add.at(total, key, rows[c].to_numpy(np.float64))
+            v, total = rows[c].to_numpy(np.float64), np.zeros(n + 1)
+            if v.any():  # zeros (communication without collectives) sum to zeros
+                np.add.at(total, key, v)
         summed[c] = total[:n]
     if "efficiency" in rows or "expected_s" in summed:
         m = summed["measured_s"]
