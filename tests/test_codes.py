@@ -65,11 +65,15 @@ def test_group_codes_find_codes_first_seen_late_in_long_columns():
         assert (bounds == np.searchsorted(got[order], np.arange(len(first) + 1))).all()
 
 
-def test_group_codes_of_small_integers_spanning_more_than_their_type():
+def test_group_codes_of_integer_columns_of_any_type():
     # int8 100 - (-100) overflows int8: the span is taken in Python, the offsets in int64
     v = np.array([-100, 47, 100, 47, -100], np.int8)
     assert list(group_codes([v])) == [0, 1, 2, 1, 0]
     assert list(group_codes([np.array([-1, 127, 5, -1], np.int8), np.ones(4, bool)])) == [0, 1, 2, 0]
+    # integers from 0 are their own codes, beside codes of other types
+    u, cat = np.array([0, 3, 1, 3, 0], np.uint64), pd.Categorical(list("abaaa"))
+    for cols in ([u, cat], [cat, u], [u.astype(np.int16), cat], [cat, np.array([0, 3, 1, 3, 0])]):
+        assert list(group_codes(cols)) == [0, 1, 2, 3, 0]
 
 
 def test_group_figures_match_pandas():

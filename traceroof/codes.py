@@ -111,7 +111,8 @@ def _column_codes(col: Any) -> tuple[np.ndarray | None, int]:
 
 def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
     """:func:`_column_codes` of a column of whole numbers (numpy or nullable integers, floats) spanning at most
-    twice the rows: value - least (int64; + 1 where some are missing: NA and NaN 0); None for other columns."""
+    twice the rows: value - least (int64, or signed integers themselves where the least is 0; + 1 where some
+    are missing: NA and NaN 0); None for other columns."""
     arr = col.array if isinstance(col, pd.Series) else col
     na = None
     if isinstance(arr, (pd.arrays.IntegerArray, pd.arrays.FloatingArray)):
@@ -137,6 +138,8 @@ def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
         return None
     if lo == hi and some is v:
         return None, 1
+    if some is v and lo == 0 and v.dtype.kind == "i":  # already 0..span (op keys): the column itself
+        return v, int(span) + 1
     if v.dtype.kind in "iu" and np.can_cast(v.dtype, np.int64):
         codes = np.subtract(v, lo, dtype=np.int64)
     else:
