@@ -3,7 +3,8 @@
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import as_text, group_codes, group_mean, group_median, group_sum, positions
+from traceroof.codes import (as_text, first_rows, group_codes, group_mean, group_median, group_order, group_sum,
+                             positions)
 
 
 def _first_seen_ids(columns):
@@ -44,6 +45,35 @@ def test_group_codes_by_offsets_and_tables_match_tuples():
                 pd.Categorical(rng.integers(0, 40, n).astype(str)), pd.Series(pd.array(rng.integers(0, 50, n)))]
         pick = [cols[i] for i in rng.choice(len(cols), int(rng.integers(1, 5)), replace=False)]
         assert (group_codes(pick) == _first_seen_ids(pick)).all()
+
+
+def test_group_codes_find_codes_first_seen_late_in_long_columns():
+    # more rows than the first rows scanned at once: codes first seen near the end, and none after the start
+    rng = np.random.default_rng(11)
+    n = 200_000
+    late = rng.integers(0, 50, n)
+    late[-3:] = [50, 51, 50]
+    cat = pd.Categorical.from_codes(rng.integers(-1, 3, n), categories=["x", "y", "z"])
+    for cols in ([late], [late, cat], [rng.integers(0, 7, n)], [np.repeat(np.arange(n // 4), 4)]):
+        want = pd.factorize(pd.MultiIndex.from_arrays([pd.factorize(c, use_na_sentinel=False)[0] for c in cols]))[0]
+        got = group_codes(cols)
+        assert got.dtype == np.int64 and (got == want).all()
+        first = first_rows(got)
+        assert (got[first] == np.arange(len(first))).all() and (first == np.unique(got, return_index=True)[1]).all()
+        order, bounds = group_order(got, len(first))
+        assert (order == np.argsort(got, kind="stable")).all()
+        assert (bounds == np.searchsorted(got[order], np.arange(len(first) + 1))).all()
+
+
+def test_group_codes_of_integer_columns_of_any_type():
+    # int8 100 - (-100) overflows int8: the span is taken in Python, the offsets in int64
+    v = np.array([-100, 47, 100, 47, -100], np.int8)
+    assert list(group_codes([v])) == [0, 1, 2, 1, 0]
+    assert list(group_codes([np.array([-1, 127, 5, -1], np.int8), np.ones(4, bool)])) == [0, 1, 2, 0]
+    # integers from 0 are their own codes, beside codes of other types
+    u, cat = np.array([0, 3, 1, 3, 0], np.uint64), pd.Categorical(list("abaaa"))
+    for cols in ([u, cat], [cat, u], [u.astype(np.int16), cat], [cat, np.array([0, 3, 1, 3, 0])]):
+        assert list(group_codes(cols)) == [0, 1, 2, 3, 0]
 
 
 def test_group_figures_match_pandas():

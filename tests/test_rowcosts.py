@@ -67,8 +67,9 @@ def test_the_public_op_table_is_the_whole_table() -> None:
 
 def test_chunked_sums_add_in_row_order(monkeypatch) -> None:
     """RowCosts.sums == np.bincount of the worked-out column over all rows, bit for bit, though it works out 7
-    rows at a time: each chunk's bincount starts from the sums so far (a sum of per-chunk partial sums would
-    round differently on these random values)."""
+    rows at a time: each chunk's rows are added to the sums so far (a sum of per-chunk partial sums would
+    round differently on these random values); of all rows, of some (their columns copied) and of most (every row
+    worked out, the others dropped)."""
     rng = np.random.default_rng(0)
     n_ops, n_rows = 5, 400
     costs = rowcosts.RowCosts({c: rng.random(n_ops) * 10 ** rng.uniform(-3, 12, n_ops) for c in rowcosts.ADDITIVE})
@@ -78,8 +79,9 @@ def test_chunked_sums_add_in_row_order(monkeypatch) -> None:
     group = ops["op_key"].to_numpy() % 3  # groups that are not the ops
     whole = costs.columns(ops)
     monkeypatch.setattr(rowcosts, "CHUNK_ROWS", 7)
-    at = np.flatnonzero(rng.random(n_rows) < 0.8)
-    for positions in (None, at):
+    some, most = (np.flatnonzero(rng.random(n_rows) < share) for share in (0.5, 0.95))  # rows copied; all worked out
+    assert len(some) < rowcosts.ALL_ROWS_FROM * n_rows <= len(most)
+    for positions in (None, some, most):
         rows = np.arange(n_rows) if positions is None else positions
         got = costs.sums(ops, group[rows], 3, positions)
         for c, v in got.items():

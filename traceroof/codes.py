@@ -5,6 +5,7 @@ fixed 0.1-1 ms per call, which is most of the time on the tens of rows of a smal
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -12,65 +13,106 @@ import pandas as pd
 
 
 def group_codes(columns: Sequence[Any]) -> np.ndarray:
-    """Per row, a dense group id (0..n-1 in order of first appearance) shared by the rows whose values are equal in
-    every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes over
-    the columns' own codes (a Categorical's codes as they are, integers by their offset from the least, other
-    columns factorized; a column of one value left out), made dense once at the end (:func:`_dense`), or sooner
-    where the radix would overflow int64."""
-    n_rows = len(columns[0]) if len(columns) else 0
-    group, radix = np.zeros(n_rows, np.int64), 1
-    for col in columns:
-        codes, n = _column_codes(col)
-        if n <= 1:  # one value: splits nothing
-            continue
+    """Per row, a dense group id (0..n-1 in order of first appearance, int64) shared by the rows whose values are
+    equal in every column; NA equals NA. ``columns``: equally long arrays, Series or Categoricals. Mixed-radix codes
+    over the columns' own codes (a Categorical's codes as they are, integers by their offset from the least, other
+    columns factorized; a column of one value left out), in the smallest of int16, int32 and int64 that holds
+    them, made dense once at the end (:func:`_dense`), or sooner where the radix would overflow int64."""
+    parts = [p for p in map(_column_codes, columns) if p[1] > 1]  # a column of one value splits nothing
+    if not parts:
+        return np.zeros(len(columns[0]) if len(columns) else 0, np.int64)
+    if len(parts) == 1:
+        return _dense(parts[0][0].astype(np.int64, copy=False), parts[0][1])[0]
+    whole = prod(n for _, n in parts)
+    kind = np.int16 if whole < 1 << 15 else np.int32 if whole < 1 << 31 else np.int64
+    group, radix = parts[0][0].astype(kind), parts[0][1]  # a copy: the codes below are added in place
+    for codes, n in parts[1:]:
         if radix * n >= 1 << 62:
             group, radix = _dense(group, radix)
-        group = group * n + codes if radix > 1 else codes
+        group *= n
+        group += codes
         radix *= n
-    return _dense(group, radix)[0]
+    return _dense(group.astype(np.int64, copy=False), radix)[0]
 
 
 def _dense(group: np.ndarray, radix: int) -> tuple[np.ndarray, int]:
-    """Codes ``group`` (0..radix-1) renumbered 0..k-1 in order of first appearance, and k. A table over the radix
-    where it is no larger than twice the rows: the first row of each code scattered into it, then the codes of
-    the rows that come first numbered in row order (hashing millions of int64 codes, ``pd.factorize``, reads a
-    hash table at random: 5 times slower on 3.4 M rows); ``pd.factorize`` otherwise."""
+    """Codes ``group`` (int64, 0..radix-1) renumbered 0..k-1 in order of first appearance (int64), and k. Where the
+    radix is no larger than twice the rows, a table over the radix that the rows look up: the codes ranked by
+    their first rows among the first ``max(radix, 2**16)`` rows (a code first seen later reads -1 there, and
+    then the first rows of the other rows are scattered too: on an op table every op shows up in its first step);
+    hashing millions of int64 codes, ``pd.factorize``, reads a hash table at random: 5 times slower on 3.4 M rows.
+    ``pd.factorize`` otherwise."""
     n = len(group)
     if radix > 2 * n + 1024:
         codes, uniques = pd.factorize(group)
         return codes.astype(np.int64), len(uniques)
-    index = np.int32 if n < 1 << 31 else np.int64
-    table = np.full(radix, n, index)
-    table[group[::-1]] = np.arange(n - 1, -1, -1, dtype=index)  # the last write wins: each code's first row
-    starts = group[table[group] == np.arange(n, dtype=index)]  # the codes of the rows that come first
-    table[starts] = np.arange(len(starts), dtype=index)
-    return table[group].astype(np.int64), len(starts)
+    head = min(n, max(radix, 1 << 16))
+    first = np.full(radix, n, np.int64)
+    first[group[:head][::-1]] = np.arange(head - 1, -1, -1)  # the last write wins: each code's first row
+    table, k = _ranks(first, n)
+    codes = np.take(table, group)  # faster than table[group]
+    if head < n and codes[head:].min() < 0:  # the first rows of the other rows too
+        rest = np.full(radix, n, np.int64)
+        rest[group[head:][::-1]] = np.arange(n - 1, head - 1, -1)
+        np.minimum(first, rest, out=first)
+        table, k = _ranks(first, n)
+        codes = np.take(table, group)
+    return codes, k
+
+
+def _ranks(first: np.ndarray, n: int) -> tuple[np.ndarray, int]:
+    """Per code, its rank (int64; -1: none) among the codes that have a first row (``first`` below ``n``), by that
+    row; and how many have one."""
+    present = np.flatnonzero(first < n)
+    table = np.full(len(first), -1, np.int64)
+    table[present[np.argsort(first[present], kind="stable")]] = np.arange(len(present))
+    return table, len(present)
+
+
+def _first_rows(group: np.ndarray, n_codes: int) -> np.ndarray:
+    """Per code 0..n_codes-1 (int64), the first row of ``group`` (int64 codes) that holds it; ``len(group)`` for a
+    code no row holds. The first rows of the first ``max(n_codes, 2**16)`` rows are scattered into a table (the last
+    write wins: rows in reverse order); the other rows are read only where some code was not seen in those:
+    checked for such a code (a look-up per row, no write), and scattered too if one holds it."""
+    n = len(group)
+    first = np.full(n_codes, n, np.int64)
+    head = min(n, max(n_codes, 1 << 16))
+    first[group[:head][::-1]] = np.arange(head - 1, -1, -1)
+    if head < n and (first == n).any() and not (first < n)[group[head:]].all():
+        rest = np.full(n_codes, n, np.int64)
+        rest[group[head:][::-1]] = np.arange(n - 1, head - 1, -1)
+        np.minimum(first, rest, out=first)
+    return first
 
 
 def _column_codes(col: Any) -> tuple[np.ndarray | None, int]:
-    """(int64 codes in 0..n-1, n) of one column: equal values share a code, NA has one of its own; (None, 1) for
-    a column of one value. Categorical: its codes + 1 (up to the highest used); bool: 0, 1; integers and whole floats
-    spanning at most twice the rows: their offset from the least + 1 (NA: 0); others factorized."""
+    """(integer codes in 0..n-1, n) of one column: equal values share a code, NA has one of its own; (None, 1) for
+    a column of one value. The codes may be the column's own array (not to be written to), of any integer type.
+    Categorical: its codes (+ 1 where some are missing: NA 0), up to the highest used; bool: 0, 1; integers and
+    whole floats spanning at most twice the rows: their offset from the least (the same + 1 where some are
+    missing); others factorized."""
     dtype = getattr(col, "dtype", None)
     n_rows = len(col)
     if isinstance(dtype, pd.CategoricalDtype):
         codes = (col.array if isinstance(col, pd.Series) else col).codes
-        if not n_rows or int(codes.min()) == int(codes.max()):
+        lo, hi = (int(codes.min()), int(codes.max())) if n_rows else (0, 0)
+        if lo == hi:
             return None, 1
-        return np.add(codes, 1, dtype=np.int64), int(codes.max()) + 2  # code -1 (NA) -> 0
+        return (codes, hi + 1) if lo >= 0 else (np.add(codes, 1, dtype=np.int64), hi + 2)  # code -1 (NA) -> 0
     if dtype == np.dtype(bool):
         v = np.asarray(col)
-        return (v.astype(np.int64), 2) if v.any() and not v.all() else (None, 1)
+        return (v.view(np.uint8), 2) if v.any() and not v.all() else (None, 1)
     ranged = _offsets(col)
     if ranged is not None:
         return ranged
     codes, uniques = pd.factorize(col, use_na_sentinel=False)
-    return codes.astype(np.int64), len(uniques)
+    return codes, len(uniques)
 
 
 def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
     """:func:`_column_codes` of a column of whole numbers (numpy or nullable integers, floats) spanning at most
-    twice the rows: value - least + 1, NA (and NaN) 0; None for other columns."""
+    twice the rows: value - least (int64, or signed integers themselves where the least is 0; + 1 where some
+    are missing: NA and NaN 0); None for other columns."""
     arr = col.array if isinstance(col, pd.Series) else col
     na = None
     if isinstance(arr, (pd.arrays.IntegerArray, pd.arrays.FloatingArray)):
@@ -82,30 +124,40 @@ def _offsets(col: Any) -> tuple[np.ndarray | None, int] | None:
     if v.dtype.kind not in "iuf" or not len(v):
         return None
     if v.dtype.kind == "f":
-        with np.errstate(invalid="ignore"):  # inf - inf: NaN, not a fraction (inf is then too far from the least)
-            if (v - np.floor(v) > 0).any():  # a fraction
-                return None
+        if (v > np.floor(v)).any():  # a fraction (NaN and inf are not greater than their floor)
+            return None
         nan = np.isnan(v)
         na = nan if na is None else na | nan
     some = v[~na] if na is not None and na.any() else v
     if not len(some):
         return None, 1  # all missing
     lo, hi = some.min(), some.max()
-    if hi - lo > 2 * len(v):  # inf too
+    with np.errstate(invalid="ignore"):  # inf - inf: NaN
+        span = int(hi) - int(lo) if v.dtype.kind in "iu" else hi - lo  # integers in Python: int8 100 - -100 overflows
+    if not span <= 2 * len(v):  # inf too
         return None
     if lo == hi and some is v:
         return None, 1
-    with np.errstate(over="ignore", invalid="ignore"):  # at NA: whatever the filler gives, overwritten
-        codes = (v - lo).astype(np.int64) + 1
-    if some is not v:
-        codes[na] = 0
-    return codes, int(hi - lo) + 2
+    if some is v and lo == 0 and v.dtype.kind == "i":  # already 0..span (op keys): the column itself
+        return v, int(span) + 1
+    if v.dtype.kind in "iu" and np.can_cast(v.dtype, np.int64):
+        codes = np.subtract(v, lo, dtype=np.int64)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):  # at NA: whatever the filler gives, overwritten
+            codes = (v - lo).astype(np.int64)
+    if some is v:
+        return codes, int(span) + 1
+    codes += 1
+    codes[na] = 0
+    return codes, int(span) + 2
 
 
 def first_rows(group: np.ndarray) -> np.ndarray:
-    """The first row of every group id of :func:`group_codes` (index ``g`` holds group ``g``'s first row)."""
-    first = np.zeros(int(group.max()) + 1 if len(group) else 0, np.int64)
-    first[group[::-1]] = np.arange(len(group))[::-1]
+    """The first row of every group id of :func:`group_codes` (index ``g`` holds group ``g``'s first row; 0 for an
+    id no row holds), by :func:`_first_rows`."""
+    n_groups = int(group.max()) + 1 if len(group) else 0
+    first = _first_rows(np.asarray(group, np.int64), n_groups)
+    first[first == len(group)] = 0
     return first
 
 
@@ -113,9 +165,11 @@ def group_order(group: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Rows grouped by their code (``group``: 0..n-1): the positions sorted by code, each group's in increasing
     order, and ``bounds`` (n + 1) with group ``k`` at ``order[bounds[k]:bounds[k + 1]]``. One stable sort of the
     codes in the smallest integer type that holds them (numpy sorts 8- and 16-bit integers by radix), instead of
-    a pass over every row per group."""
+    a pass over every row per group; the bounds from the codes' counts."""
     order = np.argsort(group.astype(np.min_scalar_type(max(n - 1, 0))), kind="stable")
-    return order, np.searchsorted(group[order], np.arange(n + 1))
+    bounds = np.zeros(n + 1, np.int64)
+    np.cumsum(np.bincount(group, minlength=n), out=bounds[1:])
+    return order, bounds
 
 
 def group_sum(group: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:

@@ -325,7 +325,7 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | N
         if costs is not None:
             return costs.wide(rows, at)
         return rows if at is None else rows.take(at)
-    if at is not None and (np.diff(at) <= 0).any():  # the sums below add rows in their order
+    if at is not None and (at[1:] <= at[:-1]).any():  # the sums below add rows in their order
         return per_op(rows.take(at), costs=costs)
     pick = (lambda v: v) if at is None else (lambda v: v[at])
     key = group_codes([pick(rows["op_key"].to_numpy(np.int64)), pick(rows["scope"].array)])
@@ -342,9 +342,11 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | N
             v = rows[c].to_numpy(np.int64)
             total = np.append(v[first], 0) if c == "start_ps" else np.zeros(n + 1, np.int64)
             (np.minimum if c == "start_ps" else np.add).at(total, key, v)
-            summed[c] = total[:n]
-        else:  # ids: first-seen
-            summed[c] = np.bincount(key, weights=rows[c].to_numpy(np.float64), minlength=n + 1)[:n]
+        else:  # in row order, as np.bincount adds (np.add.at skips its pass for the codes' range)
+            v, total = rows[c].to_numpy(np.float64), np.zeros(n + 1)
+            if v.any():  # zeros (communication without collectives) sum to zeros
+                np.add.at(total, key, v)
+        summed[c] = total[:n]
     if "efficiency" in rows or "expected_s" in summed:
         m = summed["measured_s"]
         with np.errstate(divide="ignore", invalid="ignore"):

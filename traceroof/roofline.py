@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from traceroof.rowcosts import RowCosts
 
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
+_ROOFLINE = ("compute_s", "memory_s", "communication_s", "expected_s", "bound", "efficiency",
+             "arithmetic_intensity_flops_per_byte", "lost_s")  # what roofline_values works out, in its order
 
 
 def _usable(figure: object) -> bool:
@@ -51,11 +53,12 @@ def _precision_key(key: str) -> bool:
 
 def _sorted_categorical(codes: np.ndarray, names: tuple[str, ...]) -> pd.Categorical:
     """``names[codes]`` as ``pd.Categorical`` of those strings makes it (categories: the names present, in order),
-    without building the strings; ``names`` sorted."""
-    used = np.flatnonzero(np.bincount(codes, minlength=len(names)))
+    without building the strings; ``names`` sorted and few (a pass over the codes per name finds those present)."""
+    used = [i for i in range(len(names)) if (codes == i).any()]
     remap = np.zeros(len(names), np.int8)
     remap[used] = np.arange(len(used))
-    return pd.Categorical.from_codes(remap[codes], categories=pd.Index([names[i] for i in used], dtype="str"))
+    return pd.Categorical.from_codes(np.take(remap, codes), categories=pd.Index([names[i] for i in used], dtype="str"),
+                                     validate=False)
 
 
 def op_peaks(ops: pd.DataFrame, chip: Chip) -> tuple[np.ndarray, pd.Categorical]:
@@ -74,8 +77,8 @@ def op_peaks(ops: pd.DataFrame, chip: Chip) -> tuple[np.ndarray, pd.Categorical]
         peak_keys.append(key)
     peak = np.array(peaks, dtype=np.float64)[codes] if len(ops) else np.zeros(0)
     names = sorted(set(peak_keys))  # the categories pd.Categorical(peak_keys) would have
-    key_codes = np.array([names.index(k) for k in peak_keys], np.int64)
-    peak_key = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str")) \
+    key_codes = np.array([names.index(k) for k in peak_keys], np.int8 if len(names) < 1 << 7 else np.int64)
+    peak_key = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str"), validate=False) \
         if len(ops) else pd.Categorical([])
     return peak, peak_key
 
@@ -87,35 +90,51 @@ def hbm_bandwidth(chip: Chip) -> float:
 
 def roofline_values(work: np.ndarray, hbm: np.ndarray, comm_s: np.ndarray | None, peak: np.ndarray,
                     bandwidth: float, joined: np.ndarray, opaque: np.ndarray, latency: np.ndarray | None,
-                    measured: np.ndarray, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+                    measured: np.ndarray | None, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
     """The roofline of rows: ``work`` (FLOPs + transcendentals), ``hbm`` (bytes), ``comm_s`` (modelled
     communication time, NaN or None: none), ``peak`` (FLOP/s), ``bandwidth`` (bytes/s), ``joined`` / ``opaque`` /
-    ``latency`` (bool: an HLO op; no cost model; a latency-bound collective), ``measured`` (s). Returns
-    ``compute_s``, ``memory_s``, ``communication_s``, ``expected_s`` (NaN where not ``joined`` or ``opaque``),
-    ``bound`` (int codes into :data:`BOUNDS`), ``efficiency``, ``arithmetic_intensity_flops_per_byte`` and
-    ``lost_s``; with ``names``, only those (formulas: the module docstring)."""
-    want = set(names) if names is not None else None
-    compute = np.where(work > 0, work / peak, 0.0)
-    memory = hbm / bandwidth
-    comm = np.nan_to_num(comm_s) if comm_s is not None else np.zeros(len(work))
-    known = joined & ~opaque
-    expected = np.where(known, np.maximum(np.maximum(compute, memory), comm), np.nan)
-    out = {"compute_s": lambda: np.where(known, compute, np.nan), "memory_s": lambda: np.where(known, memory, np.nan),
-           "communication_s": lambda: np.where(known, comm, np.nan), "expected_s": lambda: expected}
-    out = {k: f() for k, f in out.items() if want is None or k in want}
-    if want is None or "bound" in want:
-        bound = np.where(compute >= memory, BOUNDS.index("compute"), BOUNDS.index("memory"))
-        lat = latency if latency is not None else np.zeros(len(work), bool)
-        bound = np.where((comm > compute) & (comm > memory),
-                         np.where(lat, BOUNDS.index("latency"), BOUNDS.index("communication")), bound)
-        bound = np.where(opaque, BOUNDS.index("opaque"), bound)
-        out["bound"] = np.where(joined, bound, BOUNDS.index("unknown"))
+    ``latency`` (bool: an HLO op; no cost model; a latency-bound collective), ``measured`` (s; None where
+    ``names`` leaves out ``efficiency`` and ``lost_s``). Returns ``compute_s``, ``memory_s``,
+    ``communication_s``, ``expected_s`` (NaN where not ``joined`` or ``opaque``), ``bound`` (int8 codes into
+    :data:`BOUNDS`), ``efficiency``, ``arithmetic_intensity_flops_per_byte`` and ``lost_s``; with ``names``, only
+    those, and only what they need is computed (formulas: the module docstring)."""
+    want = set(_ROOFLINE if names is None else names)
+    out: dict[str, np.ndarray] = {}
+    if want - {"arithmetic_intensity_flops_per_byte"}:
+        compute = work / peak
+        np.copyto(compute, 0.0, where=~(work > 0))
+        memory = hbm / bandwidth
+        if comm_s is None:
+            comm = np.zeros(len(work))
+        else:  # np.nan_to_num, without its passes for infinities where there are none
+            comm = np.nan_to_num(comm_s) if np.isinf(comm_s).any() else np.where(np.isnan(comm_s), 0.0, comm_s)
+        unknown = ~joined | opaque if want - {"bound", "arithmetic_intensity_flops_per_byte"} else None
+        if want & {"expected_s", "efficiency", "lost_s"}:
+            expected = np.maximum(compute, memory)
+            np.maximum(expected, comm, out=expected)
+            np.copyto(expected, np.nan, where=unknown)
+        if "bound" in want:  # compute wins ties with memory
+            bound = np.where(compute >= memory, np.int8(BOUNDS.index("compute")), np.int8(BOUNDS.index("memory")))
+            lat = latency if latency is not None else np.zeros(len(work), bool)
+            over = (comm > compute) & (comm > memory)
+            np.copyto(bound, np.where(lat, np.int8(BOUNDS.index("latency")), np.int8(BOUNDS.index("communication"))),
+                      where=over)
+            np.copyto(bound, np.int8(BOUNDS.index("opaque")), where=opaque)
+            np.copyto(bound, np.int8(BOUNDS.index("unknown")), where=~joined)
+        for name, v in (("compute_s", compute), ("memory_s", memory), ("communication_s", comm)):
+            if name in want:  # the figures above are read no more: NaN where unknown in place
+                np.copyto(v, np.nan, where=unknown)
+                out[name] = v
+        if "expected_s" in want:
+            out["expected_s"] = expected
+        if "bound" in want:
+            out["bound"] = bound
     with np.errstate(divide="ignore", invalid="ignore"):
-        if want is None or "efficiency" in want:
+        if "efficiency" in want:
             out["efficiency"] = np.where(measured > 0, expected / measured, np.nan)
-        if want is None or "arithmetic_intensity_flops_per_byte" in want:
+        if "arithmetic_intensity_flops_per_byte" in want:
             out["arithmetic_intensity_flops_per_byte"] = np.where(hbm > 0, work / hbm, np.nan)
-    if want is None or "lost_s" in want:
+    if "lost_s" in want:
         out["lost_s"] = measured - expected
     return out
 

@@ -23,7 +23,10 @@ TPU_OURS = ("traceroof_flops", "traceroof_hbm_bytes")  # our count beside libtpu
 ROOFLINE_FLOATS = ("compute_s", "memory_s", "communication_s", "expected_s", "efficiency",
                    "arithmetic_intensity_flops_per_byte", "lost_s")
 CHUNK_ROWS = 1 << 18  # op rows whose worked-out columns are computed at once when reducing them: ~2 MB per column
+ALL_ROWS_FROM = 0.8  # RowCosts.sums of rows ``at``: share of all rows from which working out every row costs less
+#                      than copying the stored columns of those rows (a row's copy costs a fifth of working it out)
 NOT_SUMMED = ("peak_flops_per_s", "efficiency", "arithmetic_intensity_flops_per_byte")  # an op's own, or a ratio
+_STORED_TYPES = {"op_key": np.int64, "joined": bool, "opaque": bool, "comm_latency_bound": bool}  # others float64
 # where each worked-out column stands in the whole table: after the stored column named
 _AFTER = {"source": ADDITIVE, "op_key": TPU_OURS, "instance": ("comm_s",), "comm_latency_bound": ("peak_flops_per_s",),
           "peak_key": ("compute_s", "memory_s", "communication_s", "expected_s"),
@@ -72,33 +75,66 @@ class RowCosts:
         float64, computed as the stored columns were: a cost column is the op's cost per event x the row's
         events, the roofline :func:`traceroof.roofline.roofline_values` of the row."""
         want = self.names() if names is None else names
-        if not want:
-            return {}
+        return self._worked(self._stored(ops, want, at), want, None) if want else {}
 
-        def col(name: str, dtype: type = np.float64) -> np.ndarray:
-            v = ops[name].to_numpy(dtype)
-            return v if at is None else v[at]
+    def _stored(self, ops: pd.DataFrame, want: tuple[str, ...], at: np.ndarray | None = None,
+                ) -> dict[str, np.ndarray]:
+        """The stored columns of ``ops`` (of its rows ``at``; default all) that working out ``want`` reads, as numpy
+        arrays of the type the arithmetic takes (``op_key`` int64, flags bool, others float64): converted once
+        for all chunks of rows, not per chunk (a column already of that type is not copied)."""
+        roof = self._roof(want)
+        read = ["op_key", "events"]
+        if self.tpu:
+            read += ["profile_flops", "profile_bytes_accessed"]
+        if self.comm_per_execution_s is not None:
+            read.append("executions")
+        if roof:
+            read += ["joined", "opaque"] + (["comm_latency_bound"] if "comm_latency_bound" in ops else [])
+            if {"efficiency", "lost_s"} & set(roof):
+                read.append("measured_s")
+        return {c: (ops[c] if at is None else ops[c].take(at)).to_numpy(_STORED_TYPES.get(c, np.float64))
+                for c in read}
 
-        key = col("op_key", np.int64)
+    def _roof(self, want: tuple[str, ...]) -> tuple[str, ...]:
+        """The roofline columns among ``want`` (``bound``: codes into :data:`traceroof.roofline.BOUNDS`), none
+        before :meth:`with_roofline`."""
+        return tuple(c for c in want if c in ROOFLINE_FLOATS or c == "bound") if self.peak_flops_per_s is not None \
+            else ()
+
+    def _worked(self, stored: dict[str, np.ndarray], want: tuple[str, ...], at: np.ndarray | slice | None,
+                ) -> dict[str, np.ndarray]:
+        """:meth:`columns` ``want`` of the rows ``at`` (positions or a slice; None: all) from :meth:`_stored`."""
+        def col(name: str) -> np.ndarray:  # np.take: faster than [at]
+            v = stored[name]
+            return v if at is None else v[at] if isinstance(at, slice) else np.take(v, at)
+
+        roof = self._roof(want)
+        key = col("op_key")
         n_events = col("events")
-        out = {c: self.per_event[c][key] * n_events for c in ADDITIVE}
+        out: dict[str, np.ndarray] = {}
+        needed = set(want) | ({"flops", "transcendentals", "hbm_bytes"} if roof else set())
+        for c in ADDITIVE:
+            if c in needed or (self.tpu and "traceroof_" + c in needed):
+                out[c] = np.take(self.per_event[c], key).astype(np.float64, copy=False)
+                out[c] *= n_events
         if self.tpu:  # libtpu's own per-op FLOPs and bytes win where present; ours kept beside
-            out["traceroof_flops"], out["traceroof_hbm_bytes"] = out["flops"], out["hbm_bytes"]
-            pf, pb = col("profile_flops"), col("profile_bytes_accessed")
-            out["flops"] = np.where(np.isnan(pf), out["flops"], pf)
-            out["hbm_bytes"] = np.where(np.isnan(pb), out["hbm_bytes"], pb)
+            for c, libtpu in (("flops", "profile_flops"), ("hbm_bytes", "profile_bytes_accessed")):
+                if c in out:
+                    out["traceroof_" + c] = out[c]
+                    theirs = col(libtpu)
+                    out[c] = np.where(np.isnan(theirs), out[c], theirs)
         comm = None
         if self.comm_per_execution_s is not None:
-            comm = out["comm_s"] = self.comm_per_execution_s[key] * col("executions")
-        roof = [c for c in want if c in ROOFLINE_FLOATS or c == "bound"]  # bound: codes into roofline.BOUNDS
-        if self.peak_flops_per_s is not None:
-            out["peak_flops_per_s"] = self.peak_flops_per_s[key]
-            if roof:
-                out.update(roofline_values(
-                    out["flops"] + out["transcendentals"], out["hbm_bytes"], comm, out["peak_flops_per_s"],
-                    self.hbm_bandwidth_bytes_per_s, col("joined", bool), col("opaque", bool),
-                    col("comm_latency_bound", bool) if "comm_latency_bound" in ops else None, col("measured_s"),
-                    tuple(roof)))
+            comm = out["comm_s"] = np.take(self.comm_per_execution_s, key)
+            comm *= col("executions")
+        if self.peak_flops_per_s is not None and ("peak_flops_per_s" in want or roof):
+            out["peak_flops_per_s"] = np.take(self.peak_flops_per_s, key)
+        if roof:
+            out.update(roofline_values(
+                out["flops"] + out["transcendentals"], out["hbm_bytes"], comm, out["peak_flops_per_s"],
+                self.hbm_bandwidth_bytes_per_s, col("joined"), col("opaque"),
+                col("comm_latency_bound") if "comm_latency_bound" in stored else None,
+                col("measured_s") if "measured_s" in stored else None, roof))
         return {c: out[c] for c in want}
 
     def sums(self, ops: pd.DataFrame, group: np.ndarray, n_groups: int, at: np.ndarray | None = None,
@@ -106,26 +142,30 @@ class RowCosts:
         """Per group (``group``: codes 0..n_groups-1 of the rows ``at`` of ``ops``, default all), the sums of the
         worked-out columns that add up (all but :data:`NOT_SUMMED`), float64: equal to the last bit to
         ``np.bincount(group, weights=column)`` of the stored column, worked out :data:`CHUNK_ROWS` rows at a time
-        so memory stays flat (each chunk's bincount starts from the sums so far: the additions run in the same
-        order)."""
+        so memory stays flat (each chunk's rows added to the sums so far, ``np.add.at``: the additions run in the
+        same order). Where ``at`` holds at least :data:`ALL_ROWS_FROM` of the rows, every row is worked out
+        (chunks of every stored column are then views, not copies) and the others summed into a group dropped."""
+        if at is not None and len(at) >= ALL_ROWS_FROM * len(ops):
+            every = np.full(len(ops), n_groups, np.int64)
+            every[at] = group
+            return {c: v[:n_groups] for c, v in self.sums(ops, every, n_groups + 1).items()}
         names = tuple(c for c in self.names() if c not in NOT_SUMMED)
-        rows = np.arange(len(ops)) if at is None else at
+        stored = self._stored(ops, names)
         total = {c: np.zeros(n_groups) for c in names}
-        start = np.arange(n_groups)
-        for lo in range(0, len(rows), CHUNK_ROWS):
-            part = rows[lo:lo + CHUNK_ROWS]
-            codes = np.concatenate([start, group[lo:lo + CHUNK_ROWS]])
-            for c, v in self.columns(ops, names, part).items():
-                total[c] = np.bincount(codes, weights=np.concatenate([total[c], v]), minlength=n_groups)
+        for lo in range(0, len(ops) if at is None else len(at), CHUNK_ROWS):
+            part = slice(lo, lo + CHUNK_ROWS) if at is None else at[lo:lo + CHUNK_ROWS]
+            codes = group[lo:lo + CHUNK_ROWS]
+            for c, v in self._worked(stored, names, part).items():
+                np.add.at(total[c], codes, v.view(np.float64))  # numpy's float64: an equal type (unpickled) is slow
         return total
 
     def bound_codes(self, ops: pd.DataFrame) -> np.ndarray:
         """Per row of ``ops``, what bounds it (int8 codes into :data:`traceroof.roofline.BOUNDS`), worked out
         :data:`CHUNK_ROWS` rows at a time."""
         out = np.zeros(len(ops), np.int8)
+        stored = self._stored(ops, ("bound",))
         for lo in range(0, len(ops), CHUNK_ROWS):
-            part = np.arange(lo, min(lo + CHUNK_ROWS, len(ops)))
-            out[part] = self.columns(ops, ("bound",), part)["bound"]
+            out[lo:lo + CHUNK_ROWS] = self._worked(stored, ("bound",), slice(lo, lo + CHUNK_ROWS))["bound"]
         return out
 
     def wide(self, ops: pd.DataFrame, at: np.ndarray | None = None,
