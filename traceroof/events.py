@@ -196,7 +196,14 @@ def _take(columns: dict[str, Any], rows: np.ndarray, names: Sequence[str] | None
     ``names`` (default: all); every row of a mask: the same arrays."""
     if rows.dtype == bool and rows.all():
         return {k: columns[k] for k in (columns if names is None else names)}
-    return {k: columns[k][rows] for k in (columns if names is None else names)}
+    at = _positions(rows)
+    return {k: columns[k].take(at) for k in (columns if names is None else names)}
+
+
+def _positions(rows: np.ndarray) -> np.ndarray:
+    """A boolean mask as the positions it selects (positions as they are): each column is then taken by position,
+    which beats a mask (a count and a branch per row, each time) on the interleaved rows of a host's events."""
+    return np.flatnonzero(rows) if rows.dtype == bool else rows
 
 
 def _small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -214,7 +221,8 @@ def _take_out(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
     """:func:`_take` of every column, each one removed from ``columns`` as it is taken (so that a large table and
     its copy are never both held whole); ``columns`` is left empty."""
     every = rows.all()
-    return {k: columns.pop(k) if every else columns.pop(k)[rows] for k in list(columns)}
+    at = None if every else _positions(rows)
+    return {k: columns.pop(k) if every else columns.pop(k).take(at) for k in list(columns)}
 
 
 def _category(values: Any) -> pd.Categorical:
@@ -279,20 +287,13 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
     events do not overlap) up to time ``q_t``."""
     out = np.zeros(len(q_t), np.int64)
     # threads numbered in order of first appearance (a plane's events come by thread and by time, so the
-    # (thread, start) keys below are nearly sorted); only threads queried, numbered 0..n-1 again
+    # (thread, start) keys below are usually sorted already)
     thread, ids = pd.factorize(lines)
     q_thread = pd.Index(ids).get_indexer(q_line)  # -1: a thread without op events (0 busy)
-    wanted = np.zeros(len(ids) + 1, bool)
-    wanted[q_thread] = True  # -1 marks the last slot: a thread with no events
-    renumber = np.cumsum(wanted[:-1]) - 1
-    on = wanted[:-1][thread]
     q = np.flatnonzero(q_thread >= 0)
     if not len(q):
         return out
-    if not on.all():
-        on = np.flatnonzero(on)
-        thread, start, end = thread[on], start[on], end[on]
-    thread, q_thread, q_t = renumber[thread], renumber[q_thread[q]], q_t[q]
+    q_thread, q_t = q_thread[q], q_t[q]
     # (thread, time) as one sortable int64 key: thread x width + time from the earliest (or, when a time span
     # that wide could overflow, the time's rank among all times), for as many threads at a time as fit
     lo = min(int(start.min()), int(q_t.min()))
@@ -303,15 +304,22 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
         times, rank = np.unique(np.concatenate([start, q_t]), return_inverse=True)
         width = len(times) + 1
         t, q_tt = rank[:len(start)], rank[len(start):]
-    n_threads = int(renumber[-1]) + 1
+    n_threads = len(ids)
     per = max(2**63 // width, 1)  # keys below per x width: at most 2^63 - 1
+    if per < n_threads:  # more threads than one key holds: only the threads queried, numbered 0..n-1 again
+        wanted = np.zeros(n_threads, bool)
+        wanted[q_thread] = True
+        renumber = np.cumsum(wanted) - 1
+        on = np.flatnonzero(wanted[thread])
+        thread, t, start, end = renumber[thread[on]], t[on], start[on], end[on]
+        q_thread, n_threads = renumber[q_thread], int(renumber[-1]) + 1
+    if per >= n_threads:
+        out[q] = _busy_of_threads(thread, t, start, end, q_thread, q_tt, q_t, width)
+        return out
     res = np.zeros(len(q), np.int64)
     for a in range(0, n_threads, per):
-        if per < n_threads:
-            ev = np.flatnonzero((thread >= a) & (thread < a + per))
-            qs = np.flatnonzero((q_thread >= a) & (q_thread < a + per))
-        else:
-            ev, qs = slice(None), slice(None)
+        ev = np.flatnonzero((thread >= a) & (thread < a + per))
+        qs = np.flatnonzero((q_thread >= a) & (q_thread < a + per))
         res[qs] = _busy_of_threads(thread[ev] - a, t[ev], start[ev], end[ev], q_thread[qs] - a, q_tt[qs], q_t[qs],
                                    width)
     out[q] = res
@@ -322,9 +330,10 @@ def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: 
                      q_tt: np.ndarray, q_t: np.ndarray, width: int) -> np.ndarray:
     """:func:`_busy` of threads numbered below ``2**63 // width``, times also as ``t`` / ``q_tt`` in [0, width)."""
     key, q_key = thread * width + t, q_thread * width + q_tt
-    order = np.argsort(key, kind="stable")
-    key, thread, s, e = key[order], thread[order], start[order], end[order]
-    dur = e - s
+    if not (key[1:] >= key[:-1]).all():  # sorted already when the events come by thread and by time
+        order = np.argsort(key, kind="stable")
+        key, thread, start, end = key[order], thread[order], start[order], end[order]
+    dur = end - start
     cum = np.cumsum(dur) - dur  # time before each event, from the thread's first event
     first = np.flatnonzero(np.diff(thread, prepend=-1))
     cum -= np.repeat(cum[first], np.diff(np.append(first, len(thread))))
@@ -332,7 +341,7 @@ def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: 
     ok = j >= 0
     ok[ok] = thread[j[ok]] == q_thread[ok]
     jj = np.maximum(j, 0)
-    part = np.clip(np.minimum(q_t, e[jj]) - s[jj], 0, None)
+    part = np.clip(np.minimum(q_t, end[jj]) - start[jj], 0, None)
     return np.where(ok, cum[jj] + part, 0)
 
 
