@@ -368,6 +368,10 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
     comps: dict[str, Computation] = {}
     entry = mod.entry_computation_name or comp_names.get(mod.entry_computation_id, "")
     schedule = {e.key: list(e.value.instruction_ids) for e in mod.schedule.sequences}
+    # shapes and metadata by their serialized bytes: a module repeats a few dozen shapes and a few hundred metadata
+    # thousands of times, and both are immutable
+    shape_of: dict[bytes, tuple[Shape, str]] = {}
+    metadata_of: dict[bytes, Metadata] = {}
     for c in mod.computations:
         names: dict[int, str] = {}
         for i in c.instructions:
@@ -377,8 +381,12 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
             names[i.id] = i.name
         shapes = {}
         for i in c.instructions:
-            shapes[i.id] = _shape(i.shape)
-            why = shape_problem(shapes[i.id])
+            key = i.shape.SerializeToString()
+            got = shape_of.get(key)
+            if got is None:
+                shape = _shape(i.shape)
+                got = shape_of[key] = (shape, shape_problem(shape))
+            shapes[i.id], why = got
             if why:
                 raise ValueError(f"instruction {i.name}: {why}")
         insts = []
@@ -401,7 +409,12 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
                     bc = json.loads(p.backend_config)
                 except (ValueError, RecursionError):
                     bc = p.backend_config.decode("utf-8", "replace")
-            md = p.metadata
+            key = p.metadata.SerializeToString()
+            metadata = metadata_of.get(key)
+            if metadata is None:
+                md = p.metadata
+                metadata = metadata_of[key] = Metadata(md.op_type, md.op_name, md.source_file, md.source_line,
+                                                       md.stack_frame_id, md.deduplicated_name, md.scheduling_name)
             literal = ""
             if p.opcode == "parameter":
                 literal = str(p.parameter_number)
@@ -413,8 +426,7 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
                 name=p.name, opcode=p.opcode, shape=shapes[p.id],
                 operands=tuple(names[o] for o in p.operand_ids),
                 operand_shapes=tuple(shapes[o] for o in p.operand_ids), attrs=attrs, called=called,
-                metadata=Metadata(md.op_type, md.op_name, md.source_file, md.source_line, md.stack_frame_id,
-                                  md.deduplicated_name, md.scheduling_name),
+                metadata=metadata,
                 backend_config=bc, literal=literal, is_root=p.id == c.root_id,
             ))
         order = schedule.get(c.id)
