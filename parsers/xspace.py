@@ -253,20 +253,22 @@ class Plane:
         col_of: list[tuple[str, int]] = [(s, i) for s in want for i, nm in self.stat_names.items() if nm == s]
         stat_ids = np.array([i for _, i in col_of], dtype=np.int64).tobytes()
         ncol = len(col_of)
-        req_cols = [j for j, (nm, _) in enumerate(col_of) if nm in require]
         name_re = re.compile(names) if names else None
         meta_ids = np.array(sorted(self.event_metadata), dtype=np.int64)
         metas = [self.event_metadata[int(i)] for i in meta_ids]
         meta_code, code_dtype = _code_lookup(meta_ids)
-        # by metadata code (+ one for "no metadata"): whether filtering with ``require`` keeps the event
-        req_meta = np.array([any(r in m.stats for r in require) or (name_re is not None and name_re.match(m.name)
-                                                                     is not None) for m in metas] + [False])
+        # with ``require``, the scanner writes only the events kept: those of the metadata (ids) that have a required
+        # stat or a name ``names`` matches, and those that carry a required stat (columns)
+        keep = () if not require else (
+            meta_ids[[any(r in m.stats for r in require) or (name_re is not None and name_re.match(m.name) is not None)
+                      for m in metas]].tobytes(),
+            np.array([j for j, (nm, _) in enumerate(col_of) if nm in require], np.int64).tobytes())
         line_names = sorted({line.name for line in chosen})
         code_of = {nm: i for i, nm in enumerate(line_names)}
         # Lines are decoded one after another into scratch arrays of a batch of rows (reused, so they stay in
-        # cache); each batch's kept rows are copied once into the output arrays, sized for every event but written
-        # (and so made resident) only as far as rows are kept. Each stat has its own value and kind arrays, which
-        # become its column (or are freed once it is resolved), so no stat is copied whole.
+        # cache); each batch's rows (the kept events) are copied once into the output arrays, sized for every event
+        # but written (and so made resident) only as far as rows are kept. Each stat has its own value and kind
+        # arrays, which become its column (or are freed once it is resolved), so no stat is copied whole.
         total = sum(line.event_count for line in chosen)
         size = max(max((line.event_count for line in chosen), default=0), min(total, _BATCH_ROWS))
         out = [np.empty(total, np.int64) for _ in range(4)]  # metadata_id, start_ps, duration_ps, line_id
@@ -281,32 +283,24 @@ class Plane:
         batch: list[tuple[Line, int, int, int]] = []  # (line, first row, end row, events with impossible times)
 
         def flush() -> int:
-            """Copy the kept rows of the batch (``row`` rows) to the output from row ``n``; how many were kept."""
+            """Copy the rows of the batch (``row`` rows) to the output from row ``n``, less the events with impossible
+            times (counted in ``_dropped``); how many were copied."""
             rows = slice(0, row)
             s_code = meta_code(s_mid[rows])
-            keep = None
-            if any(bad for *_, bad in batch):
-                for line, a, b, bad in batch:
-                    if bad:
-                        t = s_start[a:b]
-                        found, counts = np.unique(t[(t > AGGREGATE_START_PS) & (t <= AGGREGATE_START_PS + 3)],
-                                                  return_counts=True)
-                        self._dropped[self.lines.index(line)] = dict(zip(found.tolist(), counts.tolist()))
-                t = s_start[rows]
-                keep = (t <= AGGREGATE_START_PS) | (t > AGGREGATE_START_PS + 3)
-            if require:
-                req = req_meta[s_code]
-                for j in req_cols:
-                    req |= s_kinds2[j, rows] != 0
-                keep = req if keep is None else keep & req
-            if keep is None or keep.all():
-                k = row
+            if not any(bad for *_, bad in batch):
                 for src, dst in zip([*sources, s_code], [*targets, codes]):
-                    dst[n:n + k] = src[rows]
+                    dst[n:n + row] = src[rows]
                 for j in range(ncol):
-                    vals[j][n:n + k], kinds[j][n:n + k] = s_vals2[j, rows], s_kinds2[j, rows]
-                return k
-            at = np.flatnonzero(keep)
+                    vals[j][n:n + row], kinds[j][n:n + row] = s_vals2[j, rows], s_kinds2[j, rows]
+                return row
+            for line, a, b, bad in batch:
+                if bad:
+                    t = s_start[a:b]
+                    found, counts = np.unique(t[(t > AGGREGATE_START_PS) & (t <= AGGREGATE_START_PS + 3)],
+                                              return_counts=True)
+                    self._dropped[self.lines.index(line)] = dict(zip(found.tolist(), counts.tolist()))
+            t = s_start[rows]
+            at = np.flatnonzero((t <= AGGREGATE_START_PS) | (t > AGGREGATE_START_PS + 3))
             k = len(at)
             for src, dst in zip([*sources, s_code], [*targets, codes]):
                 np.take(src, at, out=dst[n:n + k], mode="clip")
@@ -323,7 +317,7 @@ class Plane:
             for s, e in line._ranges:
                 try:
                     done, nbad = self._scan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
-                                                         s_mid, s_start, s_dur, s_vals, s_kinds)
+                                                         s_mid, s_start, s_dur, s_vals, s_kinds, *keep)
                 except ValueError as err:
                     raise FormatError(f"{self.source}: plane {self.name!r} line {line.name!r}: {err}; "
                                       "the file is corrupt or truncated - capture the profile again") from None
