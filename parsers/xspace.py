@@ -385,11 +385,11 @@ class Plane:
         """The column of ``stat`` from its raw values ``v`` (int64 bits) and kinds ``k`` (int8, 0: absent), one
         per event; ``codes``: each event's position in the sorted event metadata (-1: none). ``v`` and ``k`` are
         used up: an integer or float column is built in their memory, so it costs no copy."""
-        counts = _kind_counts(k)
-        present = {kind for kind in range(1, len(counts)) if counts[kind]}
+        kinds = _kinds_present(k)
+        present = {kind for kind in range(1, 8) if kinds >> kind & 1}
         meta_vals, has_meta, meta_ints = self._meta_stat(stat) if metas else ([], False, True)
         numeric = present <= {_KIND_INT, _KIND_UINT} and meta_ints
-        if numeric and counts[_KIND_UINT] and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
+        if numeric and _KIND_UINT in present and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
             big = v.view(np.uint64)
             return pd.Series([int(big[i]) if k[i] == _KIND_UINT else (int(v[i]) if k[i] else None)
                               for i in range(len(v))], dtype=object).array
@@ -401,12 +401,12 @@ class Plane:
                 v[missing] = fill.to_numpy(np.int64, na_value=0)[at]
                 missing[missing] = fill.isna()[at]
             else:
-                v[missing] = 0
+                np.putmask(v, missing, 0)  # (a masked assignment branches on every row)
             return pd.arrays.IntegerArray(v, missing)
         if present and present <= {_KIND_INT, _KIND_UINT, _KIND_DOUBLE} and not has_meta:
             out = v.view(np.float64)  # doubles are in place already
             for kind, raw in ((_KIND_UINT, np.uint64), (_KIND_INT, np.int64)):
-                if counts[kind]:
+                if kind in present:
                     at = np.flatnonzero(k == kind)
                     out[at] = v[at].view(raw).astype(np.float64)
             out[k == 0] = np.nan
@@ -420,7 +420,7 @@ class Plane:
             category_of: dict[int, int] = {}  # raw value -> category
             for a in range(0, n, _CHUNK_ROWS):
                 b = min(a + _CHUNK_ROWS, n)
-                sel = None if counts[kind] == n else np.flatnonzero(k[a:b] == kind)
+                sel = None if kinds == 1 << kind else np.flatnonzero(k[a:b] == kind)  # every event: this kind
                 inv, uniq = pd.factorize(v[a:b] if sel is None else v[a:b][sel])
                 uniq = uniq.tolist()
                 for u in uniq:
@@ -499,12 +499,13 @@ def _code_lookup(ids: np.ndarray) -> tuple[Any, type]:
     return search, dtype
 
 
-def _kind_counts(kinds: np.ndarray) -> np.ndarray:
-    """How many of the int8 ``kinds`` hold each value 0..255 (a bincount a chunk at a time)."""
-    counts = np.zeros(256, np.int64)
+def _kinds_present(kinds: np.ndarray) -> int:
+    """The values (0..7) among the int8 ``kinds`` as a bit mask, bit k set when some row holds k (an OR of
+    ``1 << kind`` a chunk at a time: a bincount converts every row to a platform integer first)."""
+    mask = 0
     for a in range(0, len(kinds), _CHUNK_ROWS):
-        counts += np.bincount(kinds[a:a + _CHUNK_ROWS].view(np.uint8), minlength=256)
-    return counts
+        mask |= int(np.bitwise_or.reduce(np.left_shift(np.uint8(1), kinds[a:a + _CHUNK_ROWS].view(np.uint8))))
+    return mask
 
 
 
