@@ -115,7 +115,10 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     device = pd.Categorical(events["device"]).codes.astype(np.int64)
     start = events["start_ps"].to_numpy(np.int64)
     # per (module, op) of the grown events: the ops with events that read its result, in one flat array
-    pair_of, pairs = pd.factorize(mod[sel] * (len(op_names) + 1) + op_code[sel])
+    pair_key = mod[sel] * (len(op_names) + 1) + op_code[sel]
+    pair_of = group_codes([pair_key])  # as pd.factorize's codes (by first appearance), by a table: small codes
+    pairs = np.zeros(int(pair_of.max()) + 1, np.int64)
+    pairs[pair_of] = pair_key
     user_lists = []
     for m in np.unique(mod[sel]):
         in_module = np.bincount(op_code[mod == m] + 1, minlength=len(op_names) + 1)[1:] > 0
@@ -161,7 +164,12 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     # one op: a short span), or where that could overflow, the start's rank among all
     t_cand, t_query = start[cand], start[q_event]
     lo, width = None, 2**62
-    if max(int(t_cand.max()), int(t_query.max())) - min(int(t_cand.min()), int(t_query.min())) < 2**62:
+    first = min(int(t_cand.min()), int(t_query.min()))
+    span = max(int(t_cand.max()), int(t_query.max())) - first
+    if span < 2**62 and n_groups * (span + 1) < 2**62:  # one offset for every group
+        lo, width = first, span + 1
+        t_cand, t_query = t_cand - first, t_query - first
+    elif span < 2**62:
         lo = np.full(n_groups, NO_BOUND_PS, np.int64)
         np.minimum.at(lo, g_cand, t_cand)
         np.minimum.at(lo, g_query, t_query)
@@ -170,14 +178,16 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     if n_groups * width >= 2**62:
         values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
         t_cand, t_query, width, lo = rank[:len(cand)], rank[len(cand):], len(values) + 1, None
-    key_cand = np.sort(g_cand * width + t_cand)  # equal keys: equal starts, so no need to know which event
+    # equal keys: equal starts, so no need to know which event; stable: the keys come in sorted runs (events by
+    # thread and time), which a merge sort takes as they are
+    key_cand = np.sort(g_cand * width + t_cand, kind="stable")
     j = np.searchsorted(key_cand, g_query * width + t_query, side="right")  # first candidate starting after
     found = j < len(key_cand)
     at = key_cand[j[found]]
     found[found] = at // width == g_query[found]
     at = key_cand[j[found]] % width
     bound = np.full(len(q_event), NO_BOUND_PS, np.int64)
-    bound[found] = values[at] if lo is None else at + lo[g_query[found]]
+    bound[found] = values[at] if lo is None else at + (lo if isinstance(lo, int) else lo[g_query[found]])
     np.minimum.at(out, q_event, bound)
     return out
 
@@ -221,18 +231,25 @@ def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray
     if not (grow & has_run).any():
         return out
     rows = np.flatnonzero(has_run)
-    start = events["start_ps"].to_numpy(np.int64)[rows]
-    end = start + events["duration_ps"].to_numpy(np.int64)[rows]
-    program = group_codes([events[c].iloc[rows] for c in ("host", "device", "module")]
-                          + [events["program_id"].to_numpy(dtype="int64", na_value=-1)[rows]])
-    execution = group_codes([program, events["run_id"].to_numpy(dtype="int64", na_value=0)[rows]])
+    every = len(rows) == len(events)
+    start = events["start_ps"].to_numpy(np.int64)
+    end = start + events["duration_ps"].to_numpy(np.int64)
+    # a program: (host, device, module, program id); an execution: a program's run id
+    program_of = [events[c].array for c in ("host", "device", "module")] + [
+        events["program_id"].to_numpy(dtype="int64", na_value=-1)]
+    run = events["run_id"].to_numpy(dtype="int64", na_value=0)
+    if not every:
+        start, end, run = start[rows], end[rows], run[rows]
+        program_of = [col.take(rows) for col in program_of]
+    execution = group_codes(program_of + [run])
     n_ex = int(execution.max()) + 1
     ex_start = np.full(n_ex, NO_BOUND_PS, np.int64)
     np.minimum.at(ex_start, execution, start)
     ex_end = np.full(n_ex, np.iinfo(np.int64).min, np.int64)
     np.maximum.at(ex_end, execution, end)
-    ex_program = np.zeros(n_ex, np.int64)
-    ex_program[execution] = program
+    one = np.zeros(n_ex, np.int64)
+    one[execution] = np.arange(len(execution))  # a row of each execution (any: they share the program)
+    ex_program = group_codes([col.take(one) for col in program_of])  # program numbers: only grouping matters
     # executions of a program by first op start (ties: in order of first appearance), each bounded by the next
     order = np.lexsort((np.arange(n_ex), ex_start, ex_program))
     nxt = np.full(n_ex, NO_BOUND_PS, np.int64)

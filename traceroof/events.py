@@ -495,7 +495,8 @@ def _launches_after_steps(launches: pd.DataFrame, matched_ps: np.ndarray, step_e
     if not len(ends) or launches.empty:
         return 0
     start = launches["start_ps"].to_numpy(np.int64)
-    return int(((start > ends.max()) & ~np.isin(start, matched_ps.astype(np.int64))).sum())
+    late = start[start > ends.max()]  # few: looked up among the matched times only when there are some
+    return int((~np.isin(late, matched_ps.astype(np.int64))).sum()) if len(late) else 0
 
 
 def _checked_ids(table: Any, counts: dict[str, int]) -> Any:
