@@ -102,7 +102,11 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     out = np.full(len(events), NO_BOUND_PS, np.int64)
     if not modules or "run_id" not in events:
         return out
-    mod, _ = match_modules(events, modules)
+    # each event's module: matched once per (module, program id) pair (what it depends on), on one event of each
+    pair = group_codes([events["module"], events["program_id"]])
+    one = np.zeros(int(pair.max()) + 1, np.int64)
+    one[pair] = np.arange(len(pair))
+    mod = match_modules(events.iloc[one], modules)[0][pair]
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     has_run = events["run_id"].notna().to_numpy(bool)
     sel = np.flatnonzero(grow & (mod >= 0) & has_run)
