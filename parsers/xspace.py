@@ -51,6 +51,7 @@ MAX_PLANES = 1 << 16
 MAX_LINES = 1 << 20
 _BATCH_ROWS = 1 << 16  # rows decoded into scratch arrays before the kept ones are copied out
 _CHUNK_ROWS = 1 << 20  # events a stat is resolved over at a time
+_RELEASE_BYTES = 8 << 20  # pages of the file read once let go this many bytes at a time (_Releaser)
 try:
     from parsers import _wirescan as _wirescan_c  # built from parsers/_wirescan.c when a C compiler was there
 except ImportError:
@@ -309,6 +310,7 @@ class Plane:
                 np.take(s_kinds2[j], at, out=kinds[j][n:n + k], mode="clip")
             return k
 
+        read = _Releaser(self._buf)
         for line in chosen:
             if row + line.event_count > size:
                 n += flush()
@@ -323,9 +325,10 @@ class Plane:
                                       "the file is corrupt or truncated - capture the profile again") from None
                 row += done
                 bad += nbad
-                _release(self._buf, s, e)
+                read.add(s, e)
             s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
             batch.append((line, first, row, bad))
+        read.done()
         if row:
             n += flush()
         mid, start, dur, line_id = (x[:n] for x in out)
@@ -469,6 +472,29 @@ def _release(buf: Any, start: int, end: int) -> None:
         lo, hi = (start // page) * page, (end // page) * page
         if hi > lo:
             buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+
+
+class _Releaser:
+    """Byte ranges of a buffer read once (counted or decoded), their pages let go (:func:`_release`) a run of
+    adjacent ranges at a time, once it spans :data:`_RELEASE_BYTES`, and at :meth:`done`: one call per few MiB
+    instead of one per line (a host plane has thousands)."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.lo, self.hi = buf, 0, 0
+
+    def add(self, start: int, end: int) -> None:
+        if self.hi > self.lo and not self.lo <= start <= self.hi + mmap.PAGESIZE:  # not next to the run
+            self.done()
+        if self.hi <= self.lo:
+            self.lo = start
+        self.hi = max(self.hi, end)
+        if self.hi - self.lo >= _RELEASE_BYTES:
+            self.done()
+
+    def done(self) -> None:
+        if self.hi > self.lo:
+            _release(self.buf, self.lo, self.hi)
+        self.lo = self.hi = 0
 
 
 def _code_dtype(count: int) -> type:
@@ -643,15 +669,17 @@ def read_xspace(path: str | Path, decoder: str | None = None) -> XSpace:
             stat_names = {k: v.name for k, v in xp.stat_metadata.items()}
             where = f"{p}: plane {xp.name!r}: a compressed stat"
             lines = []
+            read = _Releaser(buf)  # counting the events read them; they are decoded later, line by line
             for _, lwt, _, fs, fe, _ in fields:
                 if lwt != 2:
                     raise bad(f"plane {len(planes)}: line field has the wrong wire type")
                 head, count = scan.split_fields(buf, fs, fe, 4)
-                _release(buf, fs, fe)  # counting the events read them; they are decoded later, line by line
+                read.add(fs, fe)
                 xl = XL()
                 xl.ParseFromString(head)
                 lines.append(Line(xl.id, xl.display_id or xl.id, xl.name, xl.display_name or xl.name,
                                   xl.timestamp_ns, xl.duration_ps, count, ((fs, fe),)))
+            read.done()
             metas = {
                 k: EventMetadata(k, v.name, v.display_name,
                                  {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names, where)
