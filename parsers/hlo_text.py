@@ -38,6 +38,13 @@ _ARRAY_SHAPE = re.compile(r"[A-Za-z0-9_.\-]+\[[^\]\n]*\](?:\{[^{}\n\"']*\})?")
 # operands that are names only, as optimized dumps print them (``%a, %b``)
 _PLAIN_OPERAND = r"[ \t\r\n]*%?[A-Za-z_][A-Za-z0-9_.\-]*[ \t\r\n]*"
 _PLAIN_OPERANDS = re.compile(f"{_PLAIN_OPERAND}(?:,{_PLAIN_OPERAND})*")
+# ", key=value" whose value :meth:`_Parser.value` reads without surprises: plain text, double-quoted strings and
+# {...} groups of plain text and strings (no other bracket, no newline outside a string), ended by ',', a newline
+# or a closing bracket before the module's end (a "metadata={op_name=... stack_frame_id=3}" or "kind=kLoop")
+_DQ_TEXT = r'"(?:[^"\\]++|\\.)*+"'  # (possessive: no backtracking into a run when the value does not end well)
+_PLAIN_ATTR = re.compile(
+    r"[ \t\r\n]*,[ \t\r\n]*([A-Za-z_][A-Za-z0-9_\-]*)[ \t\r\n]*=[ \t\r\n]*("
+    rf"(?:[^{{}}()\[\]\"',\n]++|{_DQ_TEXT}|\{{(?:[^{{}}()\[\]\"'\n]++|{_DQ_TEXT})*+\}})*+)(?=[,\n)\]}}])")
 _META_ITEM = re.compile(r'([A-Za-z_]+)=("(?:[^"\\]|\\.)*"|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|[^\s}]+)')
 _TABLE_NAMES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _CALL_ATTRS = ("calls", "to_apply", "condition", "body", "true_computation", "false_computation",
@@ -434,6 +441,11 @@ class _Parser:
         attrs: dict[str, str] = {}
         pos = self.pos
         while True:  # ", key=value" or ", key" (the position before each comma kept when none follows)
+            fast = _PLAIN_ATTR.match(t, pos, end)
+            if fast:  # what the walk below makes of it
+                attrs[fast.group(1)] = fast.group(2).strip()
+                pos = fast.end()
+                continue
             p = _WS.match(t, pos).end()
             if p >= end or t[p] != ",":
                 break
