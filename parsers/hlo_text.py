@@ -35,6 +35,10 @@ _CALLED = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
 _SPECIAL = re.compile(r"[{}()\[\]\"',\n]")
 # an array shape whose text alone decides its parse (no newline, quote or nested brace in it): cached by that text
 _ARRAY_SHAPE = re.compile(r"[A-Za-z0-9_.\-]+\[[^\]\n]*\](?:\{[^{}\n\"']*\})?")
+# an instruction's head as the walk in _Parser.instruction reads it, when its shape is an array shape (or none) and
+# its operands hold no bracket or quote: ROOT (then never a name), name, "=", shape, opcode, "(operands)"
+_HEAD = re.compile(r"(ROOT\b)?+[ \t\r\n]*%?([A-Za-z_][A-Za-z0-9_.\-]*)[ \t\r\n]*=[ \t\r\n]*(?:("
+                   + _ARRAY_SHAPE.pattern + r")[ \t\r\n]*)?([A-Za-z0-9_.\-]+)[ \t\r\n]*\(([^(){}\[\]\"']*)\)")
 # operands that are names only, as optimized dumps print them (``%a, %b``)
 _PLAIN_OPERAND = r"[ \t\r\n]*%?[A-Za-z_][A-Za-z0-9_.\-]*[ \t\r\n]*"
 _PLAIN_OPERANDS = re.compile(f"{_PLAIN_OPERAND}(?:,{_PLAIN_OPERAND})*")
@@ -396,29 +400,37 @@ class _Parser:
         # whitespace skipped inline (``_WS``, as :meth:`ws`): thousands of instructions, a dozen skips each
         t, end = self.t, self.end
         self.pos = start = _WS.match(t, self.pos).end()
-        is_root = False
-        if _ROOT.match(t, start):
-            is_root = True
-            self.pos += 4
-        name = self.name()
-        self.expect("=")
-        self.pos = pos = _WS.match(t, self.pos).end()
-        if pos < end and t[pos] == "(":
-            shape = self.shape()
+        head = _HEAD.match(t, start, end)
+        shape = None
+        if head:  # "[ROOT] name = shape opcode(operands)" with a shape parsed before, or none, and no bracket inside
+            shape = Shape("tuple", tuple_shapes=()) if head.group(3) is None else self.shapes.get(head.group(3))
+        if shape is not None:
+            is_root, name, opcode, inner = head.group(1) is not None, head.group(2), head.group(4), head.group(5)
+            self.pos = head.end()
         else:
-            m = _WORD.match(t, pos)
-            shape = self.shape() if m and t[m.end(): m.end() + 1] == "[" else Shape("tuple", tuple_shapes=())
-        self.pos = _WS.match(t, self.pos).end()
-        m = _WORD.match(t, self.pos)
-        if not m:
-            raise self.error("expected an opcode")
-        opcode = m.group(0)
-        self.pos = _WS.match(t, m.end()).end()
-        if self.pos >= end or t[self.pos] != "(":
-            raise self.error(f"expected '(' after opcode {opcode}")
-        close = self.skip_balanced(self.pos)
-        inner = t[self.pos + 1: close - 1]
-        self.pos = close
+            is_root = False
+            if _ROOT.match(t, start):
+                is_root = True
+                self.pos += 4
+            name = self.name()
+            self.expect("=")
+            self.pos = pos = _WS.match(t, self.pos).end()
+            if pos < end and t[pos] == "(":
+                shape = self.shape()
+            else:
+                m = _WORD.match(t, pos)
+                shape = self.shape() if m and t[m.end(): m.end() + 1] == "[" else Shape("tuple", tuple_shapes=())
+            self.pos = _WS.match(t, self.pos).end()
+            m = _WORD.match(t, self.pos)
+            if not m:
+                raise self.error("expected an opcode")
+            opcode = m.group(0)
+            self.pos = _WS.match(t, m.end()).end()
+            if self.pos >= end or t[self.pos] != "(":
+                raise self.error(f"expected '(' after opcode {opcode}")
+            close = self.skip_balanced(self.pos)
+            inner = t[self.pos + 1: close - 1]
+            self.pos = close
         operands: list[str] = []
         operand_shapes: list[Shape | None] = []
         literal = ""
