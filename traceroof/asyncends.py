@@ -102,11 +102,12 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     out = np.full(len(events), NO_BOUND_PS, np.int64)
     if not modules or "run_id" not in events:
         return out
-    # each event's module: matched once per (module, program id) pair (what it depends on), on one event of each
-    pair = group_codes([events["module"], events["program_id"]])
-    one = np.zeros(int(pair.max()) + 1, np.int64)
-    one[pair] = np.arange(len(pair))
-    mod = match_modules(events.iloc[one], modules)[0][pair]
+    # each event's module: matched on the first event of each run of one module and program id (what it depends
+    # on; an execution's events come in long runs)
+    module = pd.Categorical(events["module"]).codes
+    pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)  # as match_modules reads it
+    first = np.flatnonzero(np.concatenate(([True], (module[1:] != module[:-1]) | (pid[1:] != pid[:-1]))))
+    mod = np.repeat(match_modules(events.iloc[first], modules)[0], np.diff(np.append(first, len(events))))
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     has_run = events["run_id"].notna().to_numpy(bool)
     sel = np.flatnonzero(grow & (mod >= 0) & has_run)
@@ -143,11 +144,9 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     q_user = flat[first_user + np.arange(len(q_event))]
     wanted = np.zeros(len(op_names) + 1, bool)  # by op code; the last: code -1 (no op)
     wanted[q_user] = True
-    runs = np.unique(run[sel])
     cand = np.flatnonzero(wanted[op_code] & has_run & (mod >= 0))
-    c_run = np.minimum(np.searchsorted(runs, run[cand]), len(runs) - 1)
-    keep = runs[c_run] == run[cand]  # in an execution of a grown event (below: of its host, device, module)
-    cand, c_run = cand[keep], c_run[keep]
+    runs, c_run, keep, sel_run = _runs(run[sel], run[cand])
+    cand, c_run = cand[keep], c_run[keep]  # in an execution of a grown event (below: of its host, device, module)
     if not len(cand):
         return out
     # one group id per (host, device, module, run, op) over candidates and queries together: mixed-radix codes
@@ -155,9 +154,10 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     cols = [(col, int(col.min()), int(col.max()) - int(col.min()) + 1) for col in (host, device, mod)]
     size = len(runs) * len(op_names) * int(np.prod([n for _, _, n in cols], dtype=object))
     if size <= 4 * (len(cand) + len(q_event)):
-        g_cand, g_sel = c_run, np.searchsorted(runs, run[sel])
+        g_cand, g_sel = c_run, sel_run
         for col, low, n in cols:
-            g_cand, g_sel = g_cand * n + (col[cand] - low), g_sel * n + (col[sel] - low)
+            if n > 1:  # (a column of one value adds nothing)
+                g_cand, g_sel = g_cand * n + (col[cand] - low), g_sel * n + (col[sel] - low)
         g_cand, g_query = g_cand * len(op_names) + op_code[cand], np.repeat(g_sel * len(op_names), n_users) + q_user
         n_groups = size
     else:
@@ -194,6 +194,23 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     bound[found] = values[at] if lo is None else at + (lo if isinstance(lo, int) else lo[g_query[found]])
     np.minimum.at(out, q_event, bound)
     return out
+
+
+def _runs(sel_run: np.ndarray, cand_run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct run ids of the grown events ``sel_run`` (sorted), and for the candidates ``cand_run`` and the
+    grown events, the position of their run among them (candidates: whether it is there at all). By a table
+    over the ids' span when it is small (the run ids of a program count its launches), else by binary search."""
+    lo, hi = int(sel_run.min()), int(sel_run.max())
+    if hi - lo > 4 * len(sel_run) + 1024:
+        runs = np.unique(sel_run)
+        c_run = np.minimum(np.searchsorted(runs, cand_run), len(runs) - 1)
+        return runs, c_run, runs[c_run] == cand_run, np.searchsorted(runs, sel_run)
+    present = np.zeros(hi - lo + 1, bool)
+    present[sel_run - lo] = True
+    index = np.cumsum(present) - 1  # id - lo -> its position among the distinct ids (where present)
+    inside = (cand_run >= lo) & (cand_run <= hi)
+    at = np.where(inside, cand_run - lo, 0)  # (outside the span: wraps, unused)
+    return np.flatnonzero(present) + lo, index[at], inside & present[at], index[sel_run - lo]
 
 
 def _users(module: HloModule) -> dict[str, list[str]]:
