@@ -246,10 +246,13 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     implied = na_int64(n_ops)
     if not n_ops or not len(ends["start_ps"]) or "_p" not in ops or "_c" not in ends:
         return implied
+    # (arrays over every op event made in place where they can be: on a fresh process each new one costs its
+    # page faults, about as much as computing it)
     end_event = _flow_ends(as_float64(ops["_p"]), as_float64(ends["_c"]))
     start = np.asarray(ops["start_ps"], np.int64)
     old_end = start + np.asarray(ops["duration_ps"], np.int64)
-    done = np.asarray(ends["start_ps"], np.int64)[end_event] + np.asarray(ends["duration_ps"], np.int64)[end_event]
+    done = np.asarray(ends["start_ps"], np.int64).take(end_event)
+    done += np.asarray(ends["duration_ps"], np.int64).take(end_event)
     sel = np.flatnonzero((end_event >= 0) & (done > old_end))
     if not len(sel):
         return implied
@@ -260,7 +263,7 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     extra = (done - old_end[sel]).astype(np.float64)
     extra -= busy[:len(sel)] - busy[len(sel):]  # the completing thread's time in other ops meanwhile
     extra = np.maximum(extra, 0).astype(np.int64)
-    implied_ps = old_end.copy()
+    implied_ps = old_end  # (no longer needed as it was)
     implied_ps[sel] += extra
     missing = np.ones(n_ops, bool)
     missing[sel[extra > 0]] = False
@@ -276,10 +279,15 @@ def _flow_ends(p: np.ndarray, c: np.ndarray) -> np.ndarray:
     if not len(by_flow):
         return np.full(len(p), -1, np.int64)
     flows = c[by_flow]
-    run_end = np.append(flows[1:] != flows[:-1], True)
-    flows, last = flows[run_end], by_flow[run_end]
-    pos = np.minimum(np.searchsorted(flows, p), len(flows) - 1)
-    return np.where(flows[pos] == p, last[pos], -1)  # NaN never equals
+    last = flows[1:] != flows[:-1]
+    if not last.all():  # equal ids (usually each end event has its own)
+        run_end = np.append(last, True)
+        flows, by_flow = flows[run_end], by_flow[run_end]
+    pos = np.searchsorted(flows, p)
+    np.minimum(pos, len(flows) - 1, out=pos)
+    out = by_flow.take(pos)
+    np.putmask(out, flows.take(pos) != p, -1)  # NaN never equals
+    return out
 
 
 def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndarray, q_t: np.ndarray) -> np.ndarray:
@@ -329,20 +337,23 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
 def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: np.ndarray, q_thread: np.ndarray,
                      q_tt: np.ndarray, q_t: np.ndarray, width: int) -> np.ndarray:
     """:func:`_busy` of threads numbered below ``2**63 // width``, times also as ``t`` / ``q_tt`` in [0, width)."""
-    key, q_key = thread * width + t, q_thread * width + q_tt
+    key = thread * width
+    key += t
+    q_key = q_thread * width + q_tt
     if not (key[1:] >= key[:-1]).all():  # sorted already when the events come by thread and by time
         order = np.argsort(key, kind="stable")
         key, thread, start, end = key[order], thread[order], start[order], end[order]
-    dur = end - start
-    cum = np.cumsum(dur) - dur  # time before each event, from the thread's first event
-    first = np.flatnonzero(np.diff(thread, prepend=-1))
-    cum -= np.repeat(cum[first], np.diff(np.append(first, len(thread))))
+    cum = end - start
+    np.cumsum(cum, out=cum)  # time in events up to each one's end, from the first event
+    first = np.flatnonzero(np.diff(thread, prepend=-1))  # each thread's first event (one run per thread)
+    before = np.zeros(int(max(thread.max(initial=0), q_thread.max(initial=0))) + 1, np.int64)
+    before[thread[first]] = cum[first] - (end[first] - start[first])  # time before each thread's first event
     j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
     ok = j >= 0
     ok[ok] = thread[j[ok]] == q_thread[ok]
     jj = np.maximum(j, 0)
-    part = np.clip(np.minimum(q_t, end[jj]) - start[jj], 0, None)
-    return np.where(ok, cum[jj] + part, 0)
+    part = np.clip(np.minimum(q_t, end[jj]) - start[jj], 0, None)  # of that event, up to t
+    return np.where(ok, cum[jj] - (end[jj] - start[jj]) - before[q_thread] + part, 0)
 
 
 def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:
