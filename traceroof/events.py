@@ -263,7 +263,7 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     extra = (done - old_end[sel]).astype(np.float64)
     extra -= busy[:len(sel)] - busy[len(sel):]  # the completing thread's time in other ops meanwhile
     extra = np.maximum(extra, 0).astype(np.int64)
-    implied_ps = old_end  # (no longer needed as it was)
+    implied_ps = old_end.copy()
     implied_ps[sel] += extra
     missing = np.ones(n_ops, bool)
     missing[sel[extra > 0]] = False
