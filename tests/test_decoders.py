@@ -38,7 +38,8 @@ def _outcome(path, decoder: str):
         planes = []
         for p in xs.planes:
             ev = p.events(stats=STATS)
-            kept = p.events(stats=("hlo_op", "_c"), require=("hlo_op", "step_num"), names="end: ")  # the scanner filters
+            # with require the scanner filters the events
+            kept = p.events(stats=("hlo_op", "_c"), require=("hlo_op", "step_num"), names="end: ")
             planes.append((p.id, p.name, p.stats, p.event_metadata, p.stat_names, p.lines, ev, p.notes, kept))
         return (xs.hostnames, xs.errors, xs.warnings, planes, xs.notes)
     except Exception as e:  # compared by class and message
