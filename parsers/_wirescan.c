@@ -133,9 +133,10 @@ enum { K_ABSENT = 0, K_INT = 1, K_UINT = 2, K_DOUBLE = 3, K_REF = 4, K_STR = 5, 
 #define TIME_LIMIT_PS ((int64_t)1 << 62)   /* 53 days: profile times are relative to the capture's start */
 #define DURATION_LIMIT_PS ((int64_t)1 << 60) /* 13.3 days */
 #define WANT_TABLE 1024                    /* stat ids below this find their column by a table */
+#define KEEP_TABLE 4096                    /* metadata ids below this find whether they are kept by a table */
 
 /* decode_events(buf, start, end, line_timestamp_ns, stat_ids, first, metadata_id, start_ps, duration_ps, values,
- *               kinds) -> (events written, events with impossible times)
+ *               kinds[, keep_ids, keep_columns]) -> (events written, events with impossible times)
  *
  * Decodes the XEvents (XLine field 4) of the line whose payload is buf[start:end] into rows first.. of the
  * output arrays: metadata_id/start_ps/duration_ps int64[n]; values int64[ncol*n] and kinds int8[ncol*n], laid out
@@ -146,20 +147,43 @@ enum { K_ABSENT = 0, K_INT = 1, K_UINT = 2, K_DOUBLE = 3, K_REF = 4, K_STR = 5, 
  * BAD_START / BAD_NEGATIVE_DURATION / BAD_LONG_DURATION (INT64_MIN + 1/2/3) and is counted in the second value.
  * Values: ints as int64, uint64 bit-cast, doubles bit-cast, ref_value as the referenced XStatMetadata id,
  * strings/bytes as (payload offset << 24 | length).
+ * With keep_ids (int64, sorted: XEventMetadata ids) and keep_columns (int64: columns, 0..ncol-1), only the events
+ * whose metadata id is in keep_ids, that carry a stat of one of keep_columns, or whose times are impossible are
+ * written (one after another from row `first`; the row after the last one written, and the value of a stat a
+ * written event lacks (kind 0), may hold a dropped event's), so that a caller wanting a few events of many copies
+ * none of the others.
  */
 static PyObject *decode_events(PyObject *self, PyObject *args) {
-    Py_buffer buf, ids, mid, st, du, val, kin;
+    Py_buffer buf, ids, mid, st, du, val, kin, kid = {0}, kcol = {0};
     Py_ssize_t start, end, first; long long line_ns;
-    if (!PyArg_ParseTuple(args, "y*nnLy*nw*w*w*w*w*", &buf, &start, &end, &line_ns, &ids, &first,
-                          &mid, &st, &du, &val, &kin)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nnLy*nw*w*w*w*w*|y*y*", &buf, &start, &end, &line_ns, &ids, &first,
+                          &mid, &st, &du, &val, &kin, &kid, &kcol)) return NULL;
     PyObject *ret = NULL;
     Py_ssize_t n = mid.len / 8, ncol = ids.len / 8;
+    const int filter = kid.obj != NULL;
+    const int64_t *keep_ids = (const int64_t *)kid.buf, *keep_cols = (const int64_t *)kcol.buf;
+    const Py_ssize_t nkeep = filter ? kid.len / 8 : 0, nkcol = filter && kcol.obj != NULL ? kcol.len / 8 : 0;
     if (start < 0 || end > buf.len || start > end || st.len / 8 != n || du.len / 8 != n ||
         val.len / 8 != n * ncol || kin.len != n * ncol || first < 0 || buf.len >= ((Py_ssize_t)1 << 39)) {
         PyErr_SetString(PyExc_ValueError, "decode_events: bad range or output sizes");
         goto done;
     }
+    for (Py_ssize_t k = 0; k < nkcol; k++) {
+        if (keep_cols[k] < 0 || keep_cols[k] >= ncol) {
+            PyErr_SetString(PyExc_ValueError, "decode_events: a keep column outside the columns");
+            goto done;
+        }
+    }
+    for (Py_ssize_t k = 1; k < nkeep; k++) {
+        if (keep_ids[k - 1] > keep_ids[k]) {
+            PyErr_SetString(PyExc_ValueError, "decode_events: keep_ids are not sorted");
+            goto done;
+        }
+    }
     {
+        uint8_t keep_small[KEEP_TABLE] = {0}; /* whether metadata id i (below KEEP_TABLE) is in keep_ids */
+        for (Py_ssize_t k = 0; k < nkeep; k++)
+            if (keep_ids[k] >= 0 && keep_ids[k] < KEEP_TABLE) keep_small[keep_ids[k]] = 1;
         const uint8_t *base = (const uint8_t *)buf.buf;
         const int64_t *want = (const int64_t *)ids.buf;
         /* column of each wanted stat id below WANT_TABLE (+1; 0: not wanted; the first column of an id wins), so
@@ -254,11 +278,25 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
             else if (aggregate) t = AGGREGATE_START;
             else if (line_bad || __builtin_add_overflow(line_ps, e_off, &t) || t > TIME_LIMIT_PS || t < -TIME_LIMIT_PS)
                 t = BAD_START;
-            bad += t > AGGREGATE_START && t <= BAD_LONG_DURATION;
+            int impossible = t > AGGREGATE_START && t <= BAD_LONG_DURATION;
+            bad += impossible;
             o_mid[row] = e_mid;
             o_st[row] = t;
             o_du[row] = e_dur;
-            row++;
+            int keep = !filter || impossible;  /* impossible times are kept: the caller counts and drops them */
+            if (!keep) {
+                if (e_mid >= 0 && e_mid < KEEP_TABLE) keep = keep_small[e_mid];
+                else {  /* binary search of the sorted ids */
+                    Py_ssize_t lo = 0, hi = nkeep;
+                    while (lo < hi) {
+                        Py_ssize_t m = lo + (hi - lo) / 2;
+                        if (keep_ids[m] < e_mid) lo = m + 1; else hi = m;
+                    }
+                    keep = lo < nkeep && keep_ids[lo] == e_mid;
+                }
+            }
+            for (Py_ssize_t k = 0; !keep && k < nkcol; k++) keep = o_kin[keep_cols[k] * n + row] != K_ABSENT;
+            row += keep;
         }
         if (c.err) set_wire_error(c.err, (Py_ssize_t)(err_at - base));
         else ret = Py_BuildValue("(nn)", row - first, bad);
@@ -266,6 +304,8 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
 done:
     PyBuffer_Release(&buf); PyBuffer_Release(&ids); PyBuffer_Release(&mid); PyBuffer_Release(&st);
     PyBuffer_Release(&du); PyBuffer_Release(&val); PyBuffer_Release(&kin);
+    if (kid.obj) PyBuffer_Release(&kid);
+    if (kcol.obj) PyBuffer_Release(&kcol);
     return ret;
 }
 

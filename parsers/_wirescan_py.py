@@ -204,7 +204,7 @@ class _Out:
     """The caller's output arrays (numpy views of the writable buffers), sizes checked as in the C code."""
 
     def __init__(self, ids: Any, mid: Any, st: Any, du: Any, val: Any, kin: Any, blen: int, start: int, end: int,
-                 first: int) -> None:
+                 first: int, keep_ids: Any = None, keep_cols: Any = None) -> None:
         def i64(x: Any) -> np.ndarray:
             raw = np.frombuffer(x, np.uint8)
             return raw[: len(raw) // 8 * 8].view(np.int64)
@@ -220,6 +220,38 @@ class _Out:
         self.want: dict[int, int] = {}
         for j, i in enumerate(self.want_ids.tolist()):
             self.want.setdefault(i, j)
+        # the events kept (C: keep_ids, keep_columns): None keeps every one
+        self.keep_ids = None if keep_ids is None else i64(keep_ids)
+        self.keep_cols = np.zeros(0, np.int64) if keep_ids is None or keep_cols is None else i64(keep_cols)
+        if ((self.keep_cols < 0) | (self.keep_cols >= self.ncol)).any():
+            raise ValueError("decode_events: a keep column outside the columns")
+        if self.keep_ids is not None and (self.keep_ids[1:] < self.keep_ids[:-1]).any():
+            raise ValueError("decode_events: keep_ids are not sorted")
+        self.keep_set = set() if self.keep_ids is None else set(self.keep_ids.tolist())
+
+    def kept(self, row: int, e_mid: int, t: int) -> bool:
+        """Whether the event just written at ``row`` (metadata id ``e_mid``, start code ``t``) is kept."""
+        if self.keep_ids is None or AGGREGATE_START < t <= _BAD_LONG_DURATION or e_mid in self.keep_set:
+            return True
+        return any(self.kin[c * self.n + row] != _K_ABSENT for c in self.keep_cols.tolist())
+
+    def compact(self, first: int, nev: int, t: np.ndarray) -> int:
+        """Keep the kept ones of the ``nev`` events written from row ``first`` (start codes ``t``), moved up to
+        rows ``first``..; how many."""
+        if self.keep_ids is None:
+            return nev
+        n, rows = self.n, slice(first, first + nev)
+        keep = ((t > AGGREGATE_START) & (t <= _BAD_LONG_DURATION)) | np.isin(self.mid[rows], self.keep_ids)
+        for c in self.keep_cols.tolist():
+            keep |= self.kin[c * n + first: c * n + first + nev] != _K_ABSENT
+        at = np.flatnonzero(keep)
+        k = len(at)
+        for a in (self.mid, self.st, self.du):
+            a[first: first + k] = a[rows][at]
+        for j in range(self.ncol):
+            for a in (self.val, self.kin):
+                a[j * n + first: j * n + first + k] = a[j * n + first: j * n + first + nev][at]
+        return k
 
     def put(self, row: int, e_mid: int, t: int, dur: int, sets: list) -> None:
         """Write one event's row (the exact path)."""
@@ -260,7 +292,7 @@ def _decode_exact(b: Any, start: int, end: int, line_ns: int, first: int, out: _
         t = _event_start(line_ps, line_bad, e_off, e_dur, aggregate)
         bad += AGGREGATE_START < t <= _BAD_LONG_DURATION
         out.put(row, e_mid, t, e_dur, sets)
-        row += 1
+        row += out.kept(row, e_mid, t)
     return row - first, bad
 
 
@@ -425,7 +457,7 @@ def _decode_fast(b: memoryview, start: int, end: int, line_ns: int, first: int, 
     if out.ncol:
         _write_stats(b, a, evs, first, out)
     bad = int(np.count_nonzero((t > AGGREGATE_START) & (t <= _BAD_LONG_DURATION)))
-    return nev, bad
+    return out.compact(first, nev, t), bad
 
 
 def _write_stats(b: memoryview, a: int, evs: list, first: int, out: _Out) -> None:
@@ -562,12 +594,15 @@ def split_fields(buf: Any, start: int, end: int, field: int) -> tuple[bytes, int
 
 
 def decode_events(buf: Any, start: int, end: int, line_timestamp_ns: int, stat_ids: Any, first: int, metadata_id: Any,
-                  start_ps: Any, duration_ps: Any, values: Any, kinds: Any) -> tuple[int, int]:
+                  start_ps: Any, duration_ps: Any, values: Any, kinds: Any, keep_ids: Any = None,
+                  keep_columns: Any = None) -> tuple[int, int]:
     """Decode the XEvents of the line whose payload is buf[start:end] into rows ``first``.. of the output arrays;
     returns (events written, events with impossible times). Arguments, layout and codes as ``_wirescan.c``'s
-    ``decode_events``. :raises ValueError: malformed input (the byte named) or output arrays of the wrong size."""
+    ``decode_events``; with ``keep_ids`` only the events it keeps are written. :raises ValueError: malformed input
+    (the byte named) or output arrays of the wrong size."""
     with _bytes_view(buf) as b:
-        out = _Out(stat_ids, metadata_id, start_ps, duration_ps, values, kinds, len(b), start, end, first)
+        out = _Out(stat_ids, metadata_id, start_ps, duration_ps, values, kinds, len(b), start, end, first, keep_ids,
+                   keep_columns)
         collecting = gc.isenabled()
         gc.disable()  # the fast path makes ~5 protobuf wrappers per event: collecting them as they come is slow
         try:

@@ -368,22 +368,33 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
     comps: dict[str, Computation] = {}
     entry = mod.entry_computation_name or comp_names.get(mod.entry_computation_id, "")
     schedule = {e.key: list(e.value.instruction_ids) for e in mod.schedule.sequences}
+    # shapes and metadata by their serialized bytes: a module repeats a few dozen shapes and a few hundred metadata
+    # thousands of times, and both are immutable
+    shape_of: dict[bytes, tuple[Shape, str]] = {}
+    metadata_of: dict[bytes, Metadata] = {}
     for c in mod.computations:
         names: dict[int, str] = {}
-        for i in c.instructions:
+        protos = list(c.instructions)  # each field read once below where it is used more than once
+        for i in protos:
             if not i.name or i.id in names:
                 raise ValueError(f"computation {c.name}: instruction id {i.id} "
                                  + ("has no name" if not i.name else "appears twice"))
             names[i.id] = i.name
         shapes = {}
-        for i in c.instructions:
-            shapes[i.id] = _shape(i.shape)
-            why = shape_problem(shapes[i.id])
+        for i in protos:
+            key = i.shape.SerializeToString()
+            got = shape_of.get(key)
+            if got is None:
+                shape = _shape(i.shape)
+                got = shape_of[key] = (shape, shape_problem(shape))
+            shapes[i.id], why = got
             if why:
                 raise ValueError(f"instruction {i.name}: {why}")
         insts = []
-        for p in c.instructions:
-            missing = [o for o in p.operand_ids if o not in names]
+        root_id = c.root_id
+        for p in protos:
+            operand_ids = list(p.operand_ids)
+            missing = [o for o in operand_ids if o not in names]
             if missing:
                 raise ValueError(f"instruction {p.name} in {c.name}: operand id {missing[0]} names no instruction "
                                  "of its computation")
@@ -392,7 +403,7 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
                 raise ValueError(f"instruction {p.name} in {c.name}: called computation id {unknown[0]} names no "
                                  "computation of the module")
             attrs, called = _attrs(p, comp_names)
-            bad = [k for k in INT_LIST_ATTRS if k in attrs and any(v < 0 for v in _int_list(attrs[k]))]
+            bad = [k for k in INT_LIST_ATTRS if k in attrs and any(v < 0 for v in _int_list(attrs[k]))] if attrs else []
             if bad or p.feature_group_count < 0 or p.batch_group_count < 0:
                 raise ValueError(f"instruction {p.name}: negative {bad[0] if bad else 'group count'}")
             bc: Any = None
@@ -401,25 +412,29 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
                     bc = json.loads(p.backend_config)
                 except (ValueError, RecursionError):
                     bc = p.backend_config.decode("utf-8", "replace")
-            md = p.metadata
+            key = p.metadata.SerializeToString()
+            metadata = metadata_of.get(key)
+            if metadata is None:
+                md = p.metadata
+                metadata = metadata_of[key] = Metadata(md.op_type, md.op_name, md.source_file, md.source_line,
+                                                       md.stack_frame_id, md.deduplicated_name, md.scheduling_name)
             literal = ""
-            if p.opcode == "parameter":
+            opcode = p.opcode
+            if opcode == "parameter":
                 literal = str(p.parameter_number)
-            elif p.opcode == "constant" and p.HasField("literal"):
+            elif opcode == "constant" and p.HasField("literal"):
                 vals = list(p.literal.s32s) or list(p.literal.s64s) or list(p.literal.u32s) or list(p.literal.u64s)
                 if len(vals) == 1:
                     literal = str(vals[0])
+            pid = p.id
             insts.append(Instruction(
-                name=p.name, opcode=p.opcode, shape=shapes[p.id],
-                operands=tuple(names[o] for o in p.operand_ids),
-                operand_shapes=tuple(shapes[o] for o in p.operand_ids), attrs=attrs, called=called,
-                metadata=Metadata(md.op_type, md.op_name, md.source_file, md.source_line, md.stack_frame_id,
-                                  md.deduplicated_name, md.scheduling_name),
-                backend_config=bc, literal=literal, is_root=p.id == c.root_id,
+                name=p.name, opcode=opcode, shape=shapes[pid], operands=tuple([names[o] for o in operand_ids]),
+                operand_shapes=tuple([shapes[o] for o in operand_ids]), attrs=attrs, called=called,
+                metadata=metadata, backend_config=bc, literal=literal, is_root=pid == root_id,
             ))
         order = schedule.get(c.id)
         if order is not None and sorted(order) == sorted(names):  # XLA's schedule: the order the ops run in
-            by_id = {i.id: inst for i, inst in zip(c.instructions, insts)}
+            by_id = {i.id: inst for i, inst in zip(protos, insts)}
             insts = [by_id[i] for i in order]
         comps[c.name] = Computation(c.name, insts, c.name == entry, c.execution_thread)
     if entry not in comps:

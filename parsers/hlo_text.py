@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from functools import lru_cache
 from pathlib import Path
 
 from parsers.errors import HloParseError
@@ -32,6 +33,22 @@ _BRACKET = re.compile(r"[{}()\[\]\"']")
 _ATTR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
 _CALLED = re.compile(r"%?[A-Za-z_][A-Za-z0-9_.\-]*")
 _SPECIAL = re.compile(r"[{}()\[\]\"',\n]")
+# an array shape whose text alone decides its parse (no newline, quote or nested brace in it): cached by that text
+_ARRAY_SHAPE = re.compile(r"[A-Za-z0-9_.\-]+\[[^\]\n]*\](?:\{[^{}\n\"']*\})?")
+# an instruction's head as the walk in _Parser.instruction reads it, when its shape is an array shape (or none) and
+# its operands hold no bracket or quote: ROOT (then never a name), name, "=", shape, opcode, "(operands)"
+_HEAD = re.compile(r"(ROOT\b)?+[ \t\r\n]*%?([A-Za-z_][A-Za-z0-9_.\-]*)[ \t\r\n]*=[ \t\r\n]*(?:("
+                   + _ARRAY_SHAPE.pattern + r")[ \t\r\n]*)?([A-Za-z0-9_.\-]+)[ \t\r\n]*\(([^(){}\[\]\"']*)\)")
+# operands that are names only, as optimized dumps print them (``%a, %b``)
+_PLAIN_OPERAND = r"[ \t\r\n]*%?[A-Za-z_][A-Za-z0-9_.\-]*[ \t\r\n]*"
+_PLAIN_OPERANDS = re.compile(f"{_PLAIN_OPERAND}(?:,{_PLAIN_OPERAND})*")
+# ", key=value" whose value :meth:`_Parser.value` reads without surprises: plain text, double-quoted strings and
+# {...} groups of plain text and strings (no other bracket, no newline outside a string), ended by ',', a newline
+# or a closing bracket before the module's end (a "metadata={op_name=... stack_frame_id=3}" or "kind=kLoop")
+_DQ_TEXT = r'"(?:[^"\\]++|\\.)*+"'  # (possessive: no backtracking into a run when the value does not end well)
+_PLAIN_ATTR = re.compile(
+    r"[ \t\r\n]*,[ \t\r\n]*([A-Za-z_][A-Za-z0-9_\-]*)[ \t\r\n]*=[ \t\r\n]*("
+    rf"(?:[^{{}}()\[\]\"',\n]++|{_DQ_TEXT}|\{{(?:[^{{}}()\[\]\"'\n]++|{_DQ_TEXT})*+\}})*+)(?=[,\n)\]}}])")
 _META_ITEM = re.compile(r'([A-Za-z_]+)=("(?:[^"\\]|\\.)*"|\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\}|[^\s}]+)')
 _TABLE_NAMES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
 _CALL_ATTRS = ("calls", "to_apply", "condition", "body", "true_computation", "false_computation",
@@ -97,18 +114,22 @@ def parse_hlo_text(text: str, source: str = "<text>") -> list[HloModule]:
     modules = []
     for i, s in enumerate(starts):
         end = starts[i + 1] if i + 1 < len(starts) else len(clean)
-        modules.append(_Parser(clean, s, end, source).module())
+        modules.append(_Parser(clean, s, end, source, shapes={}).module())
     return modules
 
 
 class _Parser:
-    def __init__(self, text: str, pos: int, end: int, source: str, first_line: int = 1) -> None:
+    def __init__(self, text: str, pos: int, end: int, source: str, first_line: int = 1,
+                 shapes: dict[str, Shape] | None = None) -> None:
         self.t = text
         self.pos = pos
         self.end = end
         self.source = source
         self.first_line = first_line  # line number of ``text[0]`` in the source (operand sub-parsers)
         self._counted = (0, first_line)  # (position, its line number): newlines counted so far, once each
+        # array shapes parsed so far, by their text (:data:`_ARRAY_SHAPE`): a module repeats a few shapes thousands
+        # of times, and a shape is immutable
+        self.shapes: dict[str, Shape] = {} if shapes is None else shapes
 
     # -- low level -------------------------------------------------------------------------------------
     def line_at(self, pos: int) -> int:
@@ -212,6 +233,13 @@ class _Parser:
                     return Shape("tuple", tuple_shapes=tuple(parts))
                 if c != ",":
                     raise self.error("expected ',' or ')' in tuple shape")
+        known = _ARRAY_SHAPE.match(self.t, self.pos)
+        if known:
+            shape = self.shapes.get(known.group(0))
+            # the text ends with its layout, or no layout follows it: the same parse as when it was cached
+            if shape is not None and (known.group(0)[-1] == "}" or self.t[known.end(): known.end() + 1] != "{"):
+                self.pos = known.end()
+                return shape
         m = _WORD.match(self.t, self.pos)
         if not m or self.t[m.end(): m.end() + 1] != "[":
             raise self.error("expected a shape")
@@ -243,6 +271,8 @@ class _Parser:
         if why:
             self.pos = start
             raise self.error(why)
+        if known and self.pos == known.end():
+            self.shapes[known.group(0)] = shape
         return shape
 
     # -- module ----------------------------------------------------------------------------------------
@@ -367,43 +397,52 @@ class _Parser:
         return Computation(name, insts, is_entry, thread)
 
     def instruction(self) -> Instruction:
-        self.ws()
-        start = self.pos
-        is_root = False
-        if _ROOT.match(self.t, self.pos):
-            is_root = True
-            self.pos += 4
-        name = self.name()
-        self.expect("=")
-        self.ws()
-        shape = Shape("tuple", tuple_shapes=())
-        if self.peek() == "(":
-            shape = self.shape()
+        # whitespace skipped inline (``_WS``, as :meth:`ws`): thousands of instructions, a dozen skips each
+        t, end = self.t, self.end
+        self.pos = start = _WS.match(t, self.pos).end()
+        head = _HEAD.match(t, start, end)
+        shape = None
+        if head:  # "[ROOT] name = shape opcode(operands)" with a shape parsed before, or none, and no bracket inside
+            shape = Shape("tuple", tuple_shapes=()) if head.group(3) is None else self.shapes.get(head.group(3))
+        if shape is not None:
+            is_root, name, opcode, inner = head.group(1) is not None, head.group(2), head.group(4), head.group(5)
+            self.pos = head.end()
         else:
-            m = _WORD.match(self.t, self.pos)
-            if m and self.t[m.end(): m.end() + 1] == "[":
+            is_root = False
+            if _ROOT.match(t, start):
+                is_root = True
+                self.pos += 4
+            name = self.name()
+            self.expect("=")
+            self.pos = pos = _WS.match(t, self.pos).end()
+            if pos < end and t[pos] == "(":
                 shape = self.shape()
-        self.ws()
-        m = _WORD.match(self.t, self.pos)
-        if not m:
-            raise self.error("expected an opcode")
-        opcode = m.group(0)
-        self.pos = m.end()
-        self.ws()
-        if self.peek() != "(":
-            raise self.error(f"expected '(' after opcode {opcode}")
-        end = self.skip_balanced(self.pos)
-        inner = self.t[self.pos + 1: end - 1]
-        self.pos = end
+            else:
+                m = _WORD.match(t, pos)
+                shape = self.shape() if m and t[m.end(): m.end() + 1] == "[" else Shape("tuple", tuple_shapes=())
+            self.pos = _WS.match(t, self.pos).end()
+            m = _WORD.match(t, self.pos)
+            if not m:
+                raise self.error("expected an opcode")
+            opcode = m.group(0)
+            self.pos = _WS.match(t, m.end()).end()
+            if self.pos >= end or t[self.pos] != "(":
+                raise self.error(f"expected '(' after opcode {opcode}")
+            close = self.skip_balanced(self.pos)
+            inner = t[self.pos + 1: close - 1]
+            self.pos = close
         operands: list[str] = []
         operand_shapes: list[Shape | None] = []
         literal = ""
         if opcode in ("constant", "parameter") or (opcode == "iota" and not inner.strip()):
             literal = inner.strip()
+        elif _PLAIN_OPERANDS.fullmatch(inner):  # names only (what the loop below makes of them)
+            operands = _NAME.findall(inner)
+            operand_shapes = [None] * len(operands)
         elif inner.strip():
             line = self.line_at(start)
             for part in _split_top(inner):
-                sub = _Parser(part, 0, len(part), self.source, line)
+                sub = _Parser(part, 0, len(part), self.source, line, self.shapes)
                 sub.ws()
                 op_shape = None
                 wm = _WORD.match(part, sub.pos)
@@ -412,25 +451,30 @@ class _Parser:
                 operands.append(sub.name())
                 operand_shapes.append(op_shape)
         attrs: dict[str, str] = {}
-        while True:
-            save = self.pos
-            self.ws()
-            if self.peek() != ",":
-                self.pos = save
-                break
-            self.pos += 1
-            self.ws()
-            km = _ATTR_NAME.match(self.t, self.pos)
-            if not km:
-                raise self.error("expected an attribute name")
-            self.pos = km.end()
-            self.ws()
-            if self.peek() != "=":
-                attrs[km.group(0)] = ""
+        pos = self.pos
+        while True:  # ", key=value" or ", key" (the position before each comma kept when none follows)
+            fast = _PLAIN_ATTR.match(t, pos, end)
+            if fast:  # what the walk below makes of it
+                attrs[fast.group(1)] = fast.group(2).strip()
+                pos = fast.end()
                 continue
-            self.pos += 1
-            self.ws()
+            p = _WS.match(t, pos).end()
+            if p >= end or t[p] != ",":
+                break
+            p = _WS.match(t, p + 1).end()
+            km = _ATTR_NAME.match(t, p)
+            if not km:
+                self.pos = p
+                raise self.error("expected an attribute name")
+            p = _WS.match(t, km.end()).end()
+            if p >= end or t[p] != "=":
+                attrs[km.group(0)] = ""
+                pos = p
+                continue
+            self.pos = _WS.match(t, p + 1).end()
             attrs[km.group(0)] = self.value()
+            pos = self.pos
+        self.pos = pos
         why = attr_problem(attrs)
         if why:
             self.pos = start
@@ -499,6 +543,8 @@ def _parse_layout(text: str) -> Layout:
 def _unquote(s: str) -> str:
     s = s.strip()
     if len(s) >= 2 and s[0] == s[-1] and s[0] in "\"'":
+        if "\\" not in s:  # no escape: the text as it is (JSON gives it back, or fails and the except does)
+            return s[1:-1]
         try:
             return json.loads('"' + s[1:-1].replace("\\'", "'") + '"')
         except ValueError:
@@ -510,7 +556,9 @@ def _kv_ints(text: str) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"([A-Za-z_]+)=(-?\d+)", text)}
 
 
+@lru_cache(maxsize=4096)
 def _parse_metadata(text: str) -> Metadata:
+    """``metadata={...}`` (immutable, so instructions of the same text share one: few distinct ones per module)."""
     if not text:
         return Metadata()
     items = {k: v for k, v in _META_ITEM.findall(text.strip()[1:-1] if text.startswith("{") else text)}

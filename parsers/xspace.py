@@ -51,6 +51,7 @@ MAX_PLANES = 1 << 16
 MAX_LINES = 1 << 20
 _BATCH_ROWS = 1 << 16  # rows decoded into scratch arrays before the kept ones are copied out
 _CHUNK_ROWS = 1 << 20  # events a stat is resolved over at a time
+_RELEASE_BYTES = 8 << 20  # pages of the file read once let go this many bytes at a time (_Releaser)
 try:
     from parsers import _wirescan as _wirescan_c  # built from parsers/_wirescan.c when a C compiler was there
 except ImportError:
@@ -253,20 +254,22 @@ class Plane:
         col_of: list[tuple[str, int]] = [(s, i) for s in want for i, nm in self.stat_names.items() if nm == s]
         stat_ids = np.array([i for _, i in col_of], dtype=np.int64).tobytes()
         ncol = len(col_of)
-        req_cols = [j for j, (nm, _) in enumerate(col_of) if nm in require]
         name_re = re.compile(names) if names else None
         meta_ids = np.array(sorted(self.event_metadata), dtype=np.int64)
         metas = [self.event_metadata[int(i)] for i in meta_ids]
         meta_code, code_dtype = _code_lookup(meta_ids)
-        # by metadata code (+ one for "no metadata"): whether filtering with ``require`` keeps the event
-        req_meta = np.array([any(r in m.stats for r in require) or (name_re is not None and name_re.match(m.name)
-                                                                     is not None) for m in metas] + [False])
+        # with ``require``, the scanner writes only the events kept: those of the metadata (ids) that have a required
+        # stat or a name ``names`` matches, and those that carry a required stat (columns)
+        keep = () if not require else (
+            meta_ids[[any(r in m.stats for r in require) or (name_re is not None and name_re.match(m.name) is not None)
+                      for m in metas]].tobytes(),
+            np.array([j for j, (nm, _) in enumerate(col_of) if nm in require], np.int64).tobytes())
         line_names = sorted({line.name for line in chosen})
         code_of = {nm: i for i, nm in enumerate(line_names)}
         # Lines are decoded one after another into scratch arrays of a batch of rows (reused, so they stay in
-        # cache); each batch's kept rows are copied once into the output arrays, sized for every event but written
-        # (and so made resident) only as far as rows are kept. Each stat has its own value and kind arrays, which
-        # become its column (or are freed once it is resolved), so no stat is copied whole.
+        # cache); each batch's rows (the kept events) are copied once into the output arrays, sized for every event
+        # but written (and so made resident) only as far as rows are kept. Each stat has its own value and kind
+        # arrays, which become its column (or are freed once it is resolved), so no stat is copied whole.
         total = sum(line.event_count for line in chosen)
         size = max(max((line.event_count for line in chosen), default=0), min(total, _BATCH_ROWS))
         out = [np.empty(total, np.int64) for _ in range(4)]  # metadata_id, start_ps, duration_ps, line_id
@@ -281,32 +284,24 @@ class Plane:
         batch: list[tuple[Line, int, int, int]] = []  # (line, first row, end row, events with impossible times)
 
         def flush() -> int:
-            """Copy the kept rows of the batch (``row`` rows) to the output from row ``n``; how many were kept."""
+            """Copy the rows of the batch (``row`` rows) to the output from row ``n``, less the events with impossible
+            times (counted in ``_dropped``); how many were copied."""
             rows = slice(0, row)
             s_code = meta_code(s_mid[rows])
-            keep = None
-            if any(bad for *_, bad in batch):
-                for line, a, b, bad in batch:
-                    if bad:
-                        t = s_start[a:b]
-                        found, counts = np.unique(t[(t > AGGREGATE_START_PS) & (t <= AGGREGATE_START_PS + 3)],
-                                                  return_counts=True)
-                        self._dropped[self.lines.index(line)] = dict(zip(found.tolist(), counts.tolist()))
-                t = s_start[rows]
-                keep = (t <= AGGREGATE_START_PS) | (t > AGGREGATE_START_PS + 3)
-            if require:
-                req = req_meta[s_code]
-                for j in req_cols:
-                    req |= s_kinds2[j, rows] != 0
-                keep = req if keep is None else keep & req
-            if keep is None or keep.all():
-                k = row
+            if not any(bad for *_, bad in batch):
                 for src, dst in zip([*sources, s_code], [*targets, codes]):
-                    dst[n:n + k] = src[rows]
+                    dst[n:n + row] = src[rows]
                 for j in range(ncol):
-                    vals[j][n:n + k], kinds[j][n:n + k] = s_vals2[j, rows], s_kinds2[j, rows]
-                return k
-            at = np.flatnonzero(keep)
+                    vals[j][n:n + row], kinds[j][n:n + row] = s_vals2[j, rows], s_kinds2[j, rows]
+                return row
+            for line, a, b, bad in batch:
+                if bad:
+                    t = s_start[a:b]
+                    found, counts = np.unique(t[(t > AGGREGATE_START_PS) & (t <= AGGREGATE_START_PS + 3)],
+                                              return_counts=True)
+                    self._dropped[self.lines.index(line)] = dict(zip(found.tolist(), counts.tolist()))
+            t = s_start[rows]
+            at = np.flatnonzero((t <= AGGREGATE_START_PS) | (t > AGGREGATE_START_PS + 3))
             k = len(at)
             for src, dst in zip([*sources, s_code], [*targets, codes]):
                 np.take(src, at, out=dst[n:n + k], mode="clip")
@@ -315,6 +310,7 @@ class Plane:
                 np.take(s_kinds2[j], at, out=kinds[j][n:n + k], mode="clip")
             return k
 
+        read = _Releaser(self._buf)
         for line in chosen:
             if row + line.event_count > size:
                 n += flush()
@@ -323,15 +319,16 @@ class Plane:
             for s, e in line._ranges:
                 try:
                     done, nbad = self._scan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
-                                                         s_mid, s_start, s_dur, s_vals, s_kinds)
+                                                         s_mid, s_start, s_dur, s_vals, s_kinds, *keep)
                 except ValueError as err:
                     raise FormatError(f"{self.source}: plane {self.name!r} line {line.name!r}: {err}; "
                                       "the file is corrupt or truncated - capture the profile again") from None
                 row += done
                 bad += nbad
-                _release(self._buf, s, e)
+                read.add(s, e)
             s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
             batch.append((line, first, row, bad))
+        read.done()
         if row:
             n += flush()
         mid, start, dur, line_id = (x[:n] for x in out)
@@ -391,11 +388,11 @@ class Plane:
         """The column of ``stat`` from its raw values ``v`` (int64 bits) and kinds ``k`` (int8, 0: absent), one
         per event; ``codes``: each event's position in the sorted event metadata (-1: none). ``v`` and ``k`` are
         used up: an integer or float column is built in their memory, so it costs no copy."""
-        counts = _kind_counts(k)
-        present = {kind for kind in range(1, len(counts)) if counts[kind]}
+        kinds = _kinds_present(k)
+        present = {kind for kind in range(1, 8) if kinds >> kind & 1}
         meta_vals, has_meta, meta_ints = self._meta_stat(stat) if metas else ([], False, True)
         numeric = present <= {_KIND_INT, _KIND_UINT} and meta_ints
-        if numeric and counts[_KIND_UINT] and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
+        if numeric and _KIND_UINT in present and np.any((k == _KIND_UINT) & (v < 0)):  # uint64 values above 2**63 - 1
             big = v.view(np.uint64)
             return pd.Series([int(big[i]) if k[i] == _KIND_UINT else (int(v[i]) if k[i] else None)
                               for i in range(len(v))], dtype=object).array
@@ -407,12 +404,12 @@ class Plane:
                 v[missing] = fill.to_numpy(np.int64, na_value=0)[at]
                 missing[missing] = fill.isna()[at]
             else:
-                v[missing] = 0
+                np.putmask(v, missing, 0)  # (a masked assignment branches on every row)
             return pd.arrays.IntegerArray(v, missing)
         if present and present <= {_KIND_INT, _KIND_UINT, _KIND_DOUBLE} and not has_meta:
             out = v.view(np.float64)  # doubles are in place already
             for kind, raw in ((_KIND_UINT, np.uint64), (_KIND_INT, np.int64)):
-                if counts[kind]:
+                if kind in present:
                     at = np.flatnonzero(k == kind)
                     out[at] = v[at].view(raw).astype(np.float64)
             out[k == 0] = np.nan
@@ -426,7 +423,7 @@ class Plane:
             category_of: dict[int, int] = {}  # raw value -> category
             for a in range(0, n, _CHUNK_ROWS):
                 b = min(a + _CHUNK_ROWS, n)
-                sel = None if counts[kind] == n else np.flatnonzero(k[a:b] == kind)
+                sel = None if kinds == 1 << kind else np.flatnonzero(k[a:b] == kind)  # every event: this kind
                 inv, uniq = pd.factorize(v[a:b] if sel is None else v[a:b][sel])
                 uniq = uniq.tolist()
                 for u in uniq:
@@ -477,6 +474,29 @@ def _release(buf: Any, start: int, end: int) -> None:
             buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
 
 
+class _Releaser:
+    """Byte ranges of a buffer read once (counted or decoded), their pages let go (:func:`_release`) a run of
+    adjacent ranges at a time, once it spans :data:`_RELEASE_BYTES`, and at :meth:`done`: one call per few MiB
+    instead of one per line (a host plane has thousands)."""
+
+    def __init__(self, buf: Any) -> None:
+        self.buf, self.lo, self.hi = buf, 0, 0
+
+    def add(self, start: int, end: int) -> None:
+        if self.hi > self.lo and not self.lo <= start <= self.hi + mmap.PAGESIZE:  # not next to the run
+            self.done()
+        if self.hi <= self.lo:
+            self.lo = start
+        self.hi = max(self.hi, end)
+        if self.hi - self.lo >= _RELEASE_BYTES:
+            self.done()
+
+    def done(self) -> None:
+        if self.hi > self.lo:
+            _release(self.buf, self.lo, self.hi)
+        self.lo = self.hi = 0
+
+
 def _code_dtype(count: int) -> type:
     """The integer dtype pandas gives the codes of a Categorical of ``count`` categories (so that
     ``Categorical.from_codes`` keeps an array of it as it is, without a copy)."""
@@ -505,12 +525,13 @@ def _code_lookup(ids: np.ndarray) -> tuple[Any, type]:
     return search, dtype
 
 
-def _kind_counts(kinds: np.ndarray) -> np.ndarray:
-    """How many of the int8 ``kinds`` hold each value 0..255 (a bincount a chunk at a time)."""
-    counts = np.zeros(256, np.int64)
+def _kinds_present(kinds: np.ndarray) -> int:
+    """The values (0..7) among the int8 ``kinds`` as a bit mask, bit k set when some row holds k (an OR of
+    ``1 << kind`` a chunk at a time: a bincount converts every row to a platform integer first)."""
+    mask = 0
     for a in range(0, len(kinds), _CHUNK_ROWS):
-        counts += np.bincount(kinds[a:a + _CHUNK_ROWS].view(np.uint8), minlength=256)
-    return counts
+        mask |= int(np.bitwise_or.reduce(np.left_shift(np.uint8(1), kinds[a:a + _CHUNK_ROWS].view(np.uint8))))
+    return mask
 
 
 
@@ -648,15 +669,17 @@ def read_xspace(path: str | Path, decoder: str | None = None) -> XSpace:
             stat_names = {k: v.name for k, v in xp.stat_metadata.items()}
             where = f"{p}: plane {xp.name!r}: a compressed stat"
             lines = []
+            read = _Releaser(buf)  # counting the events read them; they are decoded later, line by line
             for _, lwt, _, fs, fe, _ in fields:
                 if lwt != 2:
                     raise bad(f"plane {len(planes)}: line field has the wrong wire type")
                 head, count = scan.split_fields(buf, fs, fe, 4)
-                _release(buf, fs, fe)  # counting the events read them; they are decoded later, line by line
+                read.add(fs, fe)
                 xl = XL()
                 xl.ParseFromString(head)
                 lines.append(Line(xl.id, xl.display_id or xl.id, xl.name, xl.display_name or xl.name,
                                   xl.timestamp_ns, xl.duration_ps, count, ((fs, fe),)))
+            read.done()
             metas = {
                 k: EventMetadata(k, v.name, v.display_name,
                                  {stat_names.get(st.metadata_id, str(st.metadata_id)): stat_value(st, stat_names, where)

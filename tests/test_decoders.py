@@ -38,7 +38,9 @@ def _outcome(path, decoder: str):
         planes = []
         for p in xs.planes:
             ev = p.events(stats=STATS)
-            planes.append((p.id, p.name, p.stats, p.event_metadata, p.stat_names, p.lines, ev, p.notes))
+            # with require the scanner filters the events
+            kept = p.events(stats=("hlo_op", "_c"), require=("hlo_op", "step_num"), names="end: ")
+            planes.append((p.id, p.name, p.stats, p.event_metadata, p.stat_names, p.lines, ev, p.notes, kept))
         return (xs.hostnames, xs.errors, xs.warnings, planes, xs.notes)
     except Exception as e:  # compared by class and message
         return (type(e), str(e))
@@ -54,6 +56,7 @@ def _assert_same(path):
     for a, b in zip(c[3], py[3]):
         assert a[:6] == b[:6] and a[7] == b[7]
         pd.testing.assert_frame_equal(a[6], b[6], check_exact=True)
+        pd.testing.assert_frame_equal(a[8], b[8], check_exact=True)
     return c
 
 
@@ -99,6 +102,22 @@ def _decode(mod, data, fs, fe, ts, rows, ids, first=0):
     return got, [a.tobytes() for a in arrays] if not isinstance(got[0], type) else None
 
 
+def _decode_kept(mod, data, fs, fe, ts, rows, ids, keep_ids, keep_columns, first=0):
+    """decode_events keeping only some events (``keep_ids``, ``keep_columns``): its result and the rows it wrote
+    (bytes), or its error."""
+    n, ncol = rows + first, len(ids)
+    arrays = [np.zeros(n, np.int64) for _ in range(3)] + [np.zeros(n * ncol, np.int64), np.zeros(n * ncol, np.int8)]
+    got = _call(lambda: mod.decode_events(data, fs, fe, ts, np.array(ids, np.int64).tobytes(), first, *arrays,
+                                          np.array(keep_ids, np.int64).tobytes(),
+                                          np.array(keep_columns, np.int64).tobytes()))
+    if isinstance(got[0], type):
+        return got, None
+    k = got[0]
+    values, kinds = (a.reshape(ncol, n)[:, first:first + k] for a in arrays[3:])
+    values = np.where(kinds != 0, values, 0)  # where an event lacks a stat its row may hold a dropped event's value
+    return got, [a[first:first + k].tobytes() for a in arrays[:3]] + [values.tobytes(), kinds.tobytes()]
+
+
 def _varint(v: int) -> bytes:
     v &= (1 << 64) - 1
     out = bytearray()
@@ -123,6 +142,28 @@ def test_exact_walk_alone_matches_c(monkeypatch):
     monkeypatch.setattr(P, "_decode_fast", lambda *a: None)
     for fs, fe, ts, count, ids in _lines(data):
         assert _decode(P, data, fs, fe, ts, count, ids) == _decode(C, data, fs, fe, ts, count, ids)
+
+
+def test_kept_events_decode_alike(monkeypatch):
+    """With keep_ids / keep_columns both scanners write the same events (those of the ids kept, those carrying a
+    stat of a column kept), the protobuf path and the byte walk alike; keeping every id writes every event."""
+    data = SRC.read_bytes()
+    lines = _lines(data)
+    for fs, fe, ts, count, ids in lines:
+        mids = sorted(set(np.frombuffer(_decode(C, data, fs, fe, ts, count, ids)[1][0], np.int64).tolist()))
+        every = _decode(C, data, fs, fe, ts, count, ids)
+        assert _decode_kept(C, data, fs, fe, ts, count, ids, mids, [])[0] == every[0]
+        for keep_ids, cols in ((mids[::3] + [5000, 2**40], []), ([-1] + mids[1::2], [0, len(ids) - 1]), ([], [0])):
+            want = _decode_kept(C, data, fs, fe, ts, count + 1, ids, keep_ids, cols, 1)
+            assert want[0][0] <= count
+            assert _decode_kept(P, data, fs, fe, ts, count + 1, ids, keep_ids, cols, 1) == want
+            with monkeypatch.context() as m:
+                m.setattr(P, "_decode_fast", lambda *a: None)
+                assert _decode_kept(P, data, fs, fe, ts, count + 1, ids, keep_ids, cols, 1) == want
+    fs, fe, ts, count, ids = lines[0]
+    for keep_ids, cols in (([3, 1], []), ([1], [len(ids)]), ([1], [-1])):
+        got = _decode_kept(C, data, fs, fe, ts, count, ids, keep_ids, cols)
+        assert got[0][0] is ValueError and got == _decode_kept(P, data, fs, fe, ts, count, ids, keep_ids, cols)
 
 
 def test_fast_path_is_taken_on_real_lines(monkeypatch):
@@ -168,6 +209,9 @@ def test_edge_events_decode_alike(i, ts):
         buf = b"\x07" * 5 + payload
         for ids in ([], [2], [9, 2, 2]):
             assert _decode(P, buf, 5, len(buf), ts, rows, ids, 1) == _decode(C, buf, 5, len(buf), ts, rows, ids, 1)
+            for keep in (([], []), ([1], [])) + ((([7], [len(ids) - 1]),) if ids else ()):  # impossible times kept
+                assert (_decode_kept(P, buf, 5, len(buf), ts, rows, ids, *keep, 1)
+                        == _decode_kept(C, buf, 5, len(buf), ts, rows, ids, *keep, 1))
         for fn in (lambda m: m.split_fields(buf, 5, len(buf), 4), lambda m: m.split_fields(buf, 5, len(buf), 1),
                    lambda m: m.scan_fields(buf, 5, len(buf), 4, 1000)):
             assert _call(lambda: fn(P)) == _call(lambda: fn(C))

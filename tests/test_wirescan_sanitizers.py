@@ -75,6 +75,7 @@ for i, blob in enumerate(inputs):
         xs = read_xspace(f)
         for p in xs.planes:
             p.events(stats=list(p.stat_names.values())[:8])
+            p.events(stats=list(p.stat_names.values())[:4], require=list(p.stat_names.values())[4:6], names="end: ")
         done += 1
     except TraceroofError:
         pass

@@ -102,7 +102,12 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     out = np.full(len(events), NO_BOUND_PS, np.int64)
     if not modules or "run_id" not in events:
         return out
-    mod, _ = match_modules(events, modules)
+    # each event's module: matched on the first event of each run of one module and program id (what it depends
+    # on; an execution's events come in long runs)
+    module = pd.Categorical(events["module"]).codes
+    pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)  # as match_modules reads it
+    first = np.flatnonzero(np.concatenate(([True], (module[1:] != module[:-1]) | (pid[1:] != pid[:-1]))))
+    mod = np.repeat(match_modules(events.iloc[first], modules)[0], np.diff(np.append(first, len(events))))
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     has_run = events["run_id"].notna().to_numpy(bool)
     sel = np.flatnonzero(grow & (mod >= 0) & has_run)
@@ -115,7 +120,10 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     device = pd.Categorical(events["device"]).codes.astype(np.int64)
     start = events["start_ps"].to_numpy(np.int64)
     # per (module, op) of the grown events: the ops with events that read its result, in one flat array
-    pair_of, pairs = pd.factorize(mod[sel] * (len(op_names) + 1) + op_code[sel])
+    pair_key = mod[sel] * (len(op_names) + 1) + op_code[sel]
+    pair_of = group_codes([pair_key])  # as pd.factorize's codes (by first appearance), by a table: small codes
+    pairs = np.zeros(int(pair_of.max()) + 1, np.int64)
+    pairs[pair_of] = pair_key
     user_lists = []
     for m in np.unique(mod[sel]):
         in_module = np.bincount(op_code[mod == m] + 1, minlength=len(op_names) + 1)[1:] > 0
@@ -136,11 +144,9 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     q_user = flat[first_user + np.arange(len(q_event))]
     wanted = np.zeros(len(op_names) + 1, bool)  # by op code; the last: code -1 (no op)
     wanted[q_user] = True
-    runs = np.unique(run[sel])
     cand = np.flatnonzero(wanted[op_code] & has_run & (mod >= 0))
-    c_run = np.minimum(np.searchsorted(runs, run[cand]), len(runs) - 1)
-    keep = runs[c_run] == run[cand]  # in an execution of a grown event (below: of its host, device, module)
-    cand, c_run = cand[keep], c_run[keep]
+    runs, c_run, keep, sel_run = _runs(run[sel], run[cand])
+    cand, c_run = cand[keep], c_run[keep]  # in an execution of a grown event (below: of its host, device, module)
     if not len(cand):
         return out
     # one group id per (host, device, module, run, op) over candidates and queries together: mixed-radix codes
@@ -148,9 +154,10 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     cols = [(col, int(col.min()), int(col.max()) - int(col.min()) + 1) for col in (host, device, mod)]
     size = len(runs) * len(op_names) * int(np.prod([n for _, _, n in cols], dtype=object))
     if size <= 4 * (len(cand) + len(q_event)):
-        g_cand, g_sel = c_run, np.searchsorted(runs, run[sel])
+        g_cand, g_sel = c_run, sel_run
         for col, low, n in cols:
-            g_cand, g_sel = g_cand * n + (col[cand] - low), g_sel * n + (col[sel] - low)
+            if n > 1:  # (a column of one value adds nothing)
+                g_cand, g_sel = g_cand * n + (col[cand] - low), g_sel * n + (col[sel] - low)
         g_cand, g_query = g_cand * len(op_names) + op_code[cand], np.repeat(g_sel * len(op_names), n_users) + q_user
         n_groups = size
     else:
@@ -161,7 +168,12 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     # one op: a short span), or where that could overflow, the start's rank among all
     t_cand, t_query = start[cand], start[q_event]
     lo, width = None, 2**62
-    if max(int(t_cand.max()), int(t_query.max())) - min(int(t_cand.min()), int(t_query.min())) < 2**62:
+    first = min(int(t_cand.min()), int(t_query.min()))
+    span = max(int(t_cand.max()), int(t_query.max())) - first
+    if span < 2**62 and n_groups * (span + 1) < 2**62:  # one offset for every group
+        lo, width = first, span + 1
+        t_cand, t_query = t_cand - first, t_query - first
+    elif span < 2**62:
         lo = np.full(n_groups, NO_BOUND_PS, np.int64)
         np.minimum.at(lo, g_cand, t_cand)
         np.minimum.at(lo, g_query, t_query)
@@ -170,16 +182,35 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     if n_groups * width >= 2**62:
         values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
         t_cand, t_query, width, lo = rank[:len(cand)], rank[len(cand):], len(values) + 1, None
-    key_cand = np.sort(g_cand * width + t_cand)  # equal keys: equal starts, so no need to know which event
+    # equal keys: equal starts, so no need to know which event; stable: the keys come in sorted runs (events by
+    # thread and time), which a merge sort takes as they are
+    key_cand = np.sort(g_cand * width + t_cand, kind="stable")
     j = np.searchsorted(key_cand, g_query * width + t_query, side="right")  # first candidate starting after
     found = j < len(key_cand)
     at = key_cand[j[found]]
     found[found] = at // width == g_query[found]
     at = key_cand[j[found]] % width
     bound = np.full(len(q_event), NO_BOUND_PS, np.int64)
-    bound[found] = values[at] if lo is None else at + lo[g_query[found]]
+    bound[found] = values[at] if lo is None else at + (lo if isinstance(lo, int) else lo[g_query[found]])
     np.minimum.at(out, q_event, bound)
     return out
+
+
+def _runs(sel_run: np.ndarray, cand_run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct run ids of the grown events ``sel_run`` (sorted), and for the candidates ``cand_run`` and the
+    grown events, the position of their run among them (candidates: whether it is there at all). By a table
+    over the ids' span when it is small (the run ids of a program count its launches), else by binary search."""
+    lo, hi = int(sel_run.min()), int(sel_run.max())
+    if hi - lo > 4 * len(sel_run) + 1024:
+        runs = np.unique(sel_run)
+        c_run = np.minimum(np.searchsorted(runs, cand_run), len(runs) - 1)
+        return runs, c_run, runs[c_run] == cand_run, np.searchsorted(runs, sel_run)
+    present = np.zeros(hi - lo + 1, bool)
+    present[sel_run - lo] = True
+    index = np.cumsum(present) - 1  # id - lo -> its position among the distinct ids (where present)
+    inside = (cand_run >= lo) & (cand_run <= hi)
+    at = np.where(inside, cand_run - lo, 0)  # (outside the span: wraps, unused)
+    return np.flatnonzero(present) + lo, index[at], inside & present[at], index[sel_run - lo]
 
 
 def _users(module: HloModule) -> dict[str, list[str]]:
@@ -221,18 +252,25 @@ def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray
     if not (grow & has_run).any():
         return out
     rows = np.flatnonzero(has_run)
-    start = events["start_ps"].to_numpy(np.int64)[rows]
-    end = start + events["duration_ps"].to_numpy(np.int64)[rows]
-    program = group_codes([events[c].iloc[rows] for c in ("host", "device", "module")]
-                          + [events["program_id"].to_numpy(dtype="int64", na_value=-1)[rows]])
-    execution = group_codes([program, events["run_id"].to_numpy(dtype="int64", na_value=0)[rows]])
+    every = len(rows) == len(events)
+    start = events["start_ps"].to_numpy(np.int64)
+    end = start + events["duration_ps"].to_numpy(np.int64)
+    # a program: (host, device, module, program id); an execution: a program's run id
+    program_of = [events[c].array for c in ("host", "device", "module")] + [
+        events["program_id"].to_numpy(dtype="int64", na_value=-1)]
+    run = events["run_id"].to_numpy(dtype="int64", na_value=0)
+    if not every:
+        start, end, run = start[rows], end[rows], run[rows]
+        program_of = [col.take(rows) for col in program_of]
+    execution = group_codes(program_of + [run])
     n_ex = int(execution.max()) + 1
     ex_start = np.full(n_ex, NO_BOUND_PS, np.int64)
     np.minimum.at(ex_start, execution, start)
     ex_end = np.full(n_ex, np.iinfo(np.int64).min, np.int64)
     np.maximum.at(ex_end, execution, end)
-    ex_program = np.zeros(n_ex, np.int64)
-    ex_program[execution] = program
+    one = np.zeros(n_ex, np.int64)
+    one[execution] = np.arange(len(execution))  # a row of each execution (any: they share the program)
+    ex_program = group_codes([col.take(one) for col in program_of])  # program numbers: only grouping matters
     # executions of a program by first op start (ties: in order of first appearance), each bounded by the next
     order = np.lexsort((np.arange(n_ex), ex_start, ex_program))
     nxt = np.full(n_ex, NO_BOUND_PS, np.int64)

@@ -113,8 +113,8 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         launch_rows = _take(both, _name_mask(both["name"], HOST_EVENT_NAMES) & ~ends & no_op,
                             ("line_id", "name", "start_ps", "duration_ps"))
         op_rows = ~no_op & (both["start_ps"] != AGGREGATE_START_PS)
-        ev = _take_out({k: both.pop(k) for k in ("line_id", "name", "start_ps", "duration_ps", *OP_STATS, "run_id",
-                                                  "_p")}, op_rows)
+        ev = _take_out({k: both.pop(k) for k in ("line_id", "start_ps", "duration_ps", "hlo_op", "hlo_module",
+                                                  "program_id", "device_ordinal", "run_id", "_p")}, op_rows)
         del both, no_op, ends, op_rows
         ev["async_end_ps"] = _async_thunk_ends(ev, end_events)
         launches = launch_events(launch_rows)
@@ -196,7 +196,14 @@ def _take(columns: dict[str, Any], rows: np.ndarray, names: Sequence[str] | None
     ``names`` (default: all); every row of a mask: the same arrays."""
     if rows.dtype == bool and rows.all():
         return {k: columns[k] for k in (columns if names is None else names)}
-    return {k: columns[k][rows] for k in (columns if names is None else names)}
+    at = _positions(rows)
+    return {k: columns[k].take(at) for k in (columns if names is None else names)}
+
+
+def _positions(rows: np.ndarray) -> np.ndarray:
+    """A boolean mask as the positions it selects (positions as they are): each column is then taken by position,
+    which beats a mask (a count and a branch per row, each time) on the interleaved rows of a host's events."""
+    return np.flatnonzero(rows) if rows.dtype == bool else rows
 
 
 def _small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -214,7 +221,8 @@ def _take_out(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
     """:func:`_take` of every column, each one removed from ``columns`` as it is taken (so that a large table and
     its copy are never both held whole); ``columns`` is left empty."""
     every = rows.all()
-    return {k: columns.pop(k) if every else columns.pop(k)[rows] for k in list(columns)}
+    at = None if every else _positions(rows)
+    return {k: columns.pop(k) if every else columns.pop(k).take(at) for k in list(columns)}
 
 
 def _category(values: Any) -> pd.Categorical:
@@ -238,10 +246,13 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     implied = na_int64(n_ops)
     if not n_ops or not len(ends["start_ps"]) or "_p" not in ops or "_c" not in ends:
         return implied
+    # (arrays over every op event made in place where they can be: on a fresh process each new one costs its
+    # page faults, about as much as computing it)
     end_event = _flow_ends(as_float64(ops["_p"]), as_float64(ends["_c"]))
     start = np.asarray(ops["start_ps"], np.int64)
     old_end = start + np.asarray(ops["duration_ps"], np.int64)
-    done = np.asarray(ends["start_ps"], np.int64)[end_event] + np.asarray(ends["duration_ps"], np.int64)[end_event]
+    done = np.asarray(ends["start_ps"], np.int64).take(end_event)
+    done += np.asarray(ends["duration_ps"], np.int64).take(end_event)
     sel = np.flatnonzero((end_event >= 0) & (done > old_end))
     if not len(sel):
         return implied
@@ -268,10 +279,15 @@ def _flow_ends(p: np.ndarray, c: np.ndarray) -> np.ndarray:
     if not len(by_flow):
         return np.full(len(p), -1, np.int64)
     flows = c[by_flow]
-    run_end = np.append(flows[1:] != flows[:-1], True)
-    flows, last = flows[run_end], by_flow[run_end]
-    pos = np.minimum(np.searchsorted(flows, p), len(flows) - 1)
-    return np.where(flows[pos] == p, last[pos], -1)  # NaN never equals
+    last = flows[1:] != flows[:-1]
+    if not last.all():  # equal ids (usually each end event has its own)
+        run_end = np.append(last, True)
+        flows, by_flow = flows[run_end], by_flow[run_end]
+    pos = np.searchsorted(flows, p)
+    np.minimum(pos, len(flows) - 1, out=pos)
+    out = by_flow.take(pos)
+    np.putmask(out, flows.take(pos) != p, -1)  # NaN never equals
+    return out
 
 
 def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndarray, q_t: np.ndarray) -> np.ndarray:
@@ -279,20 +295,13 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
     events do not overlap) up to time ``q_t``."""
     out = np.zeros(len(q_t), np.int64)
     # threads numbered in order of first appearance (a plane's events come by thread and by time, so the
-    # (thread, start) keys below are nearly sorted); only threads queried, numbered 0..n-1 again
+    # (thread, start) keys below are usually sorted already)
     thread, ids = pd.factorize(lines)
     q_thread = pd.Index(ids).get_indexer(q_line)  # -1: a thread without op events (0 busy)
-    wanted = np.zeros(len(ids) + 1, bool)
-    wanted[q_thread] = True  # -1 marks the last slot: a thread with no events
-    renumber = np.cumsum(wanted[:-1]) - 1
-    on = wanted[:-1][thread]
     q = np.flatnonzero(q_thread >= 0)
     if not len(q):
         return out
-    if not on.all():
-        on = np.flatnonzero(on)
-        thread, start, end = thread[on], start[on], end[on]
-    thread, q_thread, q_t = renumber[thread], renumber[q_thread[q]], q_t[q]
+    q_thread, q_t = q_thread[q], q_t[q]
     # (thread, time) as one sortable int64 key: thread x width + time from the earliest (or, when a time span
     # that wide could overflow, the time's rank among all times), for as many threads at a time as fit
     lo = min(int(start.min()), int(q_t.min()))
@@ -303,15 +312,22 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
         times, rank = np.unique(np.concatenate([start, q_t]), return_inverse=True)
         width = len(times) + 1
         t, q_tt = rank[:len(start)], rank[len(start):]
-    n_threads = int(renumber[-1]) + 1
+    n_threads = len(ids)
     per = max(2**63 // width, 1)  # keys below per x width: at most 2^63 - 1
+    if per < n_threads:  # more threads than one key holds: only the threads queried, numbered 0..n-1 again
+        wanted = np.zeros(n_threads, bool)
+        wanted[q_thread] = True
+        renumber = np.cumsum(wanted) - 1
+        on = np.flatnonzero(wanted[thread])
+        thread, t, start, end = renumber[thread[on]], t[on], start[on], end[on]
+        q_thread, n_threads = renumber[q_thread], int(renumber[-1]) + 1
+    if per >= n_threads:
+        out[q] = _busy_of_threads(thread, t, start, end, q_thread, q_tt, q_t, width)
+        return out
     res = np.zeros(len(q), np.int64)
     for a in range(0, n_threads, per):
-        if per < n_threads:
-            ev = np.flatnonzero((thread >= a) & (thread < a + per))
-            qs = np.flatnonzero((q_thread >= a) & (q_thread < a + per))
-        else:
-            ev, qs = slice(None), slice(None)
+        ev = np.flatnonzero((thread >= a) & (thread < a + per))
+        qs = np.flatnonzero((q_thread >= a) & (q_thread < a + per))
         res[qs] = _busy_of_threads(thread[ev] - a, t[ev], start[ev], end[ev], q_thread[qs] - a, q_tt[qs], q_t[qs],
                                    width)
     out[q] = res
@@ -321,19 +337,23 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
 def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: np.ndarray, q_thread: np.ndarray,
                      q_tt: np.ndarray, q_t: np.ndarray, width: int) -> np.ndarray:
     """:func:`_busy` of threads numbered below ``2**63 // width``, times also as ``t`` / ``q_tt`` in [0, width)."""
-    key, q_key = thread * width + t, q_thread * width + q_tt
-    order = np.argsort(key, kind="stable")
-    key, thread, s, e = key[order], thread[order], start[order], end[order]
-    dur = e - s
-    cum = np.cumsum(dur) - dur  # time before each event, from the thread's first event
-    first = np.flatnonzero(np.diff(thread, prepend=-1))
-    cum -= np.repeat(cum[first], np.diff(np.append(first, len(thread))))
+    key = thread * width
+    key += t
+    q_key = q_thread * width + q_tt
+    if not (key[1:] >= key[:-1]).all():  # sorted already when the events come by thread and by time
+        order = np.argsort(key, kind="stable")
+        key, thread, start, end = key[order], thread[order], start[order], end[order]
+    cum = end - start
+    np.cumsum(cum, out=cum)  # time in events up to each one's end, from the first event
+    first = np.flatnonzero(np.diff(thread, prepend=-1))  # each thread's first event (one run per thread)
+    before = np.zeros(int(max(thread.max(initial=0), q_thread.max(initial=0))) + 1, np.int64)
+    before[thread[first]] = cum[first] - (end[first] - start[first])  # time before each thread's first event
     j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
     ok = j >= 0
     ok[ok] = thread[j[ok]] == q_thread[ok]
     jj = np.maximum(j, 0)
-    part = np.clip(np.minimum(q_t, e[jj]) - s[jj], 0, None)
-    return np.where(ok, cum[jj] + part, 0)
+    part = np.clip(np.minimum(q_t, end[jj]) - start[jj], 0, None)  # of that event, up to t
+    return np.where(ok, cum[jj] - (end[jj] - start[jj]) - before[q_thread] + part, 0)
 
 
 def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:
@@ -486,7 +506,8 @@ def _launches_after_steps(launches: pd.DataFrame, matched_ps: np.ndarray, step_e
     if not len(ends) or launches.empty:
         return 0
     start = launches["start_ps"].to_numpy(np.int64)
-    return int(((start > ends.max()) & ~np.isin(start, matched_ps.astype(np.int64))).sum())
+    late = start[start > ends.max()]  # few: looked up among the matched times only when there are some
+    return int((~np.isin(late, matched_ps.astype(np.int64))).sum()) if len(late) else 0
 
 
 def _checked_ids(table: Any, counts: dict[str, int]) -> Any:

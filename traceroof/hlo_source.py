@@ -116,16 +116,25 @@ def _profiled(events: pd.DataFrame, without_id: bool = False) -> tuple[set[int],
     only of events without a program id."""
     pid = events["program_id"].array
     missing = np.asarray(pid.isna(), bool)
-    ids = set(np.unique(pid.to_numpy("int64", na_value=0)[~missing]).tolist())
+    ids = set(_distinct(pid.to_numpy("int64", na_value=0)[~missing] if missing.any() else
+                        pid.to_numpy("int64", na_value=0)).tolist())
     module = events["module"].array
     if without_id:
         module = module[missing]
     if isinstance(module, pd.Categorical):
-        used = np.unique(module.codes)
+        used = _distinct(module.codes)
         names = {str(c) for c in module.categories[used[used >= 0]]}
     else:
         names = {x for x in pd.Series(module).astype(str).unique() if isinstance(x, str)}
     return ids, names
+
+
+def _distinct(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` of a column of events, which come in long runs of one program: the distinct values
+    among each run's first (no sort of every event)."""
+    if len(values) < 2:
+        return np.unique(values)
+    return np.unique(values[np.concatenate(([0], np.flatnonzero(values[1:] != values[:-1]) + 1))])
 
 
 def relevant_dumps(files: Sequence[Location], events: pd.DataFrame) -> list[Location]:

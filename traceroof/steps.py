@@ -202,12 +202,18 @@ def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: p
             continue
         st = np.flatnonzero(step_key == k)
         st = st[np.argsort(starts_all[st], kind="stable")]
-        mask = codes == pos
-        t = when_ps[mask]
+        rows = np.flatnonzero(codes == pos)
+        every = len(rows) == len(codes)  # one key (a host's annotations): the times as they are
+        t = when_ps if every else when_ps[rows]
         starts, ends = starts_all[st], ends_all[st]
         idx = np.searchsorted(starts, t, side="right") - 1
-        ok = (idx >= 0) & (t < ends[np.maximum(idx, 0)])
-        out[mask] = np.where(ok, step_all[st][np.maximum(idx, 0)], -1)
+        ok = idx >= 0
+        np.maximum(idx, 0, out=idx)
+        ok &= t < ends[idx]
+        found = np.where(ok, step_all[st][idx], -1)
+        if every:
+            return found
+        out[rows] = found
     return out
 
 
@@ -252,13 +258,16 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
         return steps.assign(device_start_ps=na_int64(0), device_end_ps=na_int64(0))
     host, host_names = (hosts.codes, hosts.categories) if isinstance(hosts, pd.Categorical) else pd.factorize(hosts)
     ok = (ops_step >= 0) & (host >= 0)
-    group = group_codes([host[ok], ops_step[ok]])
+    if not ok.all():
+        ok = np.flatnonzero(ok)
+        host, ops_step, when_ps, end_ps = host[ok], ops_step[ok], when_ps[ok], end_ps[ok]
+    group = group_codes([host, ops_step])
     at = first_rows(group)
-    g_host, g_step = host[ok][at], ops_step[ok][at]
+    g_host, g_step = host[at], ops_step[at]
     first = np.full(len(at), np.iinfo(np.int64).max)
     last = np.full(len(at), np.iinfo(np.int64).min)
-    np.minimum.at(first, group, when_ps[ok])
-    np.maximum.at(last, group, end_ps[ok])
+    np.minimum.at(first, group, when_ps)
+    np.maximum.at(last, group, end_ps)
     # per host in order of first launch: no earlier than the latest op end of any earlier step on the host (not
     # only the one before), and never past the step's own last op end: a step whose ops all ran inside an
     # earlier, longer one gets 0 device time
