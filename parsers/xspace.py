@@ -257,7 +257,7 @@ class Plane:
         name_re = re.compile(names) if names else None
         meta_ids = np.array(sorted(self.event_metadata), dtype=np.int64)
         metas = [self.event_metadata[int(i)] for i in meta_ids]
-        meta_code, code_dtype = _code_lookup(meta_ids)
+        meta_code, meta_dtype = _code_lookup(meta_ids)
         # with ``require``, the scanner writes only the events kept: those of the metadata (ids) that have a required
         # stat or a name ``names`` matches, and those that carry a required stat (columns)
         keep = () if not require else (
@@ -273,7 +273,7 @@ class Plane:
         total = sum(line.event_count for line in chosen)
         size = max(max((line.event_count for line in chosen), default=0), min(total, _BATCH_ROWS))
         out = [np.empty(total, np.int64) for _ in range(4)]  # metadata_id, start_ps, duration_ps, line_id
-        lcode, codes = np.empty(total, _code_dtype(len(line_names))), np.empty(total, code_dtype)
+        lcode, codes = np.empty(total, code_dtype(len(line_names))), np.empty(total, meta_dtype)
         vals, kinds = [np.empty(total, np.int64) for _ in col_of], [np.empty(total, np.int8) for _ in col_of]
         s_mid, s_start, s_dur, s_line = (np.empty(size, np.int64) for _ in range(4))
         s_lcode = np.empty(size, lcode.dtype)
@@ -497,7 +497,7 @@ class _Releaser:
         self.lo = self.hi = 0
 
 
-def _code_dtype(count: int) -> type:
+def code_dtype(count: int) -> type:
     """The integer dtype pandas gives the codes of a Categorical of ``count`` categories (so that
     ``Categorical.from_codes`` keeps an array of it as it is, without a copy)."""
     for dtype in (np.int8, np.int16, np.int32):
@@ -508,9 +508,9 @@ def _code_dtype(count: int) -> type:
 
 def _code_lookup(ids: np.ndarray) -> tuple[Any, type]:
     """For the sorted distinct int64 ``ids``: a function giving, for an int64 array, each value's position in
-    ``ids`` (-1: not there), and the dtype of those positions (:func:`_code_dtype`). A lookup table when the ids
+    ``ids`` (-1: not there), and the dtype of those positions (:func:`code_dtype`). A lookup table when the ids
     are small non-negative integers, as XEventMetadata ids are; a binary search otherwise."""
-    dtype = _code_dtype(len(ids))
+    dtype = code_dtype(len(ids))
     if len(ids) and 0 <= ids[0] and ids[-1] < (1 << 20):
         table = np.full(int(ids[-1]) + 2, -1, dtype)
         table[ids] = np.arange(len(ids))

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import Instruction, is_retiling
+from parsers.xspace import code_dtype
 from traceroof.aggregate import Timeline
 from traceroof.codes import first_rows, group_codes
 from traceroof.collectives import classify, module_devices
@@ -220,7 +221,7 @@ def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:
     if not len(at):
         return pd.Categorical([])
     names, codes = _categories(values)
-    codes = np.append(codes, -1).astype(_code_dtype(len(names)))  # at -1 -> -1
+    codes = np.append(codes, -1).astype(code_dtype(len(names)))  # at -1 -> -1
     return pd.Categorical.from_codes(codes[at], dtype=pd.CategoricalDtype(names), validate=False)
 
 
@@ -229,14 +230,6 @@ def _categories(values: Sequence[str]) -> tuple[list[str], np.ndarray]:
     names = sorted(set(values))
     pos = {v: i for i, v in enumerate(names)}
     return names, np.fromiter((pos[v] for v in values), np.int64, len(values))
-
-
-def _code_dtype(n: int) -> type:
-    """The integer dtype pandas stores the codes of ``n`` categories in (``coerce_indexer_dtype``)."""
-    for dtype in (np.int8, np.int16, np.int32):
-        if n < np.iinfo(dtype).max:
-            return dtype
-    return np.int64
 
 
 def _op_keys(mod_idx: np.ndarray, op_codes: np.ndarray, n_modules: int, n_ops: int
