@@ -34,28 +34,35 @@ class Timeline:
     def __len__(self) -> int:
         return len(self.row)
 
-    def shifted(self, row_offset: int, time_offset_ps: int) -> Timeline:
-        """The same events with rows numbered from ``row_offset`` and starts and launches moved by
-        ``time_offset_ps`` (a host's place in a merged op table and its clock offset)."""
-        if not row_offset and not time_offset_ps:
-            return self
-        launch = self.launch_ps + time_offset_ps if self.launch_ps is not None else None
-        return Timeline(self.row + row_offset, self.start_ps + time_offset_ps, self.duration_ps, self.run_id,
-                        launch)
-
     @staticmethod
-    def concat(parts: Sequence[Timeline]) -> Timeline:
-        """The events of ``parts`` one after another (rows and times as they are: :meth:`shifted` first)."""
-        def join(name: str) -> np.ndarray | None:
+    def concat(parts: Sequence[Timeline], row_offsets: Sequence[int], time_offsets_ps: Sequence[int]) -> Timeline:
+        """The events of ``parts`` one after another, each part's rows numbered from its ``row_offsets`` entry
+        (its place in the merged op table) and its starts and launches moved by its ``time_offsets_ps`` entry (its
+        host's clock offset). Each column is written once into one new array (no shifted copy per part)."""
+        if len(parts) == 1 and not row_offsets[0] and not time_offsets_ps[0]:
+            return parts[0]
+        n = sum(len(t) for t in parts)
+        bounds = np.cumsum([0] + [len(t) for t in parts])
+
+        def join(name: str, offsets: Sequence[int] | None, dtype: type) -> np.ndarray | None:
             arrays = [getattr(t, name) for t in parts]
             if all(a is None for a in arrays):
                 return None
-            return np.concatenate([a if a is not None else np.full(len(t), np.nan) for a, t in zip(arrays, parts)])
-        if len(parts) == 1:
-            return parts[0]
+            out = np.empty(n, dtype)
+            for i, a in enumerate(arrays):
+                at = out[bounds[i]:bounds[i + 1]]
+                if a is None:
+                    at.fill(np.nan)
+                elif offsets is not None and offsets[i]:
+                    np.add(a, offsets[i], out=at)
+                else:
+                    at[:] = a
+            return out
         empty = np.zeros(0, np.int64)
-        return Timeline(*(np.concatenate([getattr(t, c) for t in parts]) if parts else empty
-                          for c in ("row", "start_ps", "duration_ps")), join("run_id"), join("launch_ps"))
+        return Timeline(join("row", row_offsets, np.int64) if parts else empty,
+                        join("start_ps", time_offsets_ps, np.int64) if parts else empty,
+                        join("duration_ps", None, np.int64) if parts else empty,
+                        join("run_id", None, np.float64), join("launch_ps", time_offsets_ps, np.float64))
 
 
 def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:

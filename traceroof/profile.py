@@ -141,6 +141,8 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
         notes.append(f"{len(idle)} host(s) hold no op events ({', '.join(idle[:4])}{' ...' if len(idle) > 4 else ''}): "
                      "their steps are left out (a host that ran no XLA program, or whose trace missed it)")
     frames, step_frames, timelines = [], [], []
+    row_offsets: list[int] = []
+    time_offsets_ps: list[int] = []
     n_rows = 0
     for h, s in zip(hosts, starts):
         if h.rows.empty:
@@ -153,7 +155,9 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
             st = st.assign(**{c: st[c] + offset_ps for c in ("start_ps", "end_ps", "device_start_ps", "device_end_ps")
                               if c in st})
         frames.append(rows)
-        timelines.append(h.timeline.shifted(n_rows, offset_ps))
+        timelines.append(h.timeline)
+        row_offsets.append(n_rows)
+        time_offsets_ps.append(offset_ps)
         n_rows += len(rows)
         step_frames.append(st)
     rows = _concat(frames)
@@ -212,7 +216,7 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     for h in hosts:
         plane_stats.update(h.plane_stats)
     annotation = next((h.step_annotation for h in reversed(hosts) if h.step_annotation), "")
-    return Profile(inputs, rows, Timeline.concat(timelines), steps, modules, last.device_kind,
+    return Profile(inputs, rows, Timeline.concat(timelines, row_offsets, time_offsets_ps), steps, modules, last.device_kind,
                    last.device_description, annotation, plane_stats, notes,
                    {k: v for k, v in sources.items() if v}, superseded,
                    ",".join(sorted({h.decoder for h in hosts} - {""})),
