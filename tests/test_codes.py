@@ -93,3 +93,15 @@ def test_as_text_and_positions():
     assert text[0] == "b" and text[2] == "a" and pd.isna(text[1])
     index = pd.MultiIndex.from_tuples([("m", 1, "x"), ("m", -1, "y")])
     assert list(positions(index, [("m", -1, "y"), ("m", 2, "x"), ("m", 1, "x")])) == [1, -1, 0]
+
+
+def test_run_starts_over_one_or_several_columns():
+    from traceroof.codes import run_starts
+
+    a = np.array([3, 3, 1, 1, 1, 3])
+    b = np.array([0, 1, 1, 1, 2, 2])
+    assert run_starts(a).tolist() == [0, 2, 5]
+    assert run_starts(a, b).tolist() == [0, 1, 2, 4, 5]
+    assert run_starts(np.array([np.nan, np.nan, 1.0])).tolist() == [0, 1, 2]  # NaN != NaN: a run of its own
+    assert run_starts(np.array(["x", "x", "y"], dtype=object)).tolist() == [0, 2]
+    assert run_starts(np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []

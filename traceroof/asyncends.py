@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
-from traceroof.codes import group_codes
+from traceroof.codes import group_codes, run_starts
 from traceroof.join import match_modules
 
 
@@ -106,7 +106,7 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     # on; an execution's events come in long runs)
     module = pd.Categorical(events["module"]).codes
     pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)  # as match_modules reads it
-    first = np.flatnonzero(np.concatenate(([True], (module[1:] != module[:-1]) | (pid[1:] != pid[:-1]))))
+    first = run_starts(module, pid)
     mod = np.repeat(match_modules(events.iloc[first], modules)[0], np.diff(np.append(first, len(events))))
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     has_run = events["run_id"].notna().to_numpy(bool)

@@ -30,7 +30,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import group_codes, group_order
+from traceroof.codes import group_codes, group_order, run_starts
 from traceroof.hostactivity import (HOST_KINDS, covered_both_ps, covered_ps, intersect_intervals,
                                    merge_intervals, subtract_intervals)
 from traceroof.aggregate import Timeline
@@ -65,7 +65,7 @@ def _positions(key: np.ndarray, n: int) -> Callable[[int], np.ndarray]:
     """For codes ``key`` in 0..n-1: a function giving the positions holding code ``k``, in increasing order
     (``np.flatnonzero(key == k)``; none for a code outside 0..n-1): from the runs of equal codes where they are
     long (a device's events one after another), else from :func:`~traceroof.codes.group_order`."""
-    change = np.flatnonzero(key[1:] != key[:-1]) + 1
+    change = run_starts(key)[1:]
     if len(change) > len(key) // 64:
         order, bounds = group_order(key, n)
         return lambda k: order[bounds[k]:bounds[k + 1]] if 0 <= k < n else order[:0]
@@ -78,9 +78,7 @@ def _positions(key: np.ndarray, n: int) -> Callable[[int], np.ndarray]:
 def _factorize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``pd.factorize`` of an object array, hashing only the first value of each run of equal values (the host
     activity table holds each host's rows, and each kind's, one after another)."""
-    new = np.ones(len(values), bool)
-    new[1:] = values[1:] != values[:-1]
-    heads = np.flatnonzero(new)
+    heads = run_starts(values)
     codes, names = pd.factorize(values[heads])
     return np.repeat(codes, np.diff(np.append(heads, len(values)))), names
 
@@ -98,9 +96,8 @@ def _device_hosts(ops: pd.DataFrame) -> dict[str, str]:
     dev, dev_names = _codes(ops["device"])
     host, host_names = _codes(ops["host"])
     n_host = len(host_names) + 1
-    new = np.ones(len(dev), bool)
-    new[1:] = (dev[1:] != dev[:-1]) | (host[1:] != host[:-1])
-    dev, host = dev[new], host[new]
+    heads = run_starts(dev, host)
+    dev, host = dev[heads], host[heads]
     pair = pd.unique((dev.astype(np.int64) + 1) * n_host + (host + 1))  # codes shifted: 0 is a missing value
     dev_names, host_names = np.append(np.nan, dev_names), np.append(np.nan, host_names)
     return dict(zip(dev_names[pair // n_host].tolist(), host_names[pair % n_host].tolist()))
@@ -136,13 +133,13 @@ def step_windows(steps: pd.DataFrame, device_host: dict[str, str]) -> pd.DataFra
     # one row per key and step (its earliest start, latest end), ordered by key, start and step
     order = np.lexsort((step, rank))
     rank, step, start, end = rank[order], step[order], start[order], end[order]
-    first = np.flatnonzero(np.append(True, (rank[1:] != rank[:-1]) | (step[1:] != step[:-1])))
+    first = run_starts(rank, step)
     rank, step = rank[first], step[first]
     start, end = np.minimum.reduceat(start, first), np.maximum.reduceat(end, first)
     order = np.lexsort((step, start, rank))
     rank, step, start, end = rank[order], step[order], start[order], end[order]
     # a step ends no earlier than any before it on its key, and starts where the one before it ended
-    bounds = np.flatnonzero(np.append(True, rank[1:] != rank[:-1])).tolist() + [len(rank)]
+    bounds = run_starts(rank).tolist() + [len(rank)]
     for a, b in zip(bounds[:-1], bounds[1:]):
         end[a:b] = np.maximum.accumulate(end[a:b])
         start[a + 1:b] = end[a:b - 1]

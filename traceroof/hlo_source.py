@@ -27,6 +27,7 @@ from parsers.hlo import HloModule
 from parsers.hlo_proto import module_from_proto, read_hlo_proto_file
 from parsers.hlo_text import parse_hlo_file, parse_hlo_text
 from parsers.storage import Location
+from traceroof.codes import run_starts
 
 _DUMP_NAME = re.compile(r"module_(\d+)\.(.+?)\.")
 
@@ -132,9 +133,7 @@ def _profiled(events: pd.DataFrame, without_id: bool = False) -> tuple[set[int],
 def _distinct(values: np.ndarray) -> np.ndarray:
     """``np.unique(values)`` of a column of events, which come in long runs of one program: the distinct values
     among each run's first (no sort of every event)."""
-    if len(values) < 2:
-        return np.unique(values)
-    return np.unique(values[np.concatenate(([0], np.flatnonzero(values[1:] != values[:-1]) + 1))])
+    return np.unique(values[run_starts(values)])
 
 
 def relevant_dumps(files: Sequence[Location], events: pd.DataFrame) -> list[Location]:

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
+from traceroof.codes import run_starts
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ def match_modules(events: pd.DataFrame, modules: Sequence[HloModule], weights: n
     # rows come in runs of one (module, program id): each pair is first seen at the start of a run, so the pairs
     # of the runs' first rows, in order, are those of every row (a few runs, not millions of rows, hashed)
     n = len(events)
-    starts = np.flatnonzero(np.concatenate([[n > 0], (mcodes[1:] != mcodes[:-1]) | (pid[1:] != pid[:-1])]))
+    starts = run_starts(mcodes, pid)
     pcodes, pids = pd.factorize(pid[starts])
     width = max(len(pids), 1)
     codes, uniques = pd.factorize(mcodes[starts].astype(np.int64) * width + pcodes)  # (module, program id) pairs

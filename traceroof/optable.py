@@ -22,7 +22,7 @@ import pandas as pd
 from parsers.hlo import Instruction, is_retiling
 from parsers.xspace import code_dtype
 from traceroof.aggregate import Timeline
-from traceroof.codes import first_rows, group_codes
+from traceroof.codes import first_rows, group_codes, run_starts
 from traceroof.collectives import classify, module_devices
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
@@ -266,7 +266,7 @@ def _devices_per_module(device: pd.Series, mod_idx: np.ndarray, n_modules: int) 
     if not n_dev:
         return np.zeros(n_modules, np.int64)
     # the pairs of the first rows of runs of one (module, device) are those of every row
-    heads = np.flatnonzero(np.concatenate([[True], (dev[1:] != dev[:-1]) | (mod_idx[1:] != mod_idx[:-1])]))
+    heads = run_starts(dev, mod_idx)
     module, dev = mod_idx[heads], dev[heads].astype(np.int64)
     on = (module >= 0) & (dev >= 0)
     ran = np.bincount(module[on] * n_dev + dev[on], minlength=n_modules * n_dev) > 0

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import InputError
-from traceroof.codes import as_float64, first_rows, group_codes, na_int64
+from traceroof.codes import as_float64, first_rows, group_codes, na_int64, run_starts
 
 # PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
 LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnSingleDevice|Helper|Sharded|"
@@ -273,7 +273,7 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     # earlier, longer one gets 0 device time
     order = np.lexsort((g_step, first, g_host))
     g_host, g_step, first, last = g_host[order], g_step[order], first[order], last[order]
-    bounds = np.flatnonzero(np.append(True, g_host[1:] != g_host[:-1])).tolist() + [len(g_host)]
+    bounds = run_starts(g_host).tolist() + [len(g_host)]
     for a, b in zip(bounds[:-1], bounds[1:]):
         first[a + 1:b] = np.maximum(first[a + 1:b], np.maximum.accumulate(last[a:b - 1]))
     first = np.minimum(first, last)
