@@ -216,8 +216,9 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     for h in hosts:
         plane_stats.update(h.plane_stats)
     annotation = next((h.step_annotation for h in reversed(hosts) if h.step_annotation), "")
-    return Profile(inputs, rows, Timeline.concat(timelines, row_offsets, time_offsets_ps), steps, modules, last.device_kind,
-                   last.device_description, annotation, plane_stats, notes,
+    timeline = Timeline.concat(timelines, row_offsets, time_offsets_ps)
+    return Profile(inputs, rows, timeline, steps, modules, last.device_kind, last.device_description, annotation,
+                   plane_stats, notes,
                    {k: v for k, v in sources.items() if v}, superseded,
                    ",".join(sorted({h.decoder for h in hosts} - {""})),
                    shifted_activity([(h.host_activity, (s - base) * 1000 if s is not None and base is not None
