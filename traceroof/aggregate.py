@@ -11,7 +11,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import first_rows, group_codes
+from traceroof.codes import first_rows, group_codes, run_starts
 
 # what makes an op row: events sharing these are executions of one op in one step on one device
 ROW_KEY = ("host", "device", "program_id", "module", "hlo_op", "kernel", "attributed", "step", "framework_scope")
@@ -39,6 +39,9 @@ class Timeline:
         """The events of ``parts`` one after another, each part's rows numbered from its ``row_offsets`` entry
         (its place in the merged op table) and its starts and launches moved by its ``time_offsets_ps`` entry (its
         host's clock offset). Each column is written once into one new array (no shifted copy per part)."""
+        if not parts:
+            empty = np.zeros(0, np.int64)
+            return Timeline(empty, empty, empty)
         if len(parts) == 1 and not row_offsets[0] and not time_offsets_ps[0]:
             return parts[0]
         n = sum(len(t) for t in parts)
@@ -58,11 +61,9 @@ class Timeline:
                 else:
                     at[:] = a
             return out
-        empty = np.zeros(0, np.int64)
-        return Timeline(join("row", row_offsets, np.int64) if parts else empty,
-                        join("start_ps", time_offsets_ps, np.int64) if parts else empty,
-                        join("duration_ps", None, np.int64) if parts else empty,
-                        join("run_id", None, np.float64), join("launch_ps", time_offsets_ps, np.float64))
+        return Timeline(join("row", row_offsets, np.int64), join("start_ps", time_offsets_ps, np.int64),
+                        join("duration_ps", None, np.int64), join("run_id", None, np.float64),
+                        join("launch_ps", time_offsets_ps, np.float64))
 
 
 def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
@@ -89,7 +90,7 @@ def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
     costs = [c for c in TPU_COST_COLUMNS if c in events]
     if costs:  # float sums as reduceat adds each row's events, in event order
         order = np.argsort(row, kind="stable")
-        bounds = np.flatnonzero(np.diff(row[order], prepend=-1))
+        bounds = run_starts(row[order])
         for c in costs:
             v = events[c].to_numpy(np.float64)
             cols[c] = np.add.reduceat(v[order], bounds) if n_rows else np.zeros(0)  # NaN if any event lacks it

@@ -381,12 +381,7 @@ def _executions(program: np.ndarray, by_run: np.ndarray, key: np.ndarray, start:
     Consecutive events of one execution are reduced first (an execution's events mostly follow one another),
     then the runs grouped (:func:`~traceroof.codes.group_codes` of a few rows instead of every event)."""
     n = len(key)
-    new = np.ones(n, bool)  # where a run of events of one execution starts
-    for col in (key, program, by_run):
-        new[1:] &= col[1:] == col[:-1]
-    np.logical_not(new, out=new)
-    new[:1] = True
-    at = np.flatnonzero(new)
+    at = run_starts(key, program, by_run)  # where a run of events of one execution starts
     first = np.minimum.reduceat(start, at) if n else np.zeros(0, np.int64)
     last = np.maximum.reduceat(end, at) if n else np.zeros(0, np.int64)
     first_launch = np.fmin.reduceat(launch, at) if n else np.zeros(0)  # fmin: a NaN launch is no launch

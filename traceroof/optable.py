@@ -114,7 +114,10 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
     n_events = rows["events"].to_numpy(np.float64)
     mod_idx, partial = match_modules(rows, modules, weights=rows["events"].to_numpy(np.int64))
     op_names = list(rows["hlo_op"].cat.categories)
-    keys, uniques = _op_keys(mod_idx, rows["hlo_op"].cat.codes.to_numpy(), len(modules), len(op_names))
+    op_codes = rows["hlo_op"].cat.codes.to_numpy()
+    keys = group_codes([mod_idx, op_codes])  # per row, its (module, HLO op) pair, in order of first appearance
+    first = first_rows(keys)
+    uniques = mod_idx[first] * (1 << 32) + op_codes[first].astype(np.int64)  # each pair, decoded below
     models: dict[int, CostModel] = {}
     module_scopes: dict[int, ModuleScopes] = {}
     devices_of: dict[int, int] = {}
@@ -230,32 +233,6 @@ def _categories(values: Sequence[str]) -> tuple[list[str], np.ndarray]:
     names = sorted(set(values))
     pos = {v: i for i, v in enumerate(names)}
     return names, np.fromiter((pos[v] for v in values), np.int64, len(values))
-
-
-def _op_keys(mod_idx: np.ndarray, op_codes: np.ndarray, n_modules: int, n_ops: int
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """``pd.factorize(mod_idx * 2**32 + op_codes)``: per row, the id of its (module, HLO op) pair, numbered in
-    order of first appearance, and each pair so encoded (``mod_idx``: -1 .. n_modules - 1; ``op_codes``: -1 ..
-    n_ops - 1). Hashing millions of rows costs more than finding each pair's first row in a table over every
-    possible pair (when there are not many more of them than rows)."""
-    n = len(op_codes)
-    width = n_ops + 1
-    radix = (n_modules + 1) * width
-    if radix > 2 * n + 1024:
-        keys, uniques = pd.factorize(mod_idx * (1 << 32) + op_codes.astype(np.int64))
-        return keys.astype(np.int64, copy=False), uniques
-    pair = mod_idx + 1  # (module + 1) * width + op + 1: 0 .. radix - 1
-    pair *= width
-    pair += op_codes
-    pair += 1
-    first = np.full(radix, n, np.int64)
-    np.minimum.at(first, pair, np.arange(n, dtype=np.int64))
-    seen = np.flatnonzero(first < n)
-    order = seen[np.argsort(first[seen], kind="stable")]  # the pairs in order of first appearance
-    number = np.zeros(radix, np.int64)
-    number[order] = np.arange(len(order))
-    module, op = np.divmod(order, width)
-    return number[pair], (module - 1) * (1 << 32) + (op - 1)
 
 
 def _devices_per_module(device: pd.Series, mod_idx: np.ndarray, n_modules: int) -> np.ndarray:

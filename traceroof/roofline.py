@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 import pandas as pd
 
+from parsers.xspace import code_dtype
 from traceroof.chips import Chip
 from traceroof.codes import as_text, category_text, constant_categorical, first_rows, group_codes
 
@@ -77,7 +78,7 @@ def op_peaks(ops: pd.DataFrame, chip: Chip) -> tuple[np.ndarray, pd.Categorical]
         peak_keys.append(key)
     peak = np.array(peaks, dtype=np.float64)[codes] if len(ops) else np.zeros(0)
     names = sorted(set(peak_keys))  # the categories pd.Categorical(peak_keys) would have
-    key_codes = np.array([names.index(k) for k in peak_keys], np.int8 if len(names) < 1 << 7 else np.int64)
+    key_codes = np.array([names.index(k) for k in peak_keys], code_dtype(len(names)))
     peak_key = pd.Categorical.from_codes(key_codes[codes], categories=pd.Index(names, dtype="str"), validate=False) \
         if len(ops) else pd.Categorical([])
     return peak, peak_key
@@ -160,8 +161,7 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
         out["opaque"].to_numpy(bool),
         out["comm_latency_bound"].to_numpy(bool) if "comm_latency_bound" in out else None,
         out["measured_s"].to_numpy(np.float64))
-    for name in ("compute_s", "memory_s", "communication_s", "expected_s", "bound", "efficiency",
-                 "arithmetic_intensity_flops_per_byte", "lost_s"):
+    for name in _ROOFLINE:
         out[name] = _sorted_categorical(values[name], BOUNDS) if name == "bound" else values[name]
     return out
 
