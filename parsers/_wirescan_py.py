@@ -228,12 +228,13 @@ class _Out:
         if self.keep_ids is not None and (self.keep_ids[1:] < self.keep_ids[:-1]).any():
             raise ValueError("decode_events: keep_ids are not sorted")
         self.keep_set = set() if self.keep_ids is None else set(self.keep_ids.tolist())
+        self.keep_col_list: list[int] = self.keep_cols.tolist()  # read per event on the exact path
 
     def kept(self, row: int, e_mid: int, t: int) -> bool:
         """Whether the event just written at ``row`` (metadata id ``e_mid``, start code ``t``) is kept."""
         if self.keep_ids is None or AGGREGATE_START < t <= _BAD_LONG_DURATION or e_mid in self.keep_set:
             return True
-        return any(self.kin[c * self.n + row] != _K_ABSENT for c in self.keep_cols.tolist())
+        return any(self.kin[c * self.n + row] != _K_ABSENT for c in self.keep_col_list)
 
     def compact(self, first: int, nev: int, t: np.ndarray) -> int:
         """Keep the kept ones of the ``nev`` events written from row ``first`` (start codes ``t``), moved up to
@@ -242,7 +243,7 @@ class _Out:
             return nev
         n, rows = self.n, slice(first, first + nev)
         keep = ((t > AGGREGATE_START) & (t <= _BAD_LONG_DURATION)) | np.isin(self.mid[rows], self.keep_ids)
-        for c in self.keep_cols.tolist():
+        for c in self.keep_col_list:
             keep |= self.kin[c * n + first: c * n + first + nev] != _K_ABSENT
         at = np.flatnonzero(keep)
         k = len(at)

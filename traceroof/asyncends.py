@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
-from traceroof.codes import group_codes, run_starts
+from traceroof.codes import first_rows, group_codes
 from traceroof.join import match_modules
 
 
@@ -102,12 +102,7 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     out = np.full(len(events), NO_BOUND_PS, np.int64)
     if not modules or "run_id" not in events:
         return out
-    # each event's module: matched on the first event of each run of one module and program id (what it depends
-    # on; an execution's events come in long runs)
-    module = pd.Categorical(events["module"]).codes
-    pid = events["program_id"].to_numpy(dtype="int64", na_value=-1)  # as match_modules reads it
-    first = run_starts(module, pid)
-    mod = np.repeat(match_modules(events.iloc[first], modules)[0], np.diff(np.append(first, len(events))))
+    mod = match_modules(events, modules)[0]  # each event's module (matched once per run of one program)
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     has_run = events["run_id"].notna().to_numpy(bool)
     sel = np.flatnonzero(grow & (mod >= 0) & has_run)
@@ -122,8 +117,7 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     # per (module, op) of the grown events: the ops with events that read its result, in one flat array
     pair_key = mod[sel] * (len(op_names) + 1) + op_code[sel]
     pair_of = group_codes([pair_key])  # as pd.factorize's codes (by first appearance), by a table: small codes
-    pairs = np.zeros(int(pair_of.max()) + 1, np.int64)
-    pairs[pair_of] = pair_key
+    pairs = pair_key[first_rows(pair_of)]
     user_lists = []
     for m in np.unique(mod[sel]):
         in_module = np.bincount(op_code[mod == m] + 1, minlength=len(op_names) + 1)[1:] > 0
@@ -268,8 +262,7 @@ def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray
     np.minimum.at(ex_start, execution, start)
     ex_end = np.full(n_ex, np.iinfo(np.int64).min, np.int64)
     np.maximum.at(ex_end, execution, end)
-    one = np.zeros(n_ex, np.int64)
-    one[execution] = np.arange(len(execution))  # a row of each execution (any: they share the program)
+    one = first_rows(execution)  # a row of each execution (any: they share the program)
     ex_program = group_codes([col.take(one) for col in program_of])  # program numbers: only grouping matters
     # executions of a program by first op start (ties: in order of first appearance), each bounded by the next
     order = np.lexsort((np.arange(n_ex), ex_start, ex_program))

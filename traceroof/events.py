@@ -220,7 +220,7 @@ def _small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _take_out(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:
     """:func:`_take` of every column, each one removed from ``columns`` as it is taken (so that a large table and
     its copy are never both held whole); ``columns`` is left empty."""
-    every = rows.all()
+    every = rows.dtype == bool and rows.all()
     at = None if every else _positions(rows)
     return {k: columns.pop(k) if every else columns.pop(k).take(at) for k in list(columns)}
 

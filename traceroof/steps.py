@@ -33,9 +33,11 @@ LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnS
                           r"Portable)?(?: \((?P<module>[^()]*)\))?$")
 PJIT_EVENT = re.compile(r"^PjitFunction\((?P<fn>.*)\)$")
 MAX_PJIT_LOOKBACK = 100_000  # PjitFunction events (tracing, nested calls) searched back for a launch's caller
+# candidate offsets x executions above which only start/end alignments are tried (the search itself now costs the
+# same for any number of offsets: the cap only narrows which offsets are tried)
 MAX_OFFSET_WORK = 20_000_000
 # run ids of one program spanning more than this x (executions + launches) are not one launch counter: no guess
-RUN_ID_GAP_FACTOR = 4  # candidate offsets x executions above which only start/end alignments are tried
+RUN_ID_GAP_FACTOR = 4
 
 
 def _name_matches(names: pd.Series, pattern: re.Pattern) -> tuple[np.ndarray, list[re.Match]]:
@@ -302,7 +304,8 @@ def steps_with_ops(used: tuple[int, ...], step: pd.Series, annotation: str, desc
     """
     if not used or not annotation or annotation.startswith("executions of"):
         return used
-    empty = [s for s, held in zip(used, _held(np.asarray(used, np.int64), step)) if not held]
+    empty = [s for s, held in zip(used, np.isin(np.asarray(used, np.int64), step.dropna().to_numpy(np.int64)))
+             if not held]
     if not empty:
         return used
     span = f"{empty[0]}" if len(empty) == 1 else f"{empty[0]}-{empty[-1]}" if empty[-1] - empty[0] == len(empty) - 1 \
@@ -315,16 +318,3 @@ def steps_with_ops(used: tuple[int, ...], step: pd.Series, annotation: str, desc
     notes.append(f"{len(empty)} marked step(s) hold no op events (steps {span}): left out; if {advice}")
     gone = set(empty)
     return tuple(s for s in used if s not in gone)
-
-
-def _held(steps: np.ndarray, step: pd.Series) -> np.ndarray:
-    """Whether each of ``steps`` occurs in the op rows' ``step`` column (NA in none): a count per step over the
-    span of ``steps`` (the op rows are millions on a long profile; a set of their steps cost 0.4 s)."""
-    if not len(steps):
-        return np.zeros(0, bool)
-    lo, hi = int(steps.min()), int(steps.max())
-    if hi - lo > 4 * len(step) + 1024:  # a few steps far apart
-        return np.isin(steps, step.dropna().to_numpy(np.int64))
-    values = step.to_numpy(dtype="int64", na_value=lo - 1)
-    inside = (values >= lo) & (values <= hi)
-    return (np.bincount(values[inside] - lo, minlength=hi - lo + 1) > 0)[steps - lo]
