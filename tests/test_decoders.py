@@ -144,6 +144,20 @@ def test_exact_walk_alone_matches_c(monkeypatch):
         assert _decode(P, data, fs, fe, ts, count, ids) == _decode(C, data, fs, fe, ts, count, ids)
 
 
+def _kept_by_hand(every, ncol, keep_ids, keep_columns):
+    """The rows of an unfiltered decode (:func:`_decode`) that keep_ids / keep_columns keep, picked with numpy:
+    an event of a kept id, or carrying a stat of a kept column, or whose time is impossible."""
+    mid, start, dur = (np.frombuffer(a, np.int64) for a in every[1][:3])
+    values = np.frombuffer(every[1][3], np.int64).reshape(ncol, -1)
+    kinds = np.frombuffer(every[1][4], np.int8).reshape(ncol, -1)
+    keep = np.isin(mid, np.array(keep_ids, np.int64)) | (start > P.AGGREGATE_START) & (start <= P._BAD_LONG_DURATION)
+    if keep_columns:
+        keep |= (kinds[keep_columns] != 0).any(axis=0)
+    values = np.where(kinds != 0, values, 0)
+    rows = [mid[keep], start[keep], dur[keep], values[:, keep], kinds[:, keep]]
+    return (int(keep.sum()), every[0][1]), [np.ascontiguousarray(a).tobytes() for a in rows]
+
+
 def test_kept_events_decode_alike(monkeypatch):
     """With keep_ids / keep_columns both scanners write the same events (those of the ids kept, those carrying a
     stat of a column kept), the protobuf path and the byte walk alike; keeping every id writes every event."""
@@ -153,9 +167,10 @@ def test_kept_events_decode_alike(monkeypatch):
         mids = sorted(set(np.frombuffer(_decode(C, data, fs, fe, ts, count, ids)[1][0], np.int64).tolist()))
         every = _decode(C, data, fs, fe, ts, count, ids)
         assert _decode_kept(C, data, fs, fe, ts, count, ids, mids, [])[0] == every[0]
-        for keep_ids, cols in ((mids[::3] + [5000, 2**40], []), ([-1] + mids[1::2], [0, len(ids) - 1]), ([], [0])):
+        for keep_ids, cols in ((mids[::3] + [5000, 2**40], []), ([-1] + mids[1::2], [0, len(ids) - 1]), ([], [0]),
+                               (mids, [])):
             want = _decode_kept(C, data, fs, fe, ts, count + 1, ids, keep_ids, cols, 1)
-            assert want[0][0] <= count
+            assert want == _kept_by_hand(every, len(ids), keep_ids, cols)
             assert _decode_kept(P, data, fs, fe, ts, count + 1, ids, keep_ids, cols, 1) == want
             with monkeypatch.context() as m:
                 m.setattr(P, "_decode_fast", lambda *a: None)
