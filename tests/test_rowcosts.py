@@ -57,6 +57,22 @@ def test_per_op_sums_equal_the_stored_columns_to_the_last_bit(analysis, monkeypa
     assert narrow["expected_s"].notna().any() and (narrow["flops"] > 0).any()
 
 
+@pytest.mark.parametrize("name, chip_name", [("transformer", HOST_CHIP), ("sharded_mlp", "tpu_v5p")])
+def test_the_roofline_worked_out_per_op_equals_the_roofline_of_stored_columns(name, chip_name) -> None:
+    """The roofline columns RowCosts works out from per-op costs equal apply_roofline's on a table whose cost
+    columns are stored (the path of XProf exports, which never goes through RowCosts), value for value."""
+    from traceroof.chips import get_chip, per_device_chip
+    from traceroof.roofline import _ROOFLINE, apply_roofline
+
+    wide = analyze(FIXTURES / name, chip=chip_name).ops
+    worked = [*_ROOFLINE, "peak_flops_per_s", "peak_key"]
+    chip = per_device_chip(get_chip(str(chip_name)))[0]
+    stored = apply_roofline(wide.drop(columns=worked).copy(), chip)
+    for c in worked:
+        pd.testing.assert_series_equal(stored[c], wide[c], check_exact=True, check_categorical=False)
+    assert (wide["expected_s"] > 0).any()
+
+
 def test_the_public_op_table_is_the_whole_table() -> None:
     """build_op_table (the library's op table before the roofline) has every cost column, as before."""
     profile = load_profile(discover([FIXTURES / "transformer"]))
