@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -197,6 +198,9 @@ def test_watch_reports_new_runs(tmp_path):
                                 "--timeout", "150s", "--max-reports", "1", "--chip", HOST_CHIP],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     try:
+        # the job starts once the watcher has listed what is there: a run written before that counts as old
+        started = watcher.stderr.readline()
+        assert started.startswith(f"traceroof: watching {logdir / 'plugins' / 'profile'} for new runs"), started
         script = LOOP + f"""
 with jax.profiler.trace({str(logdir)!r}):
     for i in range(4):
@@ -209,7 +213,7 @@ with jax.profiler.trace({str(logdir)!r}):
         watcher.kill()
     assert watcher.returncode == 0, err
     (run,) = list((logdir / "plugins" / "profile").iterdir())
-    assert (run / "traceroof_report.md").exists() and (run / "traceroof_report.json").exists()
+    assert (run / "traceroof_report.md").exists() and (run / "traceroof_report.json").exists(), err
     assert str(run) in out and "step " in out
 
 
@@ -234,3 +238,18 @@ def test_watch_analyzes_again_a_run_whose_file_was_incomplete(tmp_path):
     assert done == [run]
     assert len(seen) == 2 and seen[0] and seen[1] == ""
     assert (run / "traceroof_report.json").exists()
+
+
+def test_watch_skips_the_runs_already_there_unless_existing(tmp_path):
+    run = tmp_path / "plugins" / "profile" / "old"
+    run.mkdir(parents=True)
+    shutil.copy(ROOT / "fixtures" / "fuzz" / "tiny.xplane.pb", run / "host.xplane.pb")
+    r = _cli("watch", str(tmp_path), "--interval", "50ms", "--timeout", "500ms", "--chip", HOST_CHIP)
+    assert r.returncode == 0 and r.stdout == "", r.stderr
+    assert r.stderr == (f"traceroof: watching {run.parent} for new runs (1 run(s) already there are skipped; "
+                        "--existing analyzes them)\n")
+    assert not (run / "traceroof_report.json").exists()
+    r = _cli("watch", str(tmp_path), "--interval", "50ms", "--timeout", "60s", "--max-reports", "1", "--existing",
+             "--chip", HOST_CHIP)
+    assert r.returncode == 0 and r.stderr == f"traceroof: watching {run.parent} for new runs\n", r.stderr
+    assert r.stdout.startswith(f"{run}: ") and (run / "traceroof_report.json").exists()

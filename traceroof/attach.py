@@ -472,16 +472,20 @@ def _complete(run: Path, sizes: dict[Path, int]) -> bool:
 
 def watch(logdir: str | Path, interval_s: float = 2.0, timeout_s: float | None = None, max_reports: int | None = None,
           chip: str | None = None, on_report: Callable[[Path, object | None, str], None] | None = None,
-          existing: bool = False) -> list[Path]:
+          existing: bool = False, on_start: Callable[[Path, int], None] | None = None) -> list[Path]:
     """Analyze every new run under ``logdir/plugins/profile`` and write ``traceroof_report.*`` beside it.
 
     Runs present when watching starts are skipped unless ``existing``. Stops after ``timeout_s`` or
     ``max_reports`` reports. A run that fails to analyze is reported through ``on_report`` with the error and
     skipped until its files change: a profile still being written (a writer that paused longer than a poll on a
-    busy machine or a slow network disk) is analyzed again once it is whole. Returns the run directories analyzed.
+    busy machine or a slow network disk) is analyzed again once it is whole. ``on_start(profile_dir, skipped)`` is
+    called once the runs already there are listed: a run written after it is a new run. Returns the run directories
+    analyzed.
     """
     root = Path(logdir) / "plugins" / "profile"
     seen: set[Path] = set() if existing else (set(root.glob("*")) if root.exists() else set())
+    if on_start:
+        on_start(root, len(seen))
     sizes: dict[Path, int] = {}
     failed: dict[Path, dict[Path, int]] = {}  # run -> its files' sizes when it failed
     done: list[Path] = []

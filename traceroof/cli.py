@@ -334,9 +334,13 @@ def watch(logdir: str, interval: str, timeout: str | None, max_reports: int | No
         else:
             click.echo(f"{printable(run_dir)}: {one_line(analysis)}")
 
+    def start(profile_dir: Path, skipped: int) -> None:
+        old = f" ({skipped} run(s) already there are skipped; --existing analyzes them)" if skipped else ""
+        click.echo(f"traceroof: watching {printable(profile_dir)} for new runs{old}", err=True)
+
     try:
         follow(logdir, _duration(interval), _duration(timeout) if timeout else None, max_reports, chip, report,
-               existing)
+               existing, start)
     except KeyboardInterrupt:
         pass
 
