@@ -32,11 +32,18 @@ _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _M64 = (1 << 64) - 1
 _MAX_FIELD = (1 << 29) - 1  # protobuf's largest field number
 AGGREGATE_START = _INT64_MIN
-_BAD_START, _BAD_NEGATIVE_DURATION, _BAD_LONG_DURATION = _INT64_MIN + 1, _INT64_MIN + 2, _INT64_MIN + 3
+BAD_START, BAD_NEGATIVE_DURATION, BAD_LONG_DURATION = _INT64_MIN + 1, _INT64_MIN + 2, _INT64_MIN + 3
 _STR_LEN_BITS = 24
 _K_ABSENT, _K_INT, _K_UINT, _K_DOUBLE, _K_REF, _K_STR, _K_BYTES, _K_ZSTR = range(8)
 _E_CORRUPT, _E_ROWS, _E_LONG_STR, _E_KEY = 1, 2, 3, 4
 _MAX_SSIZE = (1 << 63) - 1
+
+
+def impossible_times(start_ps: Any) -> Any:
+    """Whether a start code (an int, or an int64 array: elementwise) marks an event with impossible times: one of
+    ``BAD_START``, ``BAD_NEGATIVE_DURATION``, ``BAD_LONG_DURATION``, which the scanners write instead of the
+    start (the C scanner tests the same range, ``_wirescan.c``)."""
+    return (start_ps > AGGREGATE_START) & (start_ps <= BAD_LONG_DURATION)
 
 
 class _WireError(Exception):
@@ -189,14 +196,14 @@ def _event(b: Any, es: int, ee: int, want: dict[int, int]) -> tuple[int, int, in
 def _event_start(line_ps: int, line_bad: bool, off: int, dur: int, aggregate: bool) -> int:
     """start_ps of one event, or the code of why its times are impossible (as the C code)."""
     if dur < 0:
-        return _BAD_NEGATIVE_DURATION
+        return BAD_NEGATIVE_DURATION
     if dur > DURATION_LIMIT_PS:
-        return _BAD_LONG_DURATION
+        return BAD_LONG_DURATION
     if aggregate:
         return AGGREGATE_START
     t = line_ps + off
     if line_bad or not _INT64_MIN <= t <= _INT64_MAX or t > TIME_LIMIT_PS or t < -TIME_LIMIT_PS:
-        return _BAD_START
+        return BAD_START
     return t
 
 
@@ -232,7 +239,7 @@ class _Out:
 
     def kept(self, row: int, e_mid: int, t: int) -> bool:
         """Whether the event just written at ``row`` (metadata id ``e_mid``, start code ``t``) is kept."""
-        if self.keep_ids is None or AGGREGATE_START < t <= _BAD_LONG_DURATION or e_mid in self.keep_set:
+        if self.keep_ids is None or impossible_times(t) or e_mid in self.keep_set:
             return True
         return any(self.kin[c * self.n + row] != _K_ABSENT for c in self.keep_col_list)
 
@@ -242,7 +249,7 @@ class _Out:
         if self.keep_ids is None:
             return nev
         n, rows = self.n, slice(first, first + nev)
-        keep = ((t > AGGREGATE_START) & (t <= _BAD_LONG_DURATION)) | np.isin(self.mid[rows], self.keep_ids)
+        keep = impossible_times(t) | np.isin(self.mid[rows], self.keep_ids)
         for c in self.keep_col_list:
             keep |= self.kin[c * n + first: c * n + first + nev] != _K_ABSENT
         at = np.flatnonzero(keep)
@@ -291,7 +298,7 @@ def _decode_exact(b: Any, start: int, end: int, line_ns: int, first: int, out: _
             raise _WireError(_E_ROWS, at)
         e_mid, e_off, e_dur, aggregate, sets = _event(b, es, ee, out.want)
         t = _event_start(line_ps, line_bad, e_off, e_dur, aggregate)
-        bad += AGGREGATE_START < t <= _BAD_LONG_DURATION
+        bad += impossible_times(t)
         out.put(row, e_mid, t, e_dur, sets)
         row += out.kept(row, e_mid, t)
     return row - first, bad
@@ -445,19 +452,19 @@ def _decode_fast(b: memoryview, start: int, end: int, line_ns: int, first: int, 
     agg = np.array([e.WhichOneof("data") == "num_occurrences" for e in evs], bool)
     with np.errstate(over="ignore"):
         if line_bad:
-            t = np.full(nev, _BAD_START, np.int64)
+            t = np.full(nev, BAD_START, np.int64)
         else:
             t = off + np.int64(line_ps)  # wraps on overflow, detected next
             wrapped = ((t ^ off) & (t ^ np.int64(line_ps))) < 0
-            t[wrapped | (t > TIME_LIMIT_PS) | (t < -TIME_LIMIT_PS)] = _BAD_START
+            t[wrapped | (t > TIME_LIMIT_PS) | (t < -TIME_LIMIT_PS)] = BAD_START
     t[agg] = AGGREGATE_START
-    t[dur > DURATION_LIMIT_PS] = _BAD_LONG_DURATION
-    t[dur < 0] = _BAD_NEGATIVE_DURATION
+    t[dur > DURATION_LIMIT_PS] = BAD_LONG_DURATION
+    t[dur < 0] = BAD_NEGATIVE_DURATION
     rows = slice(first, first + nev)
     out.mid[rows], out.st[rows], out.du[rows] = mid, t, dur
     if out.ncol:
         _write_stats(b, a, evs, first, out)
-    bad = int(np.count_nonzero((t > AGGREGATE_START) & (t <= _BAD_LONG_DURATION)))
+    bad = int(np.count_nonzero(impossible_times(t)))
     return out.compact(first, nev, t), bad
 
 

@@ -33,6 +33,7 @@ import pandas as pd
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
 from parsers import _wirescan_py, storage
+from parsers._wirescan_py import impossible_times
 from parsers.errors import FormatError, InputError, SizeLimitError
 from parsers.inflate import inflate
 from parsers.storage import Location
@@ -44,9 +45,9 @@ AGGREGATE_START_PS = np.iinfo(np.int64).min  # start_ps of events that carry num
 TIME_LIMIT_PS = _wirescan_py.TIME_LIMIT_PS  # 2^62 ps: |start_ps| beyond this is impossible (profile times are relative)
 DURATION_LIMIT_PS = _wirescan_py.DURATION_LIMIT_PS  # 2^60 ps (13.3 days)
 # start_ps codes the scanner writes for events with impossible times, and why (the events are dropped)
-_BAD_TIMES = {AGGREGATE_START_PS + 1: "a start time that overflows or lies beyond 2^62 ps (53 days)",
-              AGGREGATE_START_PS + 2: "a negative duration",
-              AGGREGATE_START_PS + 3: "a duration above 2^60 ps (13 days)"}
+_BAD_TIMES = {_wirescan_py.BAD_START: "a start time that overflows or lies beyond 2^62 ps (53 days)",
+              _wirescan_py.BAD_NEGATIVE_DURATION: "a negative duration",
+              _wirescan_py.BAD_LONG_DURATION: "a duration above 2^60 ps (13 days)"}
 MAX_PLANES = 1 << 16
 MAX_LINES = 1 << 20
 _BATCH_ROWS = 1 << 16  # rows decoded into scratch arrays before the kept ones are copied out
@@ -297,11 +298,10 @@ class Plane:
             for line, a, b, bad in batch:
                 if bad:
                     t = s_start[a:b]
-                    found, counts = np.unique(t[(t > AGGREGATE_START_PS) & (t <= AGGREGATE_START_PS + 3)],
-                                              return_counts=True)
+                    found, counts = np.unique(t[impossible_times(t)], return_counts=True)
                     self._dropped[self.lines.index(line)] = dict(zip(found.tolist(), counts.tolist()))
             t = s_start[rows]
-            at = np.flatnonzero((t <= AGGREGATE_START_PS) | (t > AGGREGATE_START_PS + 3))
+            at = np.flatnonzero(~impossible_times(t))
             k = len(at)
             for src, dst in zip([*sources, s_code], [*targets, codes]):
                 np.take(src, at, out=dst[n:n + k], mode="clip")

@@ -150,7 +150,7 @@ def _kept_by_hand(every, ncol, keep_ids, keep_columns):
     mid, start, dur = (np.frombuffer(a, np.int64) for a in every[1][:3])
     values = np.frombuffer(every[1][3], np.int64).reshape(ncol, -1)
     kinds = np.frombuffer(every[1][4], np.int8).reshape(ncol, -1)
-    keep = np.isin(mid, np.array(keep_ids, np.int64)) | (start > P.AGGREGATE_START) & (start <= P._BAD_LONG_DURATION)
+    keep = np.isin(mid, np.array(keep_ids, np.int64)) | (start > P.AGGREGATE_START) & (start <= P.BAD_LONG_DURATION)
     if keep_columns:
         keep |= (kinds[keep_columns] != 0).any(axis=0)
     values = np.where(kinds != 0, values, 0)
