@@ -225,3 +225,39 @@ def test_embedded_hlo_proto_keeps_the_schedule_and_the_donated_buffers():
                 if name == "jit_train_step"]
     assert [i.name for i in proto.entry.instructions] == [i.name for i in text.entry.instructions]
     assert _alias_outputs(proto) == _alias_outputs(text) and len(_alias_outputs(text)) > 2
+
+
+def _parsed(module) -> list:
+    """Everything the parser read of a module, as plain values (Instruction compares by identity)."""
+    from dataclasses import fields
+
+    return [module.name, module.entry_name, module.attrs, [
+        (c.name, c.is_entry, c.execution_thread, [tuple(getattr(i, f.name) for f in fields(i)) for i in c.instructions])
+        for c in module.computations.values()]]
+
+
+def test_fast_paths_read_what_the_general_walk_reads(monkeypatch):
+    """The instruction head, plain operands and plain attributes are matched by regular expressions when they can
+    be (``_HEAD``, ``_PLAIN_OPERANDS``, ``_PLAIN_ATTR``); with those made never to match, the character walk they
+    short-cut reads every fixture dump, the grammar edge cases and the third-party samples the same way."""
+    from parsers import hlo_text
+
+    texts = [GRAMMAR] + [p.read_text() for p in sorted(FIXTURES.glob("*/hlo/*optimizations.txt"))]
+    texts += [p.read_text() for p in sorted((THIRD_PARTY / "xla_hlo_samples").glob("*.hlo"))]
+    walked = []  # attribute values read by the walk, per parse
+    walk = hlo_text._Parser.value
+
+    def counted(self):
+        walked[-1] += 1
+        return walk(self)
+
+    monkeypatch.setattr(hlo_text._Parser, "value", counted)
+    walked.append(0)
+    fast = [_parsed(m) for t in texts for m in parse_hlo_text(t)]
+    never = re.compile(r"(?!)")
+    for name in ("_HEAD", "_PLAIN_OPERANDS", "_PLAIN_ATTR"):
+        monkeypatch.setattr(hlo_text, name, never)
+    walked.append(0)
+    slow = [_parsed(m) for t in texts for m in parse_hlo_text(t)]
+    assert walked[1] > 10 * walked[0] and walked[1] > 1000  # the fast paths took most attributes; the walk all
+    assert len(fast) == len(texts) >= 100 and slow == fast
