@@ -462,14 +462,14 @@ def breakdown_delta(base: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
 
 
 def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd.DataFrame,
-                       used: tuple[int, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+                       used: tuple[int, ...], pairs: dict[tuple[object, str], str]
+                       ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`step_breakdown` of the ``used`` steps of an analysis (``profile``: the
     :class:`~traceroof.profile.Profile` the op table and timeline were built from; ``steps``: its steps, or the
-    one step the analysis made of a profile without markers), and the items of the HTML timeline
+    one step the analysis made of a profile without markers; ``pairs``: its async collective pairs, as
+    :func:`~traceroof.communication._async_pairs` gives them), and the items of the HTML timeline
     (:func:`timeline_items`) of its drawn steps (:func:`_drawn_steps`) on the first :data:`MAX_DRAWN_DEVICES`
     devices."""
-    from traceroof.communication import _async_pairs
-
     host_of = _device_hosts(ops)
     windows = step_windows(steps, host_of)
     in_used = np.isin(windows["step"].to_numpy(np.int64), np.asarray(used, np.int64))
@@ -477,7 +477,7 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     devices = sorted(set(windows["device"].tolist()))[:MAX_DRAWN_DEVICES]
     draw = frozenset((st, d) for st in _drawn_steps(windows) for d in devices)
     rows, items = _breakdown(ops, timeline, windows, timeline.run_id, timeline.launch_ps, profile.host_activity,
-                             _async_pairs(profile.modules), draw, host_of)
+                             pairs, draw, host_of)
     return rows, timeline_items(items, ops)
 
 
