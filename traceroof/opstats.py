@@ -305,17 +305,22 @@ def op_stats(counted: pd.DataFrame, per: float) -> pd.DataFrame:
                      "hbm_bytes_per_step", "exposed_comm_per_step_s", "hlo_ops"]
     if counted.empty:
         return pd.DataFrame(columns=cols)
-    d = counted.assign(**{c: counted[c].astype(str) if c in counted else "" for c in OP_KEY})
-    exposed = d["comm_exposed_s"] if "comm_exposed_s" in d else pd.Series(0.0, index=d.index)
-    d = d.assign(_exposed=exposed.fillna(0.0))
+    exposed = counted["comm_exposed_s"].fillna(0.0) if "comm_exposed_s" in counted else 0.0
+    d = pd.DataFrame({**{c: counted[c].astype(str) if c in counted else "" for c in OP_KEY},  # only what is read
+                      **{c: counted[c] for c in ("executions", "measured_s", "expected_s", "flops", "hbm_bytes")},
+                      "_exposed": exposed}, index=counted.index)
     g = d.groupby(OP_KEY, sort=True)
+    names: list[set[str]] = [set() for _ in range(g.ngroups)]  # each group's HLO op names (groups in key order)
+    for i, name in zip(g.ngroup().tolist(), as_text(counted["hlo_op"], "nan").tolist()):
+        names[i].add(name)
+    executions = g["executions"].sum()
     out = pd.DataFrame({
-        "executions_per_step": g["executions"].sum() / per,
+        "executions_per_step": executions / per,
         "time_per_step_s": g["measured_s"].sum() / per,
         "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
         "flops_per_step": g["flops"].sum() / per,
         "hbm_bytes_per_step": g["hbm_bytes"].sum() / per,
         "exposed_comm_per_step_s": g["_exposed"].sum() / per,
-        "hlo_ops": g["hlo_op"].agg(lambda x: ",".join(sorted(set(map(str, x)))[:4])),
+        "hlo_ops": pd.Series([",".join(sorted(x)[:4]) for x in names], index=executions.index),
     }).reset_index()
     return out[cols]
