@@ -10,6 +10,7 @@ import pandas as pd
 
 from traceroof.codes import as_text, category_text, first_rows, group_codes, group_order, group_sum, positions
 from traceroof.aggregate import Timeline
+from traceroof.optable import group_codes_at
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
 OUTLIER_MIN_EXECUTIONS = 3  # ops with fewer executions than this have no median to judge outliers by
@@ -98,27 +99,12 @@ def _op_codes(counted: pd.DataFrame, at: np.ndarray | None
     """The op (``OP_ID``) of every row of ``counted``: per row its op code (0..n-1 in order of first appearance
     among the rows at the positions ``at``, default all rows, as :func:`~traceroof.codes.group_codes` numbers
     them; n for a row not at ``at``; in the smallest unsigned type that holds n), n, and per op its module, program
-    id (missing: -1) and HLO op as ``astype(str)`` writes them (a missing name: ``nan``). Rows not at ``at`` are
-    grouped too, told apart by a column of their own, and their groups dropped afterwards: no copy of the
-    columns at ``at``."""
+    id (missing: -1) and HLO op as ``astype(str)`` writes them (a missing name: ``nan``), by
+    :func:`~traceroof.optable.group_codes_at`."""
     module, hlo_op = _categorical(counted["module"]), _categorical(counted["hlo_op"])
     pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
-    if at is None:
-        group = group_codes([module, pid, hlo_op])
-        first = first_rows(group)
-        n_ops = len(first)
-        row_op = group.astype(np.min_scalar_type(n_ops))
-    else:
-        out = np.ones(len(pid), bool)
-        out[at] = False
-        group = group_codes([out, module, pid, hlo_op])
-        first = first_rows(group)
-        kept = ~out[first]  # the groups of rows at ``at``, in order of first appearance
-        n_ops = int(np.count_nonzero(kept))
-        renumber = np.full(len(first), n_ops, np.min_scalar_type(n_ops))
-        renumber[kept] = np.arange(n_ops)
-        row_op = np.take(renumber, group)
-        first = first[kept]
+    row_op, first = group_codes_at([module, pid, hlo_op], at, small=True)
+    n_ops = len(first)
     mod_names = np.append(category_text(module), "nan")  # code -1: NA
     hlo_names = np.append(category_text(hlo_op), "nan")
     return row_op, n_ops, mod_names[module.codes[first]], pid[first], hlo_names[hlo_op.codes[first]]
@@ -139,8 +125,8 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
     per device and step: the step's time of the op ÷ its executions, weighted by those executions (kernels of
     one execution cannot be told apart in the trace).
 
-    ``at``: positions of the rows of ``counted`` to read (``execution_stats(counted.take(at))`` without selecting
-    the wide table); default all.
+    ``at``: positions of the rows of ``counted`` to read, increasing (``execution_stats(counted.take(at))``
+    without selecting the wide table); default all.
     """
     if counted.empty or (at is not None and not len(at)):
         return pd.DataFrame(columns=STATS_COLUMNS, index=pd.MultiIndex.from_tuples([], names=OP_ID))
