@@ -236,6 +236,54 @@ def test_execution_stats_keys_ops_by_module_program_and_name():
             assert row.outlier_executions == far
 
 
+def test_execution_stats_weights_multi_kernel_samples_by_their_executions():
+    """Multi-kernel rows (GPU: kernels_per_execution > 1) with a device give one sample per (op, device, step):
+    the step's time ÷ its executions, weighted by those executions; a single-kernel op beside them gives one
+    sample per event. Expected figures worked out by hand, and as numpy's inverted_cdf quantiles of the samples
+    repeated by their (whole) weights."""
+    import pandas as pd
+
+    from traceroof.aggregate import Timeline
+    from traceroof.opstats import execution_stats
+
+    # op "a": (device, step, measured_s, executions) per row; two kernels' rows share (d0, 0); a row without a
+    # step is a step of its own; a row without a device gives no sample; the last row is outside ``at``
+    a_rows = [("d0", 0, 0.004, 1.0), ("d0", 0, 0.002, 1.0), ("d0", 1, 0.002, 1.0), ("d1", 0, 0.040, 4.0),
+              ("d1", 1, 0.001, 1.0), ("d1", None, 0.5, 1.0), (None, 1, 9.0, 1.0), ("d0", 2, 7.0, 1.0)]
+    b_durations_ps = [300, 100, 200]  # op "b": one kernel per execution, one event each
+    n_a = len(a_rows)
+    counted = pd.DataFrame({
+        "module": pd.Categorical(["m"] * (n_a + 1)), "program_id": pd.array([1] * (n_a + 1), "Int64"),
+        "hlo_op": pd.Categorical(["a"] * n_a + ["b"]),
+        "kernels_per_execution": [2.0] * n_a + [1.0],
+        "device": pd.array([r[0] for r in a_rows] + ["d0"], "string"),
+        "step": pd.array([r[1] for r in a_rows] + [0], "Int64"),
+        "measured_s": [r[2] for r in a_rows] + [600e-12],
+        "executions": [r[3] for r in a_rows] + [3.0]})
+    at = np.arange(n_a + 1)[np.arange(n_a + 1) != n_a - 1]
+    rows = np.array([0, 3, 8, 8, 8])  # op a's events are not samples: its kernels are not executions
+    timeline = Timeline(rows, np.zeros(len(rows), np.int64), np.array([5, 7] + b_durations_ps, np.int64))
+    got = execution_stats(counted, timeline, at)
+    assert list(got.index) == [("m", 1, "a"), ("m", 1, "b")]
+    # op a's samples: (d0, 0) (0.004 + 0.002) / 2 weight 2, (d0, 1) 0.002, (d1, 0) 0.04 / 4 weight 4,
+    # (d1, 1) 0.001, (d1, no step) 0.5: by time 0.001, 0.002, 0.003 (x2), 0.01 (x4), 0.5; weight 9
+    t = np.array([(0.004 + 0.002) / 2, 0.002, 0.040 / 4, 0.001, 0.5])
+    w = np.array([2, 1, 4, 1, 1])
+    a = got.loc[("m", 1, "a")]
+    assert a["samples"] == 9
+    assert a["median_s"] == 0.040 / 4  # the first sample whose cumulative weight (1, 2, 4, 8) reaches 4.5
+    assert a["p90_s"] == 0.5 and a["max_s"] == 0.5  # cumulative weight 9 >= 8.1 only at the last
+    assert a["spread"] == 0.5 / (0.040 / 4)
+    assert a["midpoint_median_s"] == (0.002 + 0.004) / 2  # unweighted: the middle of 5 samples
+    assert a["outlier_executions"] == 1  # 0.5 s > 10 x 0.01 s, weight 1
+    repeated = np.repeat(t, w)
+    assert a["median_s"] == np.quantile(repeated, 0.5, method="inverted_cdf")
+    assert a["p90_s"] == np.quantile(repeated, 0.9, method="inverted_cdf")
+    b = got.loc[("m", 1, "b")]
+    assert (b["samples"], b["median_s"], b["p90_s"], b["max_s"]) == (3, 200e-12, 300e-12, 300e-12)
+    assert b["midpoint_median_s"] == 200e-12 and b["outlier_executions"] == 0
+
+
 def test_trace_json_gives_the_same_op_times(transformer):
     a = analyze(fixture_trace_json("transformer"), hlo=[FIXTURES / "transformer" / "hlo"], chip=HOST_CHIP)
     assert a.summary.join.events_total == transformer.summary.join.events_total

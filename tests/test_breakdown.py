@@ -222,9 +222,10 @@ def test_interval_sets_match_their_points() -> None:
     def random_set() -> tuple[np.ndarray, np.ndarray]:
         k = int(rng.integers(0, 12))
         start = rng.integers(0, 80, k)
-        end = start + rng.integers(0, 15, k)
+        end = start + rng.integers(-4, 15, k)  # some empty or reversed: they cover nothing
         merged = merge_intervals(start, end)
         assert points(merged) == points((start, end)) and (merged[0][1:] > merged[1][:-1]).all()
+        assert (merged[1] > merged[0]).all()
         return merged
 
     for _ in range(2000):

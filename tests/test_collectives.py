@@ -241,7 +241,7 @@ def test_async_windows_match_a_walk_over_each_device():
     events are -start events, as one walk over every device's events by start finds them: several devices and
     programs, missing program ids, ties in start, -done events without a -start before them, an op both the
     -done of one pair and the -start of another, pairs whose -start never ran."""
-    from traceroof.overlap import _pair_windows
+    from traceroof.overlap import pair_windows
 
     rng = np.random.default_rng(3)
     names = np.array(["a-start", "a-done", "b-start", "b-done", "c", "d-start"], dtype=object)
@@ -251,7 +251,7 @@ def test_async_windows_match_a_walk_over_each_device():
         n = int(rng.integers(1, 60))
         dev, pid, op = rng.integers(0, 3, n), rng.choice([-1.0, 1.0, 2.0], n), rng.integers(0, len(names), n)
         start = rng.integers(0, 30, n)
-        is_start, lo = _pair_windows(dev, pid, op, names, start, pairs)
+        is_start, lo = pair_windows(dev, pid, op, names, start, pairs)
         want_lo, want_start = start.copy(), np.zeros(n, bool)
         starts = {(p, st) for (p, _), st in pairs.items()}
         for d in range(3):

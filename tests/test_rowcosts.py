@@ -99,6 +99,8 @@ def test_chunked_sums_add_in_row_order(monkeypatch) -> None:
     assert len(some) < rowcosts.ALL_ROWS_FROM * n_rows <= len(most)
     for positions in (None, some, most):
         rows = np.arange(n_rows) if positions is None else positions
-        got = costs.sums(ops, group[rows], 3, positions)
+        every = np.full(n_rows, 3)  # the rows left out: group 3, dropped
+        every[rows] = group[rows]
+        got = costs.sums(ops, every, 3, positions)
         for c, v in got.items():
             assert np.array_equal(v, np.bincount(group[rows], weights=whole[c][rows], minlength=3)), c

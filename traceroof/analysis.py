@@ -170,7 +170,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                      "traffic only")
     ops, costs = roofline_rows(ops, costs, target)
     notes += precision_notes(ops, target, costs)
-    ops = exposed_communication(ops, timeline, _async_pairs(profile.modules))
+    pairs = _async_pairs(profile.modules)  # (program id, -done op) -> -start op, for both timelines below
+    ops = exposed_communication(ops, timeline, pairs)
 
     steps = profile.steps
     if steps.empty:
@@ -234,7 +235,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     )
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
-    breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used)
+    breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used, pairs)
     par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # traceroof.mesh_book
     ops.attrs["collectives"] = counted.attrs["collectives"] = SharedList(collectives)  # as build_op_table's
     # (set last: pandas deep-copies attrs into every selection made of a frame)

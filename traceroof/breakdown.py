@@ -34,6 +34,7 @@ from traceroof.codes import group_codes, group_order, run_starts
 from traceroof.hostactivity import (HOST_KINDS, covered_both_ps, covered_ps, intersect_intervals,
                                    merge_intervals, subtract_intervals)
 from traceroof.aggregate import Timeline
+from traceroof.overlap import pair_windows
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
 BREAKDOWN_COLUMNS = ("step_time_s", *COMPONENTS)  # the numeric columns a saved report's rows must carry
@@ -156,24 +157,6 @@ def step_windows(steps: pd.DataFrame, device_host: dict[str, str]) -> pd.DataFra
         pick = np.concatenate(picks)
     return pd.DataFrame({"step": step[pick], "device": pd.array(devices, dtype=str), "start_ps": start[pick],
                          "end_ps": end[pick]})
-def _async_windows(op: np.ndarray, pid: np.ndarray, start: np.ndarray, end: np.ndarray,
-                   pairs: dict[tuple[object, str], str]) -> np.ndarray:
-    """Per collective event of one device (any order): the start of its window, from the latest preceding
-    ``-start`` event of its async pair (``pairs``: (program id, ``-done`` op) -> ``-start`` op), else its own."""
-    lo = start.copy()
-    if not pairs:
-        return lo
-    last: dict[tuple[object, str], int] = {}
-    starts_of_pairs = {(p, s) for (p, _), s in pairs.items()}
-    for j in np.argsort(start, kind="stable"):
-        key = (int(pid[j]) if pid[j] >= 0 else None, str(op[j]))
-        if key in starts_of_pairs:
-            last[key] = int(start[j])
-        elif key in pairs and (key[0], pairs[key]) in last:
-            lo[j] = last[(key[0], pairs[key])]
-    return lo
-
-
 def step_breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame,
                    run_id: np.ndarray | None = None, launch_ps: np.ndarray | None = None,
                    host_activity: pd.DataFrame | None = None,
@@ -283,8 +266,10 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
                                                     np.where(by_run, rid_m, step_row[row_m]), s, e, launch[m])
         programs = merge_intervals(first_s, last_e)
         if any_c:  # busy: compute and communication
-            comm_lo = _async_windows(np.append(op_names, np.nan)[op_codes[row_m[is_c]]], pid[is_c], s[is_c],
-                                     e[is_c], pairs or {})
+            op_c = op_codes[row_m[is_c]]
+            op_c = np.where(op_c >= 0, op_c, len(op_names))  # a missing name: the NaN appended
+            comm_lo = pair_windows(np.zeros(len(op_c), np.int64), pid[is_c], op_c, np.append(op_names, np.nan),
+                                   s[is_c], pairs or {})[1]
             comm = merge_intervals(comm_lo, e[is_c])
             busy = _union(compute, comm)
             inside = _inside(comm, programs)
@@ -462,14 +447,14 @@ def breakdown_delta(base: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
 
 
 def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd.DataFrame,
-                       used: tuple[int, ...]) -> tuple[pd.DataFrame, pd.DataFrame]:
+                       used: tuple[int, ...], pairs: dict[tuple[object, str], str]
+                       ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """:func:`step_breakdown` of the ``used`` steps of an analysis (``profile``: the
     :class:`~traceroof.profile.Profile` the op table and timeline were built from; ``steps``: its steps, or the
-    one step the analysis made of a profile without markers), and the items of the HTML timeline
+    one step the analysis made of a profile without markers; ``pairs``: its async collective pairs, as
+    :func:`~traceroof.communication._async_pairs` gives them), and the items of the HTML timeline
     (:func:`timeline_items`) of its drawn steps (:func:`_drawn_steps`) on the first :data:`MAX_DRAWN_DEVICES`
     devices."""
-    from traceroof.communication import _async_pairs
-
     host_of = _device_hosts(ops)
     windows = step_windows(steps, host_of)
     in_used = np.isin(windows["step"].to_numpy(np.int64), np.asarray(used, np.int64))
@@ -477,7 +462,7 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     devices = sorted(set(windows["device"].tolist()))[:MAX_DRAWN_DEVICES]
     draw = frozenset((st, d) for st in _drawn_steps(windows) for d in devices)
     rows, items = _breakdown(ops, timeline, windows, timeline.run_id, timeline.launch_ps, profile.host_activity,
-                             _async_pairs(profile.modules), draw, host_of)
+                             pairs, draw, host_of)
     return rows, timeline_items(items, ops)
 
 

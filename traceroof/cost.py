@@ -257,17 +257,11 @@ class CostModel:
         if name in self._comp_cache:
             return self._comp_cache[name]
         comp = self.module.computations.get(name)
-        # OpCost.__add__ over the instructions in order, without an OpCost per step
-        flops = trans = logical = padded = hbm = 0.0
-        opaque, note = False, ""
+        total = _ZERO
         for inst in comp.instructions if comp is not None else ():
             c = self.cost(inst)
-            if c is _ZERO:
-                continue
-            flops, trans = flops + c.flops, trans + c.transcendentals
-            logical, padded, hbm = logical + c.bytes_accessed, padded + c.padded_bytes, hbm + c.hbm_bytes
-            opaque, note = opaque or c.opaque, note or c.note
-        total = OpCost(flops, trans, logical, padded, hbm, opaque, note)
+            if c is not _ZERO:  # (adding nothing: most instructions of a fused computation)
+                total = total + c
         self._comp_cache[name] = total
         return total
 

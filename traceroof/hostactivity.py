@@ -39,25 +39,25 @@ def empty_activity() -> pd.DataFrame:
 
 
 def merge_intervals(start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The union of intervals [start, end) as sorted, disjoint (start, end) int64 arrays."""
+    """The union of intervals [start, end) as sorted, disjoint (start, end) int64 arrays (intervals that touch
+    merged; empty and reversed ones cover nothing)."""
     start, end = np.asarray(start, np.int64), np.asarray(end, np.int64)
-    keep = end > start
-    if not keep.all():
-        start, end = start[keep], end[keep]
     if not len(start):
         return start, end
-    if (start[1:] >= start[:-1]).all():  # in order already (one stream's events, merged sets)
-        s, e = start, end
-    else:
+    if not (start[1:] >= start[:-1]).all():  # (in order already: one stream's events, merged sets)
         order = np.argsort(start, kind="stable")  # op events come in a few sorted runs (threads): timsort merges
-        s, e = start[order], end[order]
-    run_end = np.maximum.accumulate(e)
-    new = np.empty(len(s), bool)
-    new[0] = True
-    np.greater(s[1:], run_end[:-1], out=new[1:])
-    first = np.flatnonzero(new)
-    # a run of overlapping intervals ends at the running max at its last interval (the runs before end earlier)
-    return s[first], run_end[np.append(first[1:] - 1, len(s) - 1)]
+        start, end = start[order], end[order]
+    run_end = np.maximum.accumulate(end)
+    new = start[1:] > run_end[:-1]  # where a run of overlapping intervals starts (after the first)
+    # a run ends at the running max at its last interval (the runs before it end earlier); an empty interval only
+    # shapes a run of its own, which covers nothing, or one starting where it does: runs kept where not empty
+    k = int(np.count_nonzero(new))
+    lo, hi = np.empty(k + 1, np.int64), np.empty(k + 1, np.int64)
+    lo[0], hi[k] = start[0], run_end[-1]
+    np.compress(new, start[1:], out=lo[1:])
+    np.compress(new, run_end[:-1], out=hi[:k])
+    kept = hi > lo
+    return (lo, hi) if kept.all() else (lo[kept], hi[kept])
 
 
 def _covered_before(s: tuple[np.ndarray, np.ndarray]) -> Callable[[np.ndarray], np.ndarray]:

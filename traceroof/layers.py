@@ -50,7 +50,7 @@ _WRAPPER = re.compile(r"(jvp|transpose|vmap|pjit|remat|checkpoint|custom_jvp_cal
 _JIT = re.compile(r"jit\(.*\)")
 
 
-@functools.lru_cache(maxsize=16)
+@functools.lru_cache(maxsize=16)  # an analysis uses one pattern (the default or the user's): 16 bounds a loop over many
 def _optimizer_re(optimizer_pattern: str) -> re.Pattern:
     """The compiled ``optimizer_pattern`` (case-insensitive): ``re``'s own cache look-up costs a microsecond a
     call, and the pattern is tested on every scope segment."""
@@ -86,6 +86,9 @@ def _unwrap(segment: str) -> tuple[str, bool]:
         segment = m.group(2)
 
 
+# 16384 (op name, pattern) pairs: the op names of dozens of programs (one has hundreds: ~400 in the largest fixture
+# module), so one analysis never evicts; bounded because one process (`traceroof watch`, a notebook) may analyze
+# program after program, whose names seldom repeat across programs
 @functools.lru_cache(maxsize=1 << 14)
 def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> tuple[str, str]:
     """(scope path, phase) of an ``op_name``. Cached: a program's instructions share a few hundred names.

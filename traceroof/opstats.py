@@ -10,6 +10,7 @@ import pandas as pd
 
 from traceroof.codes import as_text, category_text, first_rows, group_codes, group_order, group_sum, positions
 from traceroof.aggregate import Timeline
+from traceroof.optable import group_codes_at
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
 OUTLIER_MIN_EXECUTIONS = 3  # ops with fewer executions than this have no median to judge outliers by
@@ -95,54 +96,18 @@ def _event_quantiles(op: np.ndarray, duration_ps: np.ndarray, n_ops: int, qs: Se
 
 def _op_codes(counted: pd.DataFrame, at: np.ndarray | None
               ) -> tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray]:
-    """The op (``OP_ID``) of every row of ``counted``: per row its op code (0..n-1, in the smallest unsigned type
-    that holds n; n for a row not at the positions ``at``, default all rows), n, and per op its module, program
-    id (missing: -1) and HLO op as ``astype(str)`` writes them (a missing name: ``nan``). Each op is known from
-    a mixed-radix key of the two categorical columns' codes (and the program id's, where they differ), present
-    keys numbered in key order from a table over the keys: no sort or hash of the rows
-    (:func:`~traceroof.codes.group_codes` of the rows at ``at`` where that table would be too large)."""
+    """The op (``OP_ID``) of every row of ``counted``: per row its op code (0..n-1 in order of first appearance
+    among the rows at the positions ``at``, default all rows, as :func:`~traceroof.codes.group_codes` numbers
+    them; n for a row not at ``at``; in the smallest unsigned type that holds n), n, and per op its module, program
+    id (missing: -1) and HLO op as ``astype(str)`` writes them (a missing name: ``nan``), by
+    :func:`~traceroof.optable.group_codes_at`."""
     module, hlo_op = _categorical(counted["module"]), _categorical(counted["hlo_op"])
     pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
-    n_rows = len(pid)
-    pid_code = group_codes([pid]) if len(pid) and pid.min() < pid.max() else None
-    n_mod, n_pid, n_hlo = len(module.categories) + 1, int(pid_code.max()) + 1 if pid_code is not None else 1, \
-        len(hlo_op.categories) + 1
-    radix = n_mod * n_pid * n_hlo  # key = ((module code + 1) * n_pid + program) * n_hlo + HLO op code + 1
+    row_op, first = group_codes_at([module, pid, hlo_op], at, small=True)
+    n_ops = len(first)
     mod_names = np.append(category_text(module), "nan")  # code -1: NA
     hlo_names = np.append(category_text(hlo_op), "nan")
-    if radix > 4 * n_rows + (1 << 16):  # a table over the keys would be mostly empty: group the rows
-        rows = np.arange(n_rows) if at is None else at
-        op_at = group_codes([module.codes[rows], pid[rows], hlo_op.codes[rows]])
-        n_ops = int(op_at.max()) + 1
-        row_op = np.full(n_rows, n_ops, np.min_scalar_type(n_ops))
-        row_op[rows] = op_at
-        first = rows[first_rows(op_at)]
-        return row_op, n_ops, mod_names[module.codes[first]], pid[first], hlo_names[hlo_op.codes[first]]
-    key = np.add(module.codes, 1, dtype=np.int64)  # (numpy indexes with intp fastest)
-    if pid_code is not None:
-        key *= n_pid
-        key += pid_code
-    key *= n_hlo
-    key += hlo_op.codes
-    key += 1
-    if at is not None:  # rows elsewhere: key `radix`, no op
-        kept = np.zeros(n_rows, bool)
-        kept[at] = True
-        key = np.where(kept, key, radix)
-    keys = np.flatnonzero(np.bincount(key, minlength=radix + 1)[:radix])
-    n_ops = len(keys)
-    op_of_key = np.full(radix + 1, n_ops, np.min_scalar_type(n_ops))
-    op_of_key[keys] = np.arange(n_ops)
-    hlo = keys % n_hlo - 1
-    mod, program = np.divmod(keys // n_hlo, n_pid)
-    mod -= 1
-    if pid_code is None:
-        pid_op = np.full(n_ops, pid[0], np.int64)
-    else:
-        pid_of = np.empty(n_pid, np.int64)
-        pid_of[pid_code] = pid
-        pid_op = pid_of[program]
-    return op_of_key[key], n_ops, mod_names[mod], pid_op, hlo_names[hlo]
+    return row_op, n_ops, mod_names[module.codes[first]], pid[first], hlo_names[hlo_op.codes[first]]
 
 
 def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at: np.ndarray | None = None
@@ -160,26 +125,18 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
     per device and step: the step's time of the op ÷ its executions, weighted by those executions (kernels of
     one execution cannot be told apart in the trace).
 
-    ``at``: positions of the rows of ``counted`` to read (``execution_stats(counted.take(at))`` without selecting
-    the wide table); default all.
+    ``at``: positions of the rows of ``counted`` to read, increasing (``execution_stats(counted.take(at))``
+    without selecting the wide table); default all.
     """
     if counted.empty or (at is not None and not len(at)):
         return pd.DataFrame(columns=STATS_COLUMNS, index=pd.MultiIndex.from_tuples([], names=OP_ID))
-    row_op, n_ops, mod_t, pid_t, op_t = _op_codes(counted, at)
+    row_op, n_ops, mod_t, pid_t, op_t = _op_codes(counted, at)  # ops in order of first appearance
     rows = np.arange(len(counted)) if at is None else at
-
-    def seen() -> np.ndarray:  # each op's rank by its first row read: the order group_codes would number them
-        first = np.full(n_ops, len(rows))
-        first[row_op[rows][::-1]] = np.arange(len(rows))[::-1]
-        rank = np.empty(n_ops, np.int64)
-        rank[np.argsort(first, kind="stable")] = np.arange(n_ops)
-        return rank
-
     multi = ~(counted["kernels_per_execution"].to_numpy(np.float64) <= 1.0)  # NaN too
     many = rows[multi[rows] & counted["device"].notna().to_numpy()[rows]] if multi.any() else rows[:0]
     single_op = np.where(multi, n_ops, row_op).astype(row_op.dtype, copy=False) if multi.any() else row_op
     any_single = bool((single_op < n_ops).any())  # rows whose events are one execution each (others: n_ops)
-    stats = rank = None
+    stats = None
     parts_op, parts_t, parts_w = [], [], []
     if any_single and timeline is not None:
         # each event of a single-kernel row is one execution: its own duration
@@ -216,14 +173,12 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
         with np.errstate(divide="ignore", invalid="ignore"):
             parts_t.append(m / x)
         parts_w.append(x)
-    if stats is None:  # ops renumbered in order of first appearance, so float sums run in the same order, and back
-        rank = seen()
-        op = rank[np.concatenate([np.zeros(0, np.int64), *parts_op])]
+    if stats is None:  # (ops in order of first appearance: the float sums run in that order)
+        op = np.concatenate([np.zeros(0, np.int64), *parts_op])
         t = np.concatenate([np.zeros(0), *parts_t])
         w = np.concatenate([np.zeros(0), *parts_w])
         q, mx, total, mid = _grouped_quantiles(op, t, w, n_ops, (0.5, 0.9))
         far = np.bincount(op, weights=np.where(t > OUTLIER_RATIO * q[0.5][op], w, 0.0), minlength=n_ops)
-        q, mx, total, mid, far = {k: v[rank] for k, v in q.items()}, mx[rank], total[rank], mid[rank], far[rank]
     else:
         q, mx, total, mid, far = stats
     median = q[0.5]
@@ -233,7 +188,7 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
     for k in keys:
         alike &= np.diff(k[order]) == 0
     if alike.any():  # ops alike in text (a missing name and one written "nan"): in order of first appearance
-        order = np.lexsort([seen() if rank is None else rank, *keys])
+        order = np.lexsort([np.arange(n_ops), *keys])
     with np.errstate(divide="ignore", invalid="ignore"):
         spread = q[0.9] / np.where(median > 0, median, np.nan)
     out = {"median_s": median, "p90_s": q[0.9], "spread": spread, "max_s": mx, "samples": total,
@@ -336,17 +291,22 @@ def op_stats(counted: pd.DataFrame, per: float) -> pd.DataFrame:
                      "hbm_bytes_per_step", "exposed_comm_per_step_s", "hlo_ops"]
     if counted.empty:
         return pd.DataFrame(columns=cols)
-    d = counted.assign(**{c: counted[c].astype(str) if c in counted else "" for c in OP_KEY})
-    exposed = d["comm_exposed_s"] if "comm_exposed_s" in d else pd.Series(0.0, index=d.index)
-    d = d.assign(_exposed=exposed.fillna(0.0))
+    exposed = counted["comm_exposed_s"].fillna(0.0) if "comm_exposed_s" in counted else 0.0
+    d = pd.DataFrame({**{c: counted[c].astype(str) if c in counted else "" for c in OP_KEY},  # only what is read
+                      **{c: counted[c] for c in ("executions", "measured_s", "expected_s", "flops", "hbm_bytes")},
+                      "_exposed": exposed}, index=counted.index)
     g = d.groupby(OP_KEY, sort=True)
+    names: list[set[str]] = [set() for _ in range(g.ngroups)]  # each group's HLO op names (groups in key order)
+    for i, name in zip(g.ngroup().tolist(), as_text(counted["hlo_op"], "nan").tolist()):
+        names[i].add(name)
+    executions = g["executions"].sum()
     out = pd.DataFrame({
-        "executions_per_step": g["executions"].sum() / per,
+        "executions_per_step": executions / per,
         "time_per_step_s": g["measured_s"].sum() / per,
         "expected_per_step_s": g["expected_s"].sum(min_count=1) / per,
         "flops_per_step": g["flops"].sum() / per,
         "hbm_bytes_per_step": g["hbm_bytes"].sum() / per,
         "exposed_comm_per_step_s": g["_exposed"].sum() / per,
-        "hlo_ops": g["hlo_op"].agg(lambda x: ",".join(sorted(set(map(str, x)))[:4])),
+        "hlo_ops": pd.Series([",".join(sorted(x)[:4]) for x in names], index=executions.index),
     }).reset_index()
     return out[cols]

@@ -14,7 +14,7 @@ and lost time) are sums over the row's events, so any sum of rows equals the sum
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
@@ -216,6 +216,29 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
     return out, report, timeline, collectives, module_scopes, costs
 
 
+def group_codes_at(columns: Sequence[Any], at: np.ndarray | None, small: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`~traceroof.codes.group_codes` of the rows at positions ``at`` (increasing; default all) of equally
+    long ``columns``, given for every row: per row its group (0..n-1 in order of first appearance among the rows
+    at ``at``; n for a row elsewhere; int64, the type numpy indexes with fastest, or with ``small`` the smallest
+    unsigned type that holds n), and each group's first row (n positions). The rows elsewhere are grouped too,
+    told apart by a column of their own, and their groups dropped: no copy of the columns at ``at``, and no
+    scatter of their codes back into every row."""
+    if at is None:
+        group = group_codes(columns)
+        first = first_rows(group)
+        return group.astype(np.min_scalar_type(len(first))) if small else group, first
+    elsewhere = np.ones(len(columns[0]), bool)
+    elsewhere[at] = False
+    group = group_codes([elsewhere, *columns])
+    first = first_rows(group)
+    kept = ~elsewhere[first]  # the groups of rows at ``at``
+    n = int(np.count_nonzero(kept))
+    renumber = np.full(len(first), n, np.min_scalar_type(n) if small else np.int64)
+    renumber[kept] = np.arange(n)
+    return np.take(renumber, group), first[kept]
+
+
 def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:
     """``pd.Categorical(values)`` taken at ``at``: a column of text ``values`` (one per distinct op or scope;
     code -1 in ``at``: missing). Categories sorted, found with a set and a dict (``np.unique`` of an object
@@ -297,14 +320,10 @@ def per_op(rows: pd.DataFrame, at: np.ndarray | None = None, costs: RowCosts | N
         return rows if at is None else rows.take(at)
     if at is not None and (at[1:] <= at[:-1]).any():  # the sums below add rows in their order
         return per_op(rows.take(at), costs=costs)
-    pick = (lambda v: v) if at is None else (lambda v: v[at])
-    key = group_codes([pick(rows["op_key"].to_numpy(np.int64)), pick(rows["scope"].array)])
-    n = int(key.max()) + 1
-    first = first_rows(key) if at is None else at[first_rows(key)]  # each op's first row, by first appearance
+    # every row's op (the rows left out in one more, n, dropped) and each op's first row, by first appearance
+    key, first = group_codes_at([rows["op_key"].to_numpy(np.int64), rows["scope"].array], at)
+    n = len(first)
     summed: dict[str, np.ndarray] = costs.sums(rows, key, n, at) if costs is not None else {}
-    if at is not None:  # every row's op; the rows left out count in one more, dropped
-        key_at, key = key, np.full(len(rows), n, np.int64)
-        key[at] = key_at
     for c, dtype in rows.dtypes.items():
         if c in _NOT_ADDITIVE or dtype.kind not in "iuf":  # bool, text, categories: the op's own
             continue

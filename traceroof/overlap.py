@@ -43,13 +43,14 @@ def _text_codes(col: pd.Series, rows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return (np.cumsum(used) - 1)[codes].astype(np.int64), names[used]
 
 
-def _pair_windows(dev: np.ndarray, pid: np.ndarray, op: np.ndarray, op_names: np.ndarray, start: np.ndarray,
-                  pairs: dict[tuple[object, str], str]) -> tuple[np.ndarray, np.ndarray]:
+def pair_windows(dev: np.ndarray, pid: np.ndarray, op: np.ndarray, op_names: np.ndarray, start: np.ndarray,
+                 pairs: dict[tuple[object, str], str]) -> tuple[np.ndarray, np.ndarray]:
     """For collective events (device codes ``dev``, program ids ``pid`` with -1 where missing, op codes ``op``
     into ``op_names``, starts ``start``, ps): whether each is the ``-start`` event of an async pair (its window is
     accounted on its done event), and each one's window start: from the latest start event of its pair before it
     on its device (by start; ties in event order), else its own start. ``pairs``: (program id, ``-done`` op) ->
-    ``-start`` op. Vectorized: one sort of the events, a binary search per done event among its pair's starts."""
+    ``-start`` op. Vectorized: one sort of the events, a binary search per done event among its pair's starts.
+    The one rule for both timelines: exposed communication here, the step breakdown (:mod:`traceroof.breakdown`)."""
     lo = start.copy()
     if not pairs or not len(start):
         return np.zeros(len(start), bool), lo
@@ -122,7 +123,7 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
         row_op[coll_rows] = op_codes
         pid = out["program_id"].to_numpy(dtype="float64", na_value=-1)
         rc = r[coll_ev]
-        is_start, coll_lo = _pair_windows(dev[coll_ev], pid[rc], row_op[rc], op_names, start[coll_ev], pairs)
+        is_start, coll_lo = pair_windows(dev[coll_ev], pid[rc], row_op[rc], op_names, start[coll_ev], pairs)
         lo_of = np.zeros(len(ev), np.int64)
         lo_of[coll_ev] = coll_lo
         kept = np.zeros(len(ev), bool)

@@ -89,24 +89,27 @@ def hbm_bandwidth(chip: Chip) -> float:
     return chip.hbm_bandwidth_bytes_per_s if _usable(chip.hbm_bandwidth_bytes_per_s) else np.nan
 
 
-def roofline_values(work: np.ndarray, hbm: np.ndarray, comm_s: np.ndarray | None, peak: np.ndarray,
-                    bandwidth: float, joined: np.ndarray, opaque: np.ndarray, latency: np.ndarray | None,
-                    measured: np.ndarray | None, names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
-    """The roofline of rows: ``work`` (FLOPs + transcendentals), ``hbm`` (bytes), ``comm_s`` (modelled
-    communication time, NaN or None: none), ``peak`` (FLOP/s), ``bandwidth`` (bytes/s), ``joined`` / ``opaque`` /
-    ``latency`` (bool: an HLO op; no cost model; a latency-bound collective), ``measured`` (s; None where
-    ``names`` leaves out ``efficiency`` and ``lost_s``). Returns ``compute_s``, ``memory_s``,
-    ``communication_s``, ``expected_s`` (NaN where not ``joined`` or ``opaque``), ``bound`` (int8 codes into
-    :data:`BOUNDS`), ``efficiency``, ``arithmetic_intensity_flops_per_byte`` and ``lost_s``; with ``names``, only
-    those, and only what they need is computed (formulas: the module docstring)."""
+def roofline_values(work_flops: np.ndarray, hbm_bytes: np.ndarray, comm_s: np.ndarray | None,
+                    peak_flops_per_s: np.ndarray, hbm_bandwidth_bytes_per_s: float, joined: np.ndarray,
+                    opaque: np.ndarray, latency_bound: np.ndarray | None, measured_s: np.ndarray | None,
+                    names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
+    """The roofline of rows (float64 arrays, one value per row): ``work_flops`` (FLOPs + transcendentals),
+    ``hbm_bytes`` (HBM traffic, bytes), ``comm_s`` (modelled communication time, s; NaN or None: none),
+    ``peak_flops_per_s`` (the peak each row is judged against, FLOP/s), ``hbm_bandwidth_bytes_per_s`` (the
+    chip's, one figure), ``joined`` / ``opaque`` / ``latency_bound`` (bool: an HLO op; no cost model; a
+    latency-bound collective; None: none is), ``measured_s`` (measured time, s; None where ``names`` leaves out
+    ``efficiency`` and ``lost_s``). Returns ``compute_s``, ``memory_s``, ``communication_s``, ``expected_s``
+    (s; NaN where not ``joined`` or ``opaque``), ``bound`` (int8 codes into :data:`BOUNDS`), ``efficiency``
+    (expected ÷ measured), ``arithmetic_intensity_flops_per_byte`` and ``lost_s`` (measured − expected, s); with
+    ``names``, only those, and only what they need is computed (formulas: the module docstring)."""
     want = set(_ROOFLINE if names is None else names)
     out: dict[str, np.ndarray] = {}
     if want - {"arithmetic_intensity_flops_per_byte"}:
-        compute = work / peak
-        np.copyto(compute, 0.0, where=~(work > 0))
-        memory = hbm / bandwidth
+        compute = work_flops / peak_flops_per_s
+        np.copyto(compute, 0.0, where=~(work_flops > 0))
+        memory = hbm_bytes / hbm_bandwidth_bytes_per_s
         if comm_s is None:
-            comm = np.zeros(len(work))
+            comm = np.zeros(len(work_flops))
         else:  # np.nan_to_num, without its passes for infinities where there are none
             comm = np.nan_to_num(comm_s) if np.isinf(comm_s).any() else np.where(np.isnan(comm_s), 0.0, comm_s)
         unknown = ~joined | opaque if want - {"bound", "arithmetic_intensity_flops_per_byte"} else None
@@ -116,7 +119,7 @@ def roofline_values(work: np.ndarray, hbm: np.ndarray, comm_s: np.ndarray | None
             np.copyto(expected, np.nan, where=unknown)
         if "bound" in want:  # compute wins ties with memory
             bound = np.where(compute >= memory, np.int8(BOUNDS.index("compute")), np.int8(BOUNDS.index("memory")))
-            lat = latency if latency is not None else np.zeros(len(work), bool)
+            lat = latency_bound if latency_bound is not None else np.zeros(len(work_flops), bool)
             over = (comm > compute) & (comm > memory)
             np.copyto(bound, np.where(lat, np.int8(BOUNDS.index("latency")), np.int8(BOUNDS.index("communication"))),
                       where=over)
@@ -132,11 +135,11 @@ def roofline_values(work: np.ndarray, hbm: np.ndarray, comm_s: np.ndarray | None
             out["bound"] = bound
     with np.errstate(divide="ignore", invalid="ignore"):
         if "efficiency" in want:
-            out["efficiency"] = np.where(measured > 0, expected / measured, np.nan)
+            out["efficiency"] = np.where(measured_s > 0, expected / measured_s, np.nan)
         if "arithmetic_intensity_flops_per_byte" in want:
-            out["arithmetic_intensity_flops_per_byte"] = np.where(hbm > 0, work / hbm, np.nan)
+            out["arithmetic_intensity_flops_per_byte"] = np.where(hbm_bytes > 0, work_flops / hbm_bytes, np.nan)
     if "lost_s" in want:
-        out["lost_s"] = measured - expected
+        out["lost_s"] = measured_s - expected
     return out
 
 

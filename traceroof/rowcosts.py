@@ -139,25 +139,25 @@ class RowCosts:
 
     def sums(self, ops: pd.DataFrame, group: np.ndarray, n_groups: int, at: np.ndarray | None = None,
              ) -> dict[str, np.ndarray]:
-        """Per group (``group``: codes 0..n_groups-1 of the rows ``at`` of ``ops``, default all), the sums of the
-        worked-out columns that add up (all but :data:`NOT_SUMMED`), float64: equal to the last bit to
-        ``np.bincount(group, weights=column)`` of the stored column, worked out :data:`CHUNK_ROWS` rows at a time
-        so memory stays flat (each chunk's rows added to the sums so far, ``np.add.at``: the additions run in the
-        same order). Where ``at`` holds at least :data:`ALL_ROWS_FROM` of the rows, every row is worked out
-        (chunks of every stored column are then views, not copies) and the others summed into a group dropped."""
-        if at is not None and len(at) >= ALL_ROWS_FROM * len(ops):
-            every = np.full(len(ops), n_groups, np.int64)
-            every[at] = group
-            return {c: v[:n_groups] for c, v in self.sums(ops, every, n_groups + 1).items()}
+        """Per group (``group``: per row of ``ops``, its code 0..n_groups-1, or ``n_groups`` for a row left out),
+        the sums of the worked-out columns that add up (all but :data:`NOT_SUMMED`), float64: equal to the last
+        bit to ``np.bincount(group, weights=column)[:n_groups]`` of the stored column, worked out
+        :data:`CHUNK_ROWS` rows at a time so memory stays flat (each chunk's rows added to the sums so far,
+        ``np.add.at``: the additions run in the same order). ``at``: the positions of the rows not left out
+        (increasing), when known: where they are fewer than :data:`ALL_ROWS_FROM` of the rows, only they are
+        worked out (their stored columns copied); otherwise every row is (chunks of every stored column are then
+        views, not copies) and the rows left out summed into a group dropped."""
+        few = at is not None and len(at) < ALL_ROWS_FROM * len(ops)
         names = tuple(c for c in self.names() if c not in NOT_SUMMED)
-        stored = self._stored(ops, names)
-        total = {c: np.zeros(n_groups) for c in names}
-        for lo in range(0, len(ops) if at is None else len(at), CHUNK_ROWS):
-            part = slice(lo, lo + CHUNK_ROWS) if at is None else at[lo:lo + CHUNK_ROWS]
-            codes = group[lo:lo + CHUNK_ROWS]
+        stored = self._stored(ops, names, at if few else None)
+        codes_of = np.take(group, at) if few else group
+        total = {c: np.zeros(n_groups + 1) for c in names}
+        for lo in range(0, len(codes_of), CHUNK_ROWS):
+            part = slice(lo, lo + CHUNK_ROWS)
+            codes = codes_of[part]
             for c, v in self._worked(stored, names, part).items():
                 np.add.at(total[c], codes, v.view(np.float64))  # numpy's float64: an equal type (unpickled) is slow
-        return total
+        return {c: v[:n_groups] for c, v in total.items()}
 
     def bound_codes(self, ops: pd.DataFrame) -> np.ndarray:
         """Per row of ``ops``, what bounds it (int8 codes into :data:`traceroof.roofline.BOUNDS`), worked out

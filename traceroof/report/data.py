@@ -19,7 +19,10 @@ TABLES = ("layers", "top-ops", "collectives", "op-stats", "ops")
 
 
 def clean_value(v: Any) -> Any:
-    """A value JSON can hold: numpy scalars to Python, NaN and NA to None, containers recursively."""
+    """A value JSON can hold: numpy scalars to Python, NaN and NA to None, containers recursively, a dataclass
+    instance as the dict of its fields (``dataclasses.asdict`` without its deep copy of every value)."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: clean_value(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, dict):
         return {str(k): clean_value(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -108,10 +111,7 @@ def _cells(df: pd.DataFrame) -> list[list[str]]:
             continue
         v = df[c].to_numpy()
         if dtype.kind == "f":
-            text = list(map(float.__repr__, v.tolist()))
-            for i in np.flatnonzero(~np.isfinite(v)).tolist():
-                text[i] = "null" if np.isnan(v[i]) else _float_json(float(v[i]))
-            out[c] = text
+            out[c] = _floats_json(v)
         elif dtype.kind == "b":
             out[c] = ["true" if x else "false" for x in v.tolist()]
         else:
@@ -121,6 +121,21 @@ def _cells(df: pd.DataFrame) -> list[list[str]]:
         rows = records(df[rest])
         out.update({c: [_scalar_json(r[c]) for r in rows] for c in rest})
     return [out[c] for c in df.columns]
+
+
+def _floats_json(v: np.ndarray) -> list[str]:
+    """Each float of ``v`` as :func:`records` then ``json.dumps`` write it (missing: ``null``). A column holding
+    few distinct values (zeros, NaN shares, a replicated profile's steps) writes each distinct value once:
+    values told apart by their bits, so ``-0.0`` stays ``-0.0``."""
+    v = v.astype(np.float64, copy=False)
+    codes, distinct = pd.factorize(v.view(np.int64))
+    if 2 * len(distinct) > len(v):  # mostly distinct: each written, no look-up
+        codes, distinct = None, v
+    text = list(map(float.__repr__, distinct.view(np.float64).tolist()))
+    for i in np.flatnonzero(~np.isfinite(distinct.view(np.float64))).tolist():
+        x = float(distinct.view(np.float64)[i])
+        text[i] = "null" if x != x else _float_json(x)
+    return text if codes is None else np.array(text, dtype=object)[codes].tolist()
 
 
 def _records_json(df: pd.DataFrame, pad: str) -> str:
@@ -158,7 +173,7 @@ def render_json(a: Analysis, tables: tuple[str, ...] = ("layers", "top-ops", "co
     ``op-stats`` the report is a complete ``traceroof diff`` baseline. Written as ``json.dumps(doc, indent=2,
     ensure_ascii=False)`` writes it, tables by :func:`_records_json`."""
     # the step times (one per step: thousands) as clean_value writes floats, not deep-copied one by one by asdict
-    summary = clean_value(dataclasses.asdict(dataclasses.replace(a.summary, step_times_s=())))
+    summary = clean_value(dataclasses.replace(a.summary, step_times_s=()))
     times = np.asarray(a.summary.step_times_s, np.float64)
     summary["step_times_s"] = [None if x != x else x for x in times.tolist()]
     pad = "  "
