@@ -151,9 +151,12 @@ def test_capture_analyzes_a_running_job(job, tmp_path):
 
 
 def test_capture_errors_are_one_line(tmp_path):
-    r = _cli("capture", f"127.0.0.1:{_free_port()}", "--duration", "200ms", "--logdir", str(tmp_path))
+    r = _cli("capture", f"127.0.0.1:{_free_port()}", "--duration", "200ms", "--logdir", str(tmp_path),
+             "--retry-for", "1200ms")
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().startswith("traceroof: error: nothing listens at") and len(r.stderr.strip().splitlines()) == 1
+    *retries, error = r.stderr.strip().splitlines()  # it tried while --retry-for lasted, then ended in one line
+    assert retries and all("yet (the job may still be starting): trying again" in line for line in retries)
+    assert error.startswith("traceroof: error: nothing listens at") and "--retry-for" in error
     with socket.socket() as server:  # something listens, but it is no profiler server
         server.bind(("127.0.0.1", 0))
         server.listen(1)
@@ -162,6 +165,35 @@ def test_capture_errors_are_one_line(tmp_path):
     assert r.returncode == 2 and "answered but sent no profile" in r.stderr, r.stderr
     assert "no jax.profiler.start_server port" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert _cli("capture", "nonsense", "--logdir", str(tmp_path)).returncode == 2
+
+
+def test_capture_waits_for_a_job_that_is_still_starting(tmp_path):
+    """capture is started first, as users do right after launching a job: it tries again until the job's profiler
+    server listens, then captures it."""
+    port = _free_port()
+    capture = subprocess.Popen([sys.executable, "-m", "traceroof.cli", "capture", f"127.0.0.1:{port}", "--duration",
+                                "1s", "--logdir", str(tmp_path), "--chip", HOST_CHIP, "--retry-for", "90s"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    script = LOOP + f"""
+time.sleep(1.5)  # imports and setup before the server starts
+jax.profiler.start_server({port})
+t0, i = time.time(), 0
+while time.time() - t0 < 90:
+    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+        a = f(a).block_until_ready()
+    i += 1
+"""
+    job = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=ENV)
+    try:
+        out, err = capture.communicate(timeout=120)
+    finally:
+        capture.kill()
+        job.kill()
+        job.wait(timeout=30)
+    assert capture.returncode == 0, err
+    assert "yet (the job may still be starting): trying again" in err.splitlines()[0]
+    assert out.startswith("traceroof: per-layer roofline report") and "op events to HLO" in out
 
 
 def test_idle_job_gives_a_clear_error(tmp_path):
@@ -192,15 +224,15 @@ time.sleep(60)
 
 
 def test_watch_reports_new_runs(tmp_path):
-    logdir = tmp_path / "tb"
-    logdir.mkdir()
+    logdir = tmp_path / "tb"  # started before the job creates its logdir
     watcher = subprocess.Popen([sys.executable, "-m", "traceroof.cli", "watch", str(logdir), "--interval", "300ms",
                                 "--timeout", "150s", "--max-reports", "1", "--chip", HOST_CHIP],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
     try:
         # the job starts once the watcher has listed what is there: a run written before that counts as old
         started = watcher.stderr.readline()
-        assert started.startswith(f"traceroof: watching {logdir / 'plugins' / 'profile'} for new runs"), started
+        assert started == (f"traceroof: watching {logdir / 'plugins' / 'profile'} for new runs (the logdir does not "
+                           "exist yet: the job creates it)\n"), started
         script = LOOP + f"""
 with jax.profiler.trace({str(logdir)!r}):
     for i in range(4):
@@ -253,3 +285,6 @@ def test_watch_skips_the_runs_already_there_unless_existing(tmp_path):
              "--chip", HOST_CHIP)
     assert r.returncode == 0 and r.stderr == f"traceroof: watching {run.parent} for new runs\n", r.stderr
     assert r.stdout.startswith(f"{run}: ") and (run / "traceroof_report.json").exists()
+    r = _cli("watch", str(run / "host.xplane.pb"), "--timeout", "1s")  # a file: no logdir
+    assert r.returncode == 2 and r.stderr.startswith("traceroof: error: ") and "is not a directory" in r.stderr
+    assert len(r.stderr.splitlines()) == 1

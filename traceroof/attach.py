@@ -370,13 +370,13 @@ def capture(address: str, duration_s: float, logdir: str | Path, retry_for_s: fl
     """Capture a profile from a job's profiler server (``jax.profiler.start_server(PORT)``) into ``logdir``;
     returns the new run directory.
 
-    A job still compiling (or idle, or waiting for input) answers with no trace, or with a capture that holds no
-    op events: such a capture is removed and another taken, for up to ``retry_for_s`` seconds after the first
-    one started (``on_retry(attempt, reason)`` is called before each new try). A port where nothing listens
-    fails at once.
+    A job still starting (nothing listens at ``address`` yet) or compiling (or idle, or waiting for input:
+    it answers with no trace, or with a capture that holds no op events; such a capture is removed) is tried
+    again, for up to ``retry_for_s`` seconds after the first try (``on_retry(attempt, reason)`` is called before
+    each new try).
 
-    :raises CaptureError: nothing listens at ``address``, the job has no profiler server, or no capture held op
-        events within ``retry_for_s``.
+    :raises CaptureError: nothing listened at ``address`` within ``retry_for_s``, the job has no profiler
+        server, or no capture held op events within ``retry_for_s``.
     """
     try:
         from xprof.convert import _pywrap_profiler_plugin as plugin
@@ -387,13 +387,22 @@ def capture(address: str, duration_s: float, logdir: str | Path, retry_for_s: fl
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit():
         raise CaptureError(f"{address!r} is not HOST:PORT (e.g. 127.0.0.1:9999)")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
-            pass
-    except OSError as e:
-        raise CaptureError(f"nothing listens at {addr} ({e.strerror or e}); start the job with "
-                           f"jax.profiler.start_server({port}) or check the address") from None
     started = time.monotonic()
+    attempt = 0
+    while True:  # until something listens: a job starts its profiler server after its imports and setup
+        attempt += 1
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                break
+        except OSError as e:
+            waited_s = time.monotonic() - started
+            if waited_s >= retry_for_s:
+                raise CaptureError(f"nothing listens at {addr} ({e.strerror or e}) after {waited_s:.0f} s; start "
+                                   f"the job with jax.profiler.start_server({port}), check the address, or wait "
+                                   "longer with --retry-for") from None
+            if on_retry is not None:
+                on_retry(attempt, f"nothing listens at {addr} yet")
+            time.sleep(CAPTURE_RETRY_PAUSE_S)
     attempt = 0
     while True:
         attempt += 1

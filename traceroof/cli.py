@@ -263,7 +263,8 @@ def _duration(text: str) -> float:
 @click.option("--chip", help="Target chip (default: detected; CPU jobs: the calibrated host).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS[:3] + ("html",)), default="terminal", show_default=True)
 @click.option("--retry-for", "retry_for", default="60s", show_default=True,
-              help="Keep capturing this long while captures hold no op events (the job is still compiling).")
+              help="Keep trying this long while nothing listens at ADDRESS (the job is still starting) or captures "
+                   "hold no op events (it is still compiling).")
 @_guarded
 def capture(address: str, duration: str, logdir: str | None, every: str | None, count: int | None,
             baseline: str | None, fail_above: float, chip: str | None, fmt: str, retry_for: str) -> None:
@@ -285,8 +286,11 @@ def capture(address: str, duration: str, logdir: str | None, every: str | None, 
     regressed = False
 
     def retrying(attempt: int, reason: str) -> None:
-        click.echo(f"traceroof: capture {attempt} from {address} held no op events (the job may still be "
-                   "compiling): capturing again", err=True)
+        if reason.startswith("nothing listens"):
+            click.echo(f"traceroof: {reason} (the job may still be starting): trying again", err=True)
+        else:
+            click.echo(f"traceroof: capture {attempt} from {address} held no op events (the job may still be "
+                       "compiling): capturing again", err=True)
 
     while True:
         run_dir = grab(address, seconds, root, retry_s, retrying)
@@ -325,7 +329,7 @@ def watch(logdir: str, interval: str, timeout: str | None, max_reports: int | No
     from traceroof.attach import one_line, watch as follow
     from traceroof.report.safe import printable
 
-    if not Path(logdir).is_dir():
+    if Path(logdir).exists() and not Path(logdir).is_dir():
         raise TraceroofError(f"{logdir} is not a directory; pass the TensorBoard logdir the job writes to")
 
     def report(run_dir: Path, analysis: object | None, error: str) -> None:
@@ -336,6 +340,8 @@ def watch(logdir: str, interval: str, timeout: str | None, max_reports: int | No
 
     def start(profile_dir: Path, skipped: int) -> None:
         old = f" ({skipped} run(s) already there are skipped; --existing analyzes them)" if skipped else ""
+        if not Path(logdir).exists():
+            old = " (the logdir does not exist yet: the job creates it)"
         click.echo(f"traceroof: watching {printable(profile_dir)} for new runs{old}", err=True)
 
     try:
