@@ -175,6 +175,10 @@ def test_chips_lists_the_database_and_names_a_bad_user_chip_file(tmp_path, monke
     (("analyze", "fixtures/transformer", "--bogus"), "No such option '--bogus'"),
     (("nosuch",), "No such command 'nosuch'; see 'traceroof --help'"),
     (("analyze", "fixtures/transformer", "--jobs", "2", "--dask", "tcp://127.0.0.1:1"), "--jobs 2 with --dask"),
+    (("analyze", "fixtures/transformer", "--chip", ""), "an empty chip name"),  # not silently the detected chip
+    (("analyze", "fixtures/transformer", "--chip", " "), "an empty chip name"),
+    (("diff", "fixtures/transformer", "fixtures/transformer", "--fail-above", "-5"), "-5.0 is not in the range x>=0"),
+    (("capture", "127.0.0.1:1", "--every", "1s", "--fail-above", "-1"), "-1.0 is not in the range x>=0"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(args, says):
     r = subprocess.run([sys.executable, "-m", "traceroof.cli", *args], capture_output=True, text=True, cwd=ROOT)

@@ -46,7 +46,7 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
     """
     if isinstance(chip, Chip):
         return chip, ""
-    if chip:
+    if chip is not None:
         return get_chip(chip), ""
     if profile.device_kind == "cpu":
         c = host_chip()

@@ -125,7 +125,7 @@ def _analysis_chip(chip: str | None, platform: str) -> tuple[object, str]:
     calibration (``None``: the analysis reads the cache) or, when none is cached, a host chip with no figures."""
     from traceroof.chips import Chip, host_cache_path
 
-    if chip or platform != "cpu" or host_cache_path().is_file():
+    if chip is not None or platform != "cpu" or host_cache_path().is_file():
         return chip, ""
     return Chip(id="uncalibrated-host", name="this host (not calibrated)", vendor="host", kind="cpu", aliases=(),
                 note="not calibrated: no roofline"), NO_CALIBRATION_NOTE

@@ -318,8 +318,11 @@ def _norm(s: str) -> str:
 def get_chip(name_or_path: str) -> Chip:
     """A chip by id, name or alias (case and punctuation ignored), or a path to a chip file.
 
-    :raises ChipError: no such chip; the message lists the closest known ids.
+    :raises ChipError: no such chip (an empty name too); the message lists the closest known ids.
     """
+    if not name_or_path.strip():
+        raise ChipError("an empty chip name; pass a chip id (see `traceroof chips`) or a chip .toml file, or leave "
+                        "--chip out to detect it")
     p = Path(name_or_path)
     if name_or_path.endswith(".toml") or p.is_file():
         if not p.is_file():

@@ -211,7 +211,7 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 @click.option("--chip", help="Target chip for both sides.")
 @click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 32))
 @click.option("--warmup-steps", default=1, show_default=True, type=click.IntRange(0))
-@click.option("--fail-above", "fail_above", type=float, help="Exit 1 when step time (or --layer) regresses by more "
+@click.option("--fail-above", "fail_above", type=click.FloatRange(min=0), help="Exit 1 when step time (or --layer) regresses by more "
                                                              "than this percent, beyond noise.")
 @click.option("--layer", help="Gate on this layer's time (all phases) instead of the step time.")
 @click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json", "html")), default="terminal",
@@ -258,7 +258,7 @@ def _duration(text: str) -> float:
 @click.option("--every", default=None, help="Keep capturing at this interval (10m) and compare with the first.")
 @click.option("--count", type=click.IntRange(1), default=None, help="With --every: stop after this many captures.")
 @click.option("--baseline", default=None, help="With --every: compare with this profile or JSON report instead.")
-@click.option("--fail-above", "fail_above", type=float, default=5.0, show_default=True,
+@click.option("--fail-above", "fail_above", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="With --every: flag a regression above this percent, beyond noise.")
 @click.option("--chip", help="Target chip (default: detected; CPU jobs: the calibrated host).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS[:3] + ("html",)), default="terminal", show_default=True)

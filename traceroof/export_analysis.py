@@ -28,7 +28,7 @@ def analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int
     ops, ctx, notes = export_op_table(path, depth)
     if isinstance(chip, Chip):
         target, note = chip, ""
-    elif chip:
+    elif chip is not None:
         target, note = get_chip(chip), ""
     else:
         target, note = detect_chip({"device_type_string": ctx.device_type})
