@@ -337,9 +337,9 @@ def test_dask_with_relative_paths(tmp_path, dask_address: str, monkeypatch) -> N
     assert json.loads(r.output)["summary"]["devices"] == 24
 
 
-def test_hosts_with_different_hlo_under_one_program_are_named_in_a_note(tmp_path) -> None:
-    """Two hosts whose program has the same id and name but other HLO (different runs put in one folder): the
-    report says so, naming the program and both hosts, instead of silently using the first host's HLO."""
+def test_hosts_with_different_hlo_under_one_program_are_refused(tmp_path) -> None:
+    """Two hosts whose program has the same id and name but other HLO (different runs put in one folder): one
+    error naming the program and both hosts, instead of one host's events costed by another's HLO."""
     import copy
     import dataclasses
 
@@ -359,15 +359,17 @@ def test_hosts_with_different_hlo_under_one_program_are_named_in_a_note(tmp_path
         comp.instructions[-1] = dataclasses.replace(inst, name=inst.name + ".other")
         other.append((m, how))
     hosts[2] = dataclasses.replace(hosts[2], modules=other)
-    notes = " ".join(merge_hosts(inputs, hosts).notes)
-    assert "hosts hold different HLO under the same program id and name" in notes
-    assert "host_a vs host_c" in notes and "analyze them separately" in notes
+    with pytest.raises(InputError) as e:
+        merge_hosts(inputs, hosts)
+    assert "hosts hold different HLO under the same program id and name" in str(e.value)
+    assert "host_a vs host_c" in str(e.value) and "analyze them one at a time" in str(e.value)
 
 
 def test_a_later_hosts_op_starts_and_launches_move_onto_the_first_hosts_clock(tmp_path) -> None:
-    """Two copies of one host whose profile_start_time differ by 1 s: after the merge the second host's op events
-    start 1 s (10^12 ps) later than the first's, and so do their launch times, which the step breakdown compares
-    with op starts (launches were left on the host's own clock before the per-host aggregation)."""
+    """Two copies of one host whose profile_start_time differ by 1 ms: after the merge the second host's op events
+    start 1 ms (10^9 ps) later than the first's, and so do their launch times, which the step breakdown compares
+    with op starts (launches were left on the host's own clock before the per-host aggregation). Moved by 1 s,
+    past the end of the first host's events, the two are not one capture: refused."""
     from parsers.xspace import parse_full
     from traceroof.discovery import discover
     from traceroof.profile import load_profile
@@ -379,14 +381,23 @@ def test_a_later_hosts_op_starts_and_launches_move_onto_the_first_hosts_clock(tm
     env = next(p for p in m.planes if p.name == "Task Environment")
     sid = next(k for k, v in env.stat_metadata.items() if v.name == "profile_start_time")
     stat = next(s for s in env.stats if s.metadata_id == sid)
-    setattr(stat, stat.WhichOneof("value"), getattr(stat, stat.WhichOneof("value")) + 10**9)
+    ns = getattr(stat, stat.WhichOneof("value"))
+    setattr(stat, stat.WhichOneof("value"), ns + 10**6)
     (run / "host_b.xplane.pb").write_bytes(m.SerializeToString())
-    events = load_profile(discover([logdir], [ROOT / "fixtures" / "sharded_mlp" / "hlo"])).events()
+    inputs = discover([logdir], [ROOT / "fixtures" / "sharded_mlp" / "hlo"])
+    events = load_profile(inputs).events()
     a, b = (events[events["host"] == h].reset_index(drop=True) for h in ("host_a", "host_b"))
     assert len(a) == len(b) > 0 and a["launch_ps"].notna().any()
-    assert ((b["start_ps"] - a["start_ps"]) == 10**12).all()
+    assert ((b["start_ps"] - a["start_ps"]) == 10**9).all()
     known = a["launch_ps"].notna()
-    assert ((b["launch_ps"] - a["launch_ps"])[known] == 10**12).all()
+    assert ((b["launch_ps"] - a["launch_ps"])[known] == 10**9).all()
+    span_ps = int((a["start_ps"] + a["duration_ps"]).max() - a["start_ps"].min())
+    assert span_ps < 10**12  # the fixture's ops span less than 1 s: moved by 1 s, host_b's begin after host_a's end
+    setattr(stat, stat.WhichOneof("value"), ns + 10**9)
+    (run / "host_b.xplane.pb").write_bytes(m.SerializeToString())
+    with pytest.raises(InputError, match=r"captured at different times \(host_a's op events end 0\.\d+ s before "
+                                         r"host_b's begin\)"):
+        load_profile(inputs)
 
 
 def test_a_process_returns_each_programs_hlo_once_per_analysis(tmp_path) -> None:

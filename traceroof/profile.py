@@ -86,7 +86,7 @@ def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None 
     :func:`traceroof.parallel.map_hosts` (``jobs`` processes, or the Dask cluster at ``dask_address``).
 
     :raises FormatError: a profile or HLO file is corrupt.
-    :raises InputError: the profile holds no XLA op events.
+    :raises InputError: the profile holds no XLA op events; its hosts are not of one capture (:func:`merge_hosts`).
     """
     analysis_id = uuid.uuid4().hex
     tasks = [HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files, analysis_id) for p in inputs.profiles]
@@ -113,6 +113,28 @@ def _concat(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     return out[[c for c in frames[0].columns] + [c for c in out.columns if c not in frames[0].columns]]
 
 
+def _same_capture(spans: Sequence[tuple[int, int, str]]) -> None:
+    """Hosts of one capture trace at the same time: their op events' spans (first start, last end, host; one
+    clock) overlap, each one with some other so that they chain into one. Hosts whose events lie wholly apart were
+    captured at different times (different runs, or captures of one job minutes apart): merged, their steps would
+    span the gap between them.
+
+    :raises InputError: the spans fall into groups that do not overlap.
+    """
+    order = sorted(spans)
+    end_ps, last = order[0][1] if order else 0, order[0][2] if order else ""
+    for start_ps, stop_ps, host in order[1:]:
+        if start_ps > end_ps:
+            which = f"{last}'s op events end" if last != host else "one host's op events end"
+            whose = f"{host}'s" if last != host else "another's"
+            raise InputError(f"the hosts' profiles were captured at different times ({which} "
+                             f"{(start_ps - end_ps) / 1e12:,.3f} s before {whose} begin): they are not the hosts of "
+                             "one capture but different runs (or hosts whose clocks disagree); analyze them one at "
+                             "a time, or compare two with traceroof diff")
+        if stop_ps > end_ps:
+            end_ps, last = stop_ps, host
+
+
 def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     """One :class:`Profile` of the hosts' tables: times shifted onto one clock (the earliest host's
     ``profile_start_time``; not aligned, with a note, when the hosts' starts lie more than
@@ -120,7 +142,8 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     never merge with another's: the host is part of the row key), modules of the same program
     kept once, notes once each (counts in them summed over the hosts).
 
-    :raises InputError: no host holds XLA op events.
+    :raises InputError: no host holds XLA op events; the hosts were captured at different times
+        (:func:`_same_capture`) or hold different HLO under one program id and name (different runs).
     """
     notes: list[str] = _dedup([n for h in hosts for n in h.read_notes])
     counts: dict[str, int] = {}
@@ -143,11 +166,16 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     frames, step_frames, timelines = [], [], []
     row_offsets: list[int] = []
     time_offsets_ps: list[int] = []
+    spans: list[tuple[int, int, str]] = []  # each host's first op start and last op end, on the common clock
     n_rows = 0
     for h, s in zip(hosts, starts):
         if h.rows.empty:
             continue
         offset_ps = (s - base) * 1000 if (s is not None and base is not None) else 0
+        if s is not None and base is not None and len(hosts) > 1:
+            t = h.timeline
+            spans.append((int(t.start_ps.min()) + offset_ps, int((t.start_ps + t.duration_ps).max()) + offset_ps,
+                          h.host))
         rows, st = h.rows, h.steps
         if offset_ps:
             rows = rows.assign(start_ps=rows["start_ps"] + offset_ps)
@@ -160,6 +188,7 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
         time_offsets_ps.append(offset_ps)
         n_rows += len(rows)
         step_frames.append(st)
+    _same_capture(spans)
     rows = _concat(frames)
     steps = _concat([f for f in step_frames if len(f)])
     if rows.empty:
@@ -201,10 +230,11 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
                 owner[key] = (h.host, full[2])
             elif len(hosts) > 1 and full[2] != owner[key][1]:
                 differing.append(f"{m.name} ({owner[key][0]} vs {h.host})")
-    if differing:
-        notes.append(f"hosts hold different HLO under the same program id and name: {', '.join(differing[:3])}"
-                     f"{' ...' if len(differing) > 3 else ''}; the first host's HLO is used for all - these look "
-                     "like different runs: analyze them separately")
+    if differing:  # one program's figures would come from another's HLO
+        raise InputError(f"{inputs.description}: the hosts hold different HLO under the same program id and name "
+                         f"({', '.join(differing[:3])}{' ...' if len(differing) > 3 else ''}): these are different "
+                         "runs or programs, not the hosts of one; analyze them one at a time, or compare two with "
+                         "traceroof diff")
     modules = [m for m, _ in seen.values()]
     hows = [how for _, how in seen.values()]
     superseded = frozenset().union(*(h.superseded for h in hosts))
