@@ -34,7 +34,7 @@ from traceroof.rowcosts import RowCosts
 from traceroof.results import Analysis, Summary  # noqa: F401 (the API: traceroof.analysis.Analysis)
 from traceroof.roofline import main_matmul_peak, precision_notes, roofline_rows
 from traceroof.steps import steps_with_ops
-from traceroof.utilization import _step_durations, flop_utilization, utilization_notes
+from traceroof.utilization import _step_durations, flop_utilization, step_periods, utilization_notes
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
 
@@ -189,8 +189,6 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                           profile.inputs.description, notes)
     sel = steps[steps["step"].isin(used)]
     durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
-    step_mean = float(durations.mean()) if len(durations) else float("nan")
-    step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
     step_col = ops["step"]
     if step_col.dtype == "Int64":  # as isin and where, in numpy
         step_values = step_col.to_numpy(dtype="int64", na_value=0)
@@ -199,6 +197,10 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     else:
         in_used = step_col.isin(used).to_numpy(bool)
         ops["step"] = step_col.where(in_used)
+    breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used, pairs)
+    durations = step_periods(breakdown, used, durations)
+    step_mean = float(durations.mean()) if len(durations) else float("nan")
+    step_std = float(durations.std(ddof=1)) if len(durations) > 1 else 0.0
     at = np.flatnonzero(ops["counted"].to_numpy(bool) & in_used)  # op rows of the used steps
     device = ops["device"].array[at]
     n_dev = max(len(pd.unique(device[pd.notna(device)])), 1)
@@ -235,7 +237,6 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     )
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
-    breakdown, step_timeline = analysis_breakdown(profile, ops, timeline, steps, used, pairs)
     par = book_on_mesh(profile.modules, chip_ici, topo, coll_table, profile.dump_sources)  # traceroof.mesh_book
     ops.attrs["collectives"] = counted.attrs["collectives"] = SharedList(collectives)  # as build_op_table's
     # (set last: pandas deep-copies attrs into every selection made of a frame)

@@ -1,5 +1,5 @@
-"""Whole-step figures: step times (device vs host annotation), MFU and HFU, and notes on figures that cannot be
-right."""
+"""Whole-step figures: step times (the step period on the devices; device vs host annotation), MFU and HFU, and
+notes on figures that cannot be right."""
 
 from __future__ import annotations
 
@@ -48,8 +48,22 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
         why = ("asynchronous dispatch: the host runs ahead of the device" if dev_mean > host_mean else
                "the host spends longer per step than the device: Python, dispatch or input work")
         notes.append(f"device step time (first launch -> last op end) {dev_mean * 1e3:.3f} ms differs from the "
-                     f"step annotations' {host_mean * 1e3:.3f} ms ({why}); per-step figures use the device time")
+                     f"step annotations' {host_mean * 1e3:.3f} ms ({why})")
     return device, host_mean
+
+
+def step_periods(breakdown: pd.DataFrame, used: tuple[int, ...] | list[int], fallback_s: np.ndarray) -> np.ndarray:
+    """Per-step times (s) of the ``used`` steps, in step order: each step's period on the devices, from the end
+    of the previous step to its own (:mod:`traceroof.breakdown`'s ``step_time_s``, averaged over the devices), so
+    that the time a blocking loop spends in Python between steps counts, as it does on the wall clock, and MFU is
+    work over the time a step really takes. ``fallback_s`` (:func:`_step_durations`' times) where the breakdown
+    does not cover every used step (a profile without a timeline)."""
+    if breakdown.empty or not len(used):
+        return fallback_s
+    per_step = breakdown.groupby("step", sort=True)["step_time_s"].mean()
+    if len(per_step) != len(used) or not per_step.index.isin(list(used)).all():
+        return fallback_s
+    return per_step.to_numpy(np.float64)
 
 
 def _valid_steps(durations_s: np.ndarray, what: str, notes: list[str]) -> np.ndarray:

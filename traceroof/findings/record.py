@@ -159,9 +159,10 @@ Rule = Callable[[FindingInputs], list[Finding]]
 
 def step_time_s(analysis: Analysis) -> float:
     """The step a finding's share is of: the step breakdown's mean step (each step from the previous one's end,
-    host time between them included) when the analysis has one, else the header's step time. In a loop that
-    blocks on the host the two differ (the header's device step leaves the host's time out), and a finding
-    about host time must not exceed 100 % of the step. NaN when unknown."""
+    host time between them included) when the analysis has one, else the header's step time. The two are one
+    figure (:func:`traceroof.utilization.step_periods`) except in a JSON report saved by a traceroof that took
+    the header's step from the device's span alone, which leaves a blocking loop's host time out: a finding about
+    host time must not exceed 100 % of the step. NaN when unknown."""
     b = getattr(analysis, "step_breakdown", None)
     if isinstance(b, pd.DataFrame) and len(b) and "step_time_s" in b:
         mean = mean_of(b["step_time_s"])
