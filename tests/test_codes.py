@@ -54,7 +54,10 @@ def test_group_codes_find_codes_first_seen_late_in_long_columns():
     late = rng.integers(0, 50, n)
     late[-3:] = [50, 51, 50]
     cat = pd.Categorical.from_codes(rng.integers(-1, 3, n), categories=["x", "y", "z"])
-    for cols in ([late], [late, cat], [rng.integers(0, 7, n)], [np.repeat(np.arange(n // 4), 4)]):
+    # (codes ranked by their first rows: by a sort when few, by a count over the rows when many, each row its
+    # own code)
+    for cols in ([late], [late, cat], [rng.integers(0, 7, n)], [np.repeat(np.arange(n // 4), 4)],
+                 [rng.permutation(n)], [rng.permutation(n) // 2]):
         want = pd.factorize(pd.MultiIndex.from_arrays([pd.factorize(c, use_na_sentinel=False)[0] for c in cols]))[0]
         got = group_codes(cols)
         assert got.dtype == np.int64 and (got == want).all()
