@@ -163,6 +163,21 @@ def run_starts(*columns: np.ndarray) -> np.ndarray:
     return np.flatnonzero(new)
 
 
+def run_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``pd.factorize(values)`` of ids (int64, no NA): per row its value's number (int64, 0.. in order of first
+    appearance) and the distinct values. Where each value's rows come in one run (a plane's events come line by
+    line, so their thread or line ids do), the runs numbered by a count over the rows instead of a hash table
+    of every row's value."""
+    first = run_starts(values)
+    ids = values[first]
+    if len(np.unique(ids)) < len(ids):  # a value in several runs
+        codes, uniques = pd.factorize(values)
+        return codes.astype(np.int64, copy=False), uniques
+    new = np.zeros(len(values), bool)
+    new[first[1:]] = True
+    return np.cumsum(new), ids
+
+
 def first_rows(group: np.ndarray) -> np.ndarray:
     """The first row of every group id of :func:`group_codes` (index ``g`` holds group ``g``'s first row; 0 for an
     id no row holds), by :func:`_first_rows`."""

@@ -15,7 +15,7 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.trace_json import text_categorical
 from parsers.xspace import AGGREGATE_START_PS
-from traceroof.codes import as_float64, constant_categorical, na_int64
+from traceroof.codes import as_float64, constant_categorical, na_int64, run_codes, run_starts
 from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
 from traceroof.steps import kernel_launch_times, launch_events, launch_times
 
@@ -296,7 +296,7 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
     out = np.zeros(len(q_t), np.int64)
     # threads numbered in order of first appearance (a plane's events come by thread and by time, so the
     # (thread, start) keys below are usually sorted already)
-    thread, ids = pd.factorize(lines)
+    thread, ids = run_codes(lines)
     q_thread = pd.Index(ids).get_indexer(q_line)  # -1: a thread without op events (0 busy)
     q = np.flatnonzero(q_thread >= 0)
     if not len(q):
@@ -345,7 +345,7 @@ def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: 
         key, thread, start, end = key[order], thread[order], start[order], end[order]
     cum = end - start
     np.cumsum(cum, out=cum)  # time in events up to each one's end, from the first event
-    first = np.flatnonzero(np.diff(thread, prepend=-1))  # each thread's first event (one run per thread)
+    first = run_starts(thread)  # each thread's first event (one run per thread)
     before = np.zeros(int(max(thread.max(initial=0), q_thread.max(initial=0))) + 1, np.int64)
     before[thread[first]] = cum[first] - (end[first] - start[first])  # time before each thread's first event
     j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
