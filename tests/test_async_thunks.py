@@ -109,3 +109,17 @@ def test_without_hlo_a_late_end_is_cut_at_the_programs_next_execution(tmp_path, 
     assert any("or of the program's next execution (1)" in n for n in p.notes), p.notes
     times = _step_times_ps(p)
     assert (times > 0).all(), times
+
+
+def test_first_start_after_matches_a_scan_of_each_group():
+    # one candidate per group (the table) and several (the sort), with starts equal to a query's (not after it)
+    from traceroof.asyncends import NO_BOUND_PS, _first_start_after
+    rng = np.random.default_rng(2)
+    for n_groups, n_cand in ((50, 40), (50, 200), (3, 30)):
+        g_cand = rng.permutation(n_groups)[:n_cand] if n_cand <= n_groups else rng.integers(0, n_groups, n_cand)
+        c_start = rng.integers(0, 100, len(g_cand)) * 10**9
+        g_query, q_start = rng.integers(0, n_groups, 300), rng.integers(0, 100, 300) * 10**9
+        got = _first_start_after(g_cand, c_start, g_query, q_start, n_groups)
+        want = [min((int(t) for g2, t in zip(g_cand, c_start) if g2 == g and t > q), default=NO_BOUND_PS)
+                for g, q in zip(g_query, q_start)]
+        assert got.tolist() == want

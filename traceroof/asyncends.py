@@ -111,6 +111,7 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     hlo_op = pd.Categorical(events["hlo_op"])
     op_code, op_names = hlo_op.codes.astype(np.int64), hlo_op.categories
     code_of = {n: i for i, n in enumerate(op_names)}
+    text = [str(n) for n in op_names]  # (an Index read per item costs a µs each)
     host = pd.Categorical(events["host"]).codes.astype(np.int64)
     device = pd.Categorical(events["device"]).codes.astype(np.int64)
     start = events["start_ps"].to_numpy(np.int64)
@@ -121,11 +122,11 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     user_lists = []
     for m in np.unique(mod[sel]):
         in_module = np.bincount(op_code[mod == m] + 1, minlength=len(op_names) + 1)[1:] > 0
-        evented = {str(op_names[c]) for c in np.flatnonzero(in_module)}
+        evented = {text[c] for c in np.flatnonzero(in_module).tolist()}
         graph = _users(modules[m])
-        for c in np.unique(op_code[sel[mod[sel] == m]]):
-            user_lists.append((int(m) * (len(op_names) + 1) + int(c), sorted(
-                code_of[u] for u in _evented_users(str(op_names[c]), graph, evented))))
+        for c in np.unique(op_code[sel[mod[sel] == m]]).tolist():
+            user_lists.append((int(m) * (len(op_names) + 1) + c, sorted(
+                code_of[u] for u in _evented_users(text[c], graph, evented))))
     users_of = dict(user_lists)
     n_pair = np.array([len(users_of[p]) for p in pairs.tolist()], np.int64)
     flat = np.array([u for p in pairs.tolist() for u in users_of[p]], np.int64)
@@ -158,9 +159,24 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
         group = group_codes([np.concatenate([col[cand], col[q_event]]) for col in (host, device, mod, run)]
                             + [np.concatenate([op_code[cand], q_user])])
         g_cand, g_query, n_groups = group[:len(cand)], group[len(cand):], int(group.max()) + 1
+    np.minimum.at(out, q_event, _first_start_after(g_cand, start[cand], g_query, start[q_event], n_groups))
+    return out
+
+
+def _first_start_after(g_cand: np.ndarray, c_start: np.ndarray, g_query: np.ndarray, q_start: np.ndarray,
+                       n_groups: int) -> np.ndarray:
+    """Per query (group ``g_query``, start ``q_start``), the first start (ps) after its own among the candidates
+    of its group (``g_cand``, ``c_start``; groups 0..n_groups-1); ``NO_BOUND_PS`` where none."""
+    if np.bincount(g_cand, minlength=n_groups).max(initial=0) <= 1:  # one candidate per group at most (an op
+        # runs once per execution, outside loops): its start, by a table, if after the query's
+        by_group = np.full(n_groups, NO_BOUND_PS, np.int64)
+        by_group[g_cand] = c_start
+        bound = by_group[g_query]
+        bound[bound <= q_start] = NO_BOUND_PS
+        return bound
     # (group, start) as one sortable int64: start from the group's first (a group is one execution's events of
     # one op: a short span), or where that could overflow, the start's rank among all
-    t_cand, t_query = start[cand], start[q_event]
+    t_cand, t_query = c_start, q_start
     lo, width = None, 2**62
     first = min(int(t_cand.min()), int(t_query.min()))
     span = max(int(t_cand.max()), int(t_query.max())) - first
@@ -174,8 +190,8 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
         t_cand, t_query = t_cand - lo[g_cand], t_query - lo[g_query]
         width = int(max(t_cand.max(), t_query.max())) + 1
     if n_groups * width >= 2**62:
-        values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
-        t_cand, t_query, width, lo = rank[:len(cand)], rank[len(cand):], len(values) + 1, None
+        values, rank = np.unique(np.concatenate([c_start, q_start]), return_inverse=True)
+        t_cand, t_query, width, lo = rank[:len(c_start)], rank[len(c_start):], len(values) + 1, None
     # equal keys: equal starts, so no need to know which event; stable: the keys come in sorted runs (events by
     # thread and time), which a merge sort takes as they are
     key_cand = np.sort(g_cand * width + t_cand, kind="stable")
@@ -184,10 +200,9 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     at = key_cand[j[found]]
     found[found] = at // width == g_query[found]
     at = key_cand[j[found]] % width
-    bound = np.full(len(q_event), NO_BOUND_PS, np.int64)
+    bound = np.full(len(q_start), NO_BOUND_PS, np.int64)
     bound[found] = values[at] if lo is None else at + (lo if isinstance(lo, int) else lo[g_query[found]])
-    np.minimum.at(out, q_event, bound)
-    return out
+    return bound
 
 
 def _runs(sel_run: np.ndarray, cand_run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
