@@ -226,6 +226,18 @@ def test_run_ids_wrap_and_alignment():
     assert matched == 3 and list(when[:3]) == [30, 40, 50] and np.isnan(when[3])
 
 
+def test_launch_times_by_module_codes_and_wrapped_run_ids():
+    # a categorical module column (a category without events, an event without module) and as text; jit_f's run
+    # ids wrap (their span is not a small table), jit_g's repeat
+    module = ["jit_f", "jit_g", "jit_f", "jit_g", None, "jit_f", "jit_g"]
+    run = pd.array([2**31 - 1, 5, -(2**31), 6, 9, -(2**31) + 1, 5], "Int64")
+    start = np.array([35, 8, 45, 4, 50, 55, 2])
+    lau = pd.DataFrame({"module": ["jit_g", "jit_f", "jit_g", "jit_f", "jit_f"], "start_ps": [1, 30, 3, 40, 50]})
+    for col in (pd.Categorical(module, categories=["unused", "jit_g", "jit_f"]), np.array(module, dtype=object)):
+        when, matched = launch_times({"module": col, "run_id": run, "start_ps": start}, lau)
+        assert matched == 5 and when[[0, 2, 5, 1, 6, 3]].tolist() == [30, 40, 50, 1, 1, 3] and np.isnan(when[4])
+
+
 def test_trace_json_with_garbage_ids_is_read_not_crashed(job, tmp_path):
     import gzip
 

@@ -120,6 +120,22 @@ def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.
     return int(candidates[best]), int(valid[best])
 
 
+def _sorted_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``values`` (int64, at least one), sorted, and each value's position among them: by a table
+    over the values' span where it is small (a program's run ids count its launches), else by a hash table and a
+    sort of the distinct values (``np.unique`` sorts every value)."""
+    lo = int(values.min())
+    offset = values - lo
+    span = int(offset.max()) + 1
+    if span <= 2 * len(values) + 1024:
+        present = np.zeros(span, bool)
+        present[offset] = True
+        return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[offset]
+    at, keys = pd.factorize(values)
+    by_key = np.argsort(keys)
+    return keys[by_key], np.argsort(by_key)[at]
+
+
 def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.ndarray, int]:
     """The launch time (ps) of every op event's execution, NaN where it cannot be told, and how many
     executions were matched to a launch.
@@ -140,21 +156,25 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
     if not has.any():
         return out, 0
     pid = as_float64(ops["program_id"], -1) if "program_id" in ops else np.full(n, -1.0)
-    rows = np.flatnonzero(has)
+    rows = slice(None) if has.all() else np.flatnonzero(has)  # (every event: views, not copies)
     module_col = ops["module"]
-    module, names = pd.factorize((module_col.array if isinstance(module_col, pd.Series) else module_col)[has])
-    run, start, pid = rid[has].astype(np.int64), np.asarray(ops["start_ps"], np.int64)[has], pid[has]
+    module_col = module_col.array if isinstance(module_col, pd.Series) else module_col
+    if isinstance(module_col, pd.Categorical):  # its codes (-1: none), the modules present: no hash of every event
+        module, names = module_col.codes[rows], module_col.categories
+        present = np.flatnonzero(np.bincount(module[module >= 0], minlength=len(names))).tolist()
+    else:
+        module, names = pd.factorize(module_col[rows])
+        present = range(len(names))
+    run, start, pid = rid[rows].astype(np.int64), np.asarray(ops["start_ps"], np.int64)[rows], pid[rows]
     lau_module = launches["module"].to_numpy(object)
     lau_start = launches["start_ps"].to_numpy(np.int64)
     matched = 0
-    for k, name in enumerate(str(n) for n in names):
-        mine = np.flatnonzero(module == k)
+    for k in present:  # (each module's events are matched on their own: the order does not matter)
+        mine, name = np.flatnonzero(module == k), str(names[k])
         starts = lau_start[lau_module == name] if name else lau_start[:0]
         if not len(starts) or (pid[mine] != pid[mine[0]]).any():  # several programs share the name: ambiguous
             continue
-        at, run_keys = pd.factorize(run[mine])  # by a hash table, then by run id: np.unique's sort of every event
-        by_run = np.argsort(run_keys)
-        run_keys, at = run_keys[by_run], np.argsort(by_run)[at]
+        run_keys, at = _sorted_codes(run[mine])
         first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
         np.minimum.at(first_start, at, start[mine])
         runs = _unwrapped(run_keys)
@@ -168,7 +188,7 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
         when = np.full(len(run_keys), np.nan)
         when[order[ok]] = starts[idx[ok]]
         matched += int(ok.sum())
-        out[rows[mine]] = when[at]
+        out[mine if isinstance(rows, slice) else rows[mine]] = when[at]
     return out, matched
 
 
