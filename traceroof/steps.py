@@ -210,9 +210,9 @@ def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: p
     """The step (int64, -1 outside every step) whose interval in ``steps`` (``by``, ``step``, ``start_ps``,
     ``end_ps``) on the same ``by`` key (host annotations; a TPU device's ``Steps`` line) contains each time (ps).
     ``keys``: the ``by`` value of every time, compared through categorical codes."""
-    out = np.full(len(when_ps), -1, np.int64)
     if steps.empty:
-        return out
+        return np.full(len(when_ps), -1, np.int64)
+    out = None
     cat = keys if isinstance(keys, pd.Categorical) else pd.Categorical(keys)
     codes = cat.codes
     step_key, key_names = pd.factorize(steps[by])
@@ -224,19 +224,25 @@ def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: p
             continue
         st = np.flatnonzero(step_key == k)
         st = st[np.argsort(starts_all[st], kind="stable")]
-        rows = np.flatnonzero(codes == pos)
-        every = len(rows) == len(codes)  # one key (a host's annotations): the times as they are
+        on = codes == pos
+        every = bool(on.all())  # one key (a host's annotations): the times as they are
+        rows = None if every else np.flatnonzero(on)
         t = when_ps if every else when_ps[rows]
-        starts, ends = starts_all[st], ends_all[st]
-        idx = np.searchsorted(starts, t, side="right") - 1
-        ok = idx >= 0
-        np.maximum(idx, 0, out=idx)
-        ok &= t < ends[idx]
-        found = np.where(ok, step_all[st][idx], -1)
+        heads = run_starts(t)  # the events of an execution come together, at its launch: one look-up per run
+        t_heads = t[heads]
+        # the step starting last at or before each time (position 0: before the first step, which ends before
+        # every time), if the time is before its end
+        at = np.searchsorted(starts_all[st], t_heads, side="right")
+        found = np.append(-1, step_all[st])[at]
+        found[t_heads >= np.append(np.iinfo(np.int64).min, ends_all[st])[at]] = -1
+        if len(heads) < len(t):
+            found = np.repeat(found, np.diff(heads, append=len(t)))
         if every:
             return found
+        if out is None:
+            out = np.full(len(when_ps), -1, np.int64)
         out[rows] = found
-    return out
+    return np.full(len(when_ps), -1, np.int64) if out is None else out
 
 
 def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.DataFrame, str]:
