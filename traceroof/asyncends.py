@@ -54,26 +54,30 @@ def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], facts:
         return events
     implied_col = pd.array(events["async_end_ps"], "Int64")
     start = events["start_ps"].to_numpy(np.int64)
-    end = start + events["duration_ps"].to_numpy(np.int64)
-    grow = ~implied_col.isna()
-    implied = implied_col.to_numpy(np.int64, na_value=0)
-    grow &= implied > end
-    if not grow.any():
+    duration = events["duration_ps"].to_numpy(np.int64)
+    # the events whose end grows (few: below, only they are worked on)
+    known = np.flatnonzero(~implied_col.isna())
+    implied = implied_col[known].to_numpy(np.int64)
+    end = start[known] + duration[known]
+    grows = implied > end
+    grow, implied, end = known[grows], implied[grows], end[grows]
+    if not len(grow):
         return events
     by_user = _first_user_starts(events, modules, grow)
     by_next = _next_execution_starts(events, grow)
-    new_end = np.where(grow, np.maximum(end, np.minimum(implied, np.minimum(by_user, by_next))), end)
-    cut_user = grow & (by_user < implied) & (by_user <= by_next)
-    cut_next = grow & (by_next < implied) & ~cut_user
-    op_ps = int((end - start).sum())
-    extra_ps = int((new_end - end).sum())
+    new_end = np.maximum(end, np.minimum(implied, np.minimum(by_user, by_next)))
+    cut_user = (by_user < implied) & (by_user <= by_next)
+    cut_next = (by_next < implied) & ~cut_user
     cut = cut_user | cut_next
     removed_ps = int((implied - new_end)[cut].sum())
-    for k, v in (("async_op_ps", op_ps), ("async_extra_ps", extra_ps), ("async_grown", int((new_end > end).sum())),
-                 ("async_cut", int(cut.sum())), ("async_cut_user", int(cut_user.sum())),
-                 ("async_cut_next", int(cut_next.sum())), ("async_removed_ps", removed_ps)):
+    for k, v in (("async_op_ps", int(duration.sum())), ("async_extra_ps", int((new_end - end).sum())),
+                 ("async_grown", int((new_end > end).sum())), ("async_cut", int(cut.sum())),
+                 ("async_cut_user", int(cut_user.sum())), ("async_cut_next", int(cut_next.sum())),
+                 ("async_removed_ps", removed_ps)):
         facts[k] = facts.get(k, 0) + v
-    return events.assign(duration_ps=new_end - start)
+    duration = duration.copy()
+    duration[grow] = new_end - start[grow]
+    return events.assign(duration_ps=duration)
 
 
 def async_notes(facts: dict[str, int]) -> list[str]:
@@ -96,36 +100,37 @@ def async_notes(facts: dict[str, int]) -> list[str]:
 
 
 def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow: np.ndarray) -> np.ndarray:
-    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first start after its own of an op event of
+    """Per grown event (``grow``: their positions, increasing): the first start after its own of an op event of
     the same host, device and execution whose instruction uses the event's result (bound (a) of
-    :func:`_bound_async_ends`)."""
-    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    :func:`_bound_async_ends`); ``NO_BOUND_PS`` where none."""
+    out = np.full(len(grow), NO_BOUND_PS, np.int64)
     if not modules or "run_id" not in events:
         return out
     mod = match_modules(events, modules)[0]  # each event's module (matched once per run of one program)
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     has_run = events["run_id"].notna().to_numpy(bool)
-    sel = np.flatnonzero(grow & (mod >= 0) & has_run)
+    of_sel = np.flatnonzero((mod[grow] >= 0) & has_run[grow])  # (their places among the grown events)
+    sel = grow[of_sel]
     if not sel.size:
         return out
     hlo_op = pd.Categorical(events["hlo_op"])
-    op_code, op_names = hlo_op.codes.astype(np.int64), hlo_op.categories
+    op_code, op_names = hlo_op.codes, hlo_op.categories  # (codes of the few events concerned made int64 below)
     code_of = {n: i for i, n in enumerate(op_names)}
     text = [str(n) for n in op_names]  # (an Index read per item costs a µs each)
-    host = pd.Categorical(events["host"]).codes.astype(np.int64)
-    device = pd.Categorical(events["device"]).codes.astype(np.int64)
+    host = pd.Categorical(events["host"]).codes
+    device = pd.Categorical(events["device"]).codes
     start = events["start_ps"].to_numpy(np.int64)
     # per (module, op) of the grown events: the ops with events that read its result, in one flat array
     pair_key = mod[sel] * (len(op_names) + 1) + op_code[sel]
     pair_of = group_codes([pair_key])  # as pd.factorize's codes (by first appearance), by a table: small codes
     pairs = pair_key[first_rows(pair_of)]
     user_lists = []
-    for m in np.unique(mod[sel]):
+    for m in np.flatnonzero(np.bincount(mod[sel])).tolist():  # (the distinct modules and ops by counts, not sorts)
         in_module = np.bincount(op_code[mod == m] + 1, minlength=len(op_names) + 1)[1:] > 0
         evented = {text[c] for c in np.flatnonzero(in_module).tolist()}
         graph = _users(modules[m])
-        for c in np.unique(op_code[sel[mod[sel] == m]]).tolist():
-            user_lists.append((int(m) * (len(op_names) + 1) + c, sorted(
+        for c in (np.flatnonzero(np.bincount(op_code[sel[mod[sel] == m]] + 1)) - 1).tolist():
+            user_lists.append((m * (len(op_names) + 1) + c, sorted(
                 code_of[u] for u in _evented_users(text[c], graph, evented))))
     users_of = dict(user_lists)
     n_pair = np.array([len(users_of[p]) for p in pairs.tolist()], np.int64)
@@ -135,6 +140,7 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     q_event = np.repeat(sel, n_users)
     if not len(q_event):
         return out
+    q_out = np.repeat(of_sel, n_users)
     first_user = np.repeat((np.cumsum(n_pair) - n_pair)[pair_of] - (np.cumsum(n_users) - n_users), n_users)
     q_user = flat[first_user + np.arange(len(q_event))]
     wanted = np.zeros(len(op_names) + 1, bool)  # by op code; the last: code -1 (no op)
@@ -145,21 +151,22 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     if not len(cand):
         return out
     # one group id per (host, device, module, run, op) over candidates and queries together: mixed-radix codes
-    # where they stay small, else dense ones
-    cols = [(col, int(col.min()), int(col.max()) - int(col.min()) + 1) for col in (host, device, mod)]
-    size = len(runs) * len(op_names) * int(np.prod([n for _, _, n in cols], dtype=object))
+    # where they stay small, else dense ones (of the columns' values at the candidates and grown events)
+    cols = [(col[cand].astype(np.int64), col[sel].astype(np.int64)) for col in (host, device, mod)]
+    spans = [(int(min(c.min(), q.min())), int(max(c.max(), q.max()))) for c, q in cols]
+    size = len(runs) * len(op_names) * int(np.prod([hi - lo + 1 for lo, hi in spans], dtype=object))
     if size <= 4 * (len(cand) + len(q_event)):
         g_cand, g_sel = c_run, sel_run
-        for col, low, n in cols:
-            if n > 1:  # (a column of one value adds nothing)
-                g_cand, g_sel = g_cand * n + (col[cand] - low), g_sel * n + (col[sel] - low)
+        for (c, q), (lo, hi) in zip(cols, spans):
+            if hi > lo:  # (a column of one value adds nothing)
+                g_cand, g_sel = g_cand * (hi - lo + 1) + (c - lo), g_sel * (hi - lo + 1) + (q - lo)
         g_cand, g_query = g_cand * len(op_names) + op_code[cand], np.repeat(g_sel * len(op_names), n_users) + q_user
         n_groups = size
     else:
-        group = group_codes([np.concatenate([col[cand], col[q_event]]) for col in (host, device, mod, run)]
-                            + [np.concatenate([op_code[cand], q_user])])
+        group = group_codes([np.concatenate([c, np.repeat(q, n_users)]) for c, q in cols]
+                            + [np.concatenate([run[cand], run[q_event]]), np.concatenate([op_code[cand], q_user])])
         g_cand, g_query, n_groups = group[:len(cand)], group[len(cand):], int(group.max()) + 1
-    np.minimum.at(out, q_event, _first_start_after(g_cand, start[cand], g_query, start[q_event], n_groups))
+    np.minimum.at(out, q_out, _first_start_after(g_cand, start[cand], g_query, start[q_event], n_groups))
     return out
 
 
@@ -251,14 +258,15 @@ def _evented_users(name: str, graph: dict[str, list[str]], evented: set[str]) ->
 
 
 def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray:
-    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first op start of the next execution of its
+    """Per grown event (``grow``: their positions, increasing): the first op start of the next execution of its
     program on its host and device, when the two executions' op events do not overlap (bound (b) of
-    :func:`_bound_async_ends`)."""
-    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    :func:`_bound_async_ends`); ``NO_BOUND_PS`` where none."""
+    out = np.full(len(grow), NO_BOUND_PS, np.int64)
     if "run_id" not in events:
         return out
     has_run = events["run_id"].notna().to_numpy(bool)
-    if not (grow & has_run).any():
+    of_sel = np.flatnonzero(has_run[grow])  # (the grown events with a run id: their places among them)
+    if not len(of_sel):
         return out
     rows = np.flatnonzero(has_run)
     every = len(rows) == len(events)
@@ -285,6 +293,6 @@ def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray
     same = ex_program[order[1:]] == ex_program[order[:-1]]
     nxt[order[:-1][same]] = ex_start[order[1:][same]]
     bound = np.where(ex_end <= nxt, nxt, NO_BOUND_PS)
-    sel = grow[rows]
-    out[rows[sel]] = bound[execution[sel]]
+    sel = grow[of_sel]  # as rows of the events with a run id
+    out[of_sel] = bound[execution[sel if every else np.searchsorted(rows, sel)]]
     return out
