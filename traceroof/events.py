@@ -343,17 +343,24 @@ def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: 
     if not (key[1:] >= key[:-1]).all():  # sorted already when the events come by thread and by time
         order = np.argsort(key, kind="stable")
         key, thread, start, end = key[order], thread[order], start[order], end[order]
-    cum = end - start
-    np.cumsum(cum, out=cum)  # time in events up to each one's end, from the first event
+    duration = end - start
+    cum = np.cumsum(duration)
+    cum -= duration  # time in events before each one, from the first event
     first = run_starts(thread)  # each thread's first event (one run per thread)
     before = np.zeros(int(max(thread.max(initial=0), q_thread.max(initial=0))) + 1, np.int64)
-    before[thread[first]] = cum[first] - (end[first] - start[first])  # time before each thread's first event
+    before[thread[first]] = cum[first]  # time before each thread's first event
     j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
     ok = j >= 0
     ok[ok] = thread[j[ok]] == q_thread[ok]
-    jj = np.maximum(j, 0)
-    part = np.clip(np.minimum(q_t, end[jj]) - start[jj], 0, None)  # of that event, up to t
-    return np.where(ok, cum[jj] - (end[jj] - start[jj]) - before[q_thread] + part, 0)
+    np.maximum(j, 0, out=j)
+    part = np.minimum(q_t, end[j])
+    part -= start[j]
+    np.maximum(part, 0, out=part)  # of that event, up to t
+    busy = cum[j]
+    busy -= before[q_thread]
+    busy += part
+    busy[~ok] = 0
+    return busy
 
 
 def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:
