@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
-from traceroof.codes import first_rows, group_codes
+from traceroof.codes import first_rows, group_codes, run_starts
 from traceroof.join import match_modules
 
 
@@ -273,26 +273,30 @@ def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray
     start = events["start_ps"].to_numpy(np.int64)
     end = start + events["duration_ps"].to_numpy(np.int64)
     # a program: (host, device, module, program id); an execution: a program's run id
-    program_of = [events[c].array for c in ("host", "device", "module")] + [
+    program_of = [pd.Categorical(events[c]).codes for c in ("host", "device", "module")] + [
         events["program_id"].to_numpy(dtype="int64", na_value=-1)]
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     if not every:
         start, end, run = start[rows], end[rows], run[rows]
-        program_of = [col.take(rows) for col in program_of]
-    execution = group_codes(program_of + [run])
+        program_of = [col[rows] for col in program_of]
+    # an execution's events come in runs (a thread's, by time): each run's first start and last end, then each
+    # execution's over its runs (a few thousand, not every event)
+    heads = run_starts(*program_of, run)
+    execution = group_codes([col[heads] for col in program_of] + [run[heads]])
     n_ex = int(execution.max()) + 1
     ex_start = np.full(n_ex, NO_BOUND_PS, np.int64)
-    np.minimum.at(ex_start, execution, start)
+    np.minimum.at(ex_start, execution, np.minimum.reduceat(start, heads))
     ex_end = np.full(n_ex, np.iinfo(np.int64).min, np.int64)
-    np.maximum.at(ex_end, execution, end)
-    one = first_rows(execution)  # a row of each execution (any: they share the program)
-    ex_program = group_codes([col.take(one) for col in program_of])  # program numbers: only grouping matters
+    np.maximum.at(ex_end, execution, np.maximum.reduceat(end, heads))
+    one = heads[first_rows(execution)]  # a row of each execution (any: they share the program)
+    ex_program = group_codes([col[one] for col in program_of])  # program numbers: only grouping matters
     # executions of a program by first op start (ties: in order of first appearance), each bounded by the next
     order = np.lexsort((np.arange(n_ex), ex_start, ex_program))
     nxt = np.full(n_ex, NO_BOUND_PS, np.int64)
     same = ex_program[order[1:]] == ex_program[order[:-1]]
     nxt[order[:-1][same]] = ex_start[order[1:][same]]
     bound = np.where(ex_end <= nxt, nxt, NO_BOUND_PS)
-    sel = grow[of_sel]  # as rows of the events with a run id
-    out[of_sel] = bound[execution[sel if every else np.searchsorted(rows, sel)]]
+    sel = grow[of_sel]
+    at = sel if every else np.searchsorted(rows, sel)  # as rows of the events with a run id
+    out[of_sel] = bound[execution[np.searchsorted(heads, at, side="right") - 1]]  # (by their run)
     return out

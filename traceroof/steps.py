@@ -289,13 +289,17 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     if not ok.all():
         ok = np.flatnonzero(ok)
         host, ops_step, when_ps, end_ps = host[ok], ops_step[ok], when_ps[ok], end_ps[ok]
-    group = group_codes([host, ops_step])
-    at = first_rows(group)
+    # a step's events come in runs (an execution's, a thread's): each run's first launch and last end, then each
+    # step's over its runs
+    heads = run_starts(host, ops_step)
+    group = group_codes([host[heads], ops_step[heads]])
+    at = heads[first_rows(group)]
     g_host, g_step = host[at], ops_step[at]
     first = np.full(len(at), np.iinfo(np.int64).max)
     last = np.full(len(at), np.iinfo(np.int64).min)
-    np.minimum.at(first, group, when_ps)
-    np.maximum.at(last, group, end_ps)
+    if len(heads):
+        np.minimum.at(first, group, np.minimum.reduceat(when_ps, heads))
+        np.maximum.at(last, group, np.maximum.reduceat(end_ps, heads))
     # per host in order of first launch: no earlier than the latest op end of any earlier step on the host (not
     # only the one before), and never past the step's own last op end: a step whose ops all ran inside an
     # earlier, longer one gets 0 device time
