@@ -123,3 +123,25 @@ def test_first_start_after_matches_a_scan_of_each_group():
         want = [min((int(t) for g2, t in zip(g_cand, c_start) if g2 == g and t > q), default=NO_BOUND_PS)
                 for g, q in zip(g_query, q_start)]
         assert got.tolist() == want
+
+
+def test_busy_matches_a_sum_over_each_threads_events():
+    # threads' events in one run each or interleaved (then sorted by key), times near 0 and spanning 2^61 (fewer
+    # threads per key than there are: chunks) or 2^63 (times by rank); queries on threads without events
+    from traceroof.events import _busy
+    rng = np.random.default_rng(8)
+    for scale, lo in ((1, 0), (2**55, 0), (2**56, -2**62)):
+        n = 60
+        lines = rng.choice([7, -3, 2**40, 5, 11], n)
+        if scale == 1:
+            lines = np.sort(lines)
+        start, end = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for line in np.unique(lines):  # one thread's events do not overlap
+            at = np.flatnonzero(lines == line)
+            bounds = np.sort(rng.choice(100, 2 * len(at), replace=False)).reshape(-1, 2)
+            start[at], end[at] = lo + bounds[:, 0] * scale, lo + bounds[:, 1] * scale
+        q_line = rng.choice([7, -3, 2**40, 5, 11, 99], 40)
+        q_t = lo + rng.integers(0, 101, 40) * scale
+        want = [sum(max(0, min(int(e), int(t)) - int(s)) for s, e, line in zip(start, end, lines) if line == q)
+                for q, t in zip(q_line, q_t)]
+        assert _busy(lines, start, end, q_line, q_t).tolist() == want
