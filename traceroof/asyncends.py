@@ -152,13 +152,14 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
         return out
     # one group id per (host, device, module, run, op) over candidates and queries together: mixed-radix codes
     # where they stay small, else dense ones (of the columns' values at the candidates and grown events)
-    cols = [(col[cand].astype(np.int64), col[sel].astype(np.int64)) for col in (host, device, mod)]
+    cols = [(col[cand].astype(np.int64), col[sel].astype(np.int64)) for col in (host, device, mod)
+            if col.min() < col.max()]  # (a column of one value splits nothing: one host, usually one device)
     spans = [(int(min(c.min(), q.min())), int(max(c.max(), q.max()))) for c, q in cols]
     size = len(runs) * len(op_names) * int(np.prod([hi - lo + 1 for lo, hi in spans], dtype=object))
     if size <= 4 * (len(cand) + len(q_event)):
         g_cand, g_sel = c_run, sel_run
         for (c, q), (lo, hi) in zip(cols, spans):
-            if hi > lo:  # (a column of one value adds nothing)
+            if hi > lo:  # (one value among the events concerned adds nothing)
                 g_cand, g_sel = g_cand * (hi - lo + 1) + (c - lo), g_sel * (hi - lo + 1) + (q - lo)
         g_cand, g_query = g_cand * len(op_names) + op_code[cand], np.repeat(g_sel * len(op_names), n_users) + q_user
         n_groups = size
