@@ -125,9 +125,9 @@ def _sorted_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     over the values' span where it is small (a program's run ids count its launches), else by a hash table and a
     sort of the distinct values (``np.unique`` sorts every value)."""
     lo = int(values.min())
-    offset = values - lo
-    span = int(offset.max()) + 1
+    span = int(values.max()) - lo + 1  # (in Python: int64 could overflow)
     if span <= 2 * len(values) + 1024:
+        offset = values - lo
         present = np.zeros(span, bool)
         present[offset] = True
         return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[offset]
