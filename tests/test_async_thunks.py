@@ -109,3 +109,39 @@ def test_without_hlo_a_late_end_is_cut_at_the_programs_next_execution(tmp_path, 
     assert any("or of the program's next execution (1)" in n for n in p.notes), p.notes
     times = _step_times_ps(p)
     assert (times > 0).all(), times
+
+
+def test_first_start_after_matches_a_scan_of_each_group():
+    # one candidate per group (the table) and several (the sort), with starts equal to a query's (not after it)
+    from traceroof.asyncends import NO_BOUND_PS, _first_start_after
+    rng = np.random.default_rng(2)
+    for n_groups, n_cand in ((50, 40), (50, 200), (3, 30)):
+        g_cand = rng.permutation(n_groups)[:n_cand] if n_cand <= n_groups else rng.integers(0, n_groups, n_cand)
+        c_start = rng.integers(0, 100, len(g_cand)) * 10**9
+        g_query, q_start = rng.integers(0, n_groups, 300), rng.integers(0, 100, 300) * 10**9
+        got = _first_start_after(g_cand, c_start, g_query, q_start, n_groups)
+        want = [min((int(t) for g2, t in zip(g_cand, c_start) if g2 == g and t > q), default=NO_BOUND_PS)
+                for g, q in zip(g_query, q_start)]
+        assert got.tolist() == want
+
+
+def test_busy_matches_a_sum_over_each_threads_events():
+    # threads' events in one run each or interleaved (then sorted by key), times near 0 and spanning 2^61 (fewer
+    # threads per key than there are: chunks) or 2^63 (times by rank); queries on threads without events
+    from traceroof.events import _busy
+    rng = np.random.default_rng(8)
+    for scale, lo in ((1, 0), (2**55, 0), (2**56, -2**62)):
+        n = 60
+        lines = rng.choice([7, -3, 2**40, 5, 11], n)
+        if scale == 1:
+            lines = np.sort(lines)
+        start, end = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        for line in np.unique(lines):  # one thread's events do not overlap
+            at = np.flatnonzero(lines == line)
+            bounds = np.sort(rng.choice(100, 2 * len(at), replace=False)).reshape(-1, 2)
+            start[at], end[at] = lo + bounds[:, 0] * scale, lo + bounds[:, 1] * scale
+        q_line = rng.choice([7, -3, 2**40, 5, 11, 99], 40)
+        q_t = lo + rng.integers(0, 101, 40) * scale
+        want = [sum(max(0, min(int(e), int(t)) - int(s)) for s, e, line in zip(start, end, lines) if line == q)
+                for q, t in zip(q_line, q_t)]
+        assert _busy(lines, start, end, q_line, q_t).tolist() == want

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.codes import (as_text, first_rows, group_codes, group_mean, group_median, group_order, group_sum,
-                             positions)
+                             positions, run_codes)
 
 
 def _first_seen_ids(columns):
@@ -54,7 +54,10 @@ def test_group_codes_find_codes_first_seen_late_in_long_columns():
     late = rng.integers(0, 50, n)
     late[-3:] = [50, 51, 50]
     cat = pd.Categorical.from_codes(rng.integers(-1, 3, n), categories=["x", "y", "z"])
-    for cols in ([late], [late, cat], [rng.integers(0, 7, n)], [np.repeat(np.arange(n // 4), 4)]):
+    # (codes ranked by their first rows: by a sort when few, by a count over the rows when many, each row its
+    # own code)
+    for cols in ([late], [late, cat], [rng.integers(0, 7, n)], [np.repeat(np.arange(n // 4), 4)],
+                 [rng.permutation(n)], [rng.permutation(n) // 2]):
         want = pd.factorize(pd.MultiIndex.from_arrays([pd.factorize(c, use_na_sentinel=False)[0] for c in cols]))[0]
         got = group_codes(cols)
         assert got.dtype == np.int64 and (got == want).all()
@@ -105,3 +108,14 @@ def test_run_starts_over_one_or_several_columns():
     assert run_starts(np.array([np.nan, np.nan, 1.0])).tolist() == [0, 1, 2]  # NaN != NaN: a run of its own
     assert run_starts(np.array(["x", "x", "y"], dtype=object)).tolist() == [0, 2]
     assert run_starts(np.zeros(0, np.int64), np.zeros(0, np.int64)).tolist() == []
+
+
+def test_run_codes_match_factorize():
+    # ids in one run each (events line by line), ids back in a later run, negative and huge ids, one id, none
+    rng = np.random.default_rng(5)
+    ids = np.array([-2**63, 7, 2**62, -1, 0], np.int64)
+    for values in (np.repeat(ids, [3, 1, 4, 1, 2]), np.repeat(ids[[1, 2, 1, 3]], [2, 2, 1, 3]),
+                   rng.choice(ids, 50), np.full(4, 9), np.zeros(0, np.int64)):
+        codes, uniques = run_codes(values)
+        want_codes, want_uniques = pd.factorize(values)
+        assert codes.dtype == np.int64 and (codes == want_codes).all() and (uniques == want_uniques).all()

@@ -26,7 +26,7 @@ from traceroof import analyze  # noqa: E402
 from traceroof.discovery import discover  # noqa: E402
 from traceroof.profile import load_profile  # noqa: E402
 from traceroof.hlo_source import HloMismatchError  # noqa: E402
-from traceroof.steps import _best_offset, _unwrapped, launch_times  # noqa: E402
+from traceroof.steps import _best_offset, _sorted_codes, _unwrapped, assign_steps, launch_times  # noqa: E402
 
 HOST_CHIP = Path(__file__).resolve().parents[1] / "fixtures" / "fixture_host.toml"
 
@@ -224,6 +224,34 @@ def test_run_ids_wrap_and_alignment():
     lau = pd.DataFrame({"module": ["jit_f"] * 3, "start_ps": [30, 40, 50]})
     when, matched = launch_times(ops, lau)
     assert matched == 3 and list(when[:3]) == [30, 40, 50] and np.isnan(when[3])
+
+
+def test_launch_times_by_module_codes_and_wrapped_run_ids():
+    # a categorical module column (a category without events, an event without module) and as text; jit_f's run
+    # ids wrap (their span is not a small table), jit_g's repeat
+    module = ["jit_f", "jit_g", "jit_f", "jit_g", None, "jit_f", "jit_g"]
+    run = pd.array([2**31 - 1, 5, -(2**31), 6, 9, -(2**31) + 1, 5], "Int64")
+    start = np.array([35, 8, 45, 4, 50, 55, 2])
+    lau = pd.DataFrame({"module": ["jit_g", "jit_f", "jit_g", "jit_f", "jit_f"], "start_ps": [1, 30, 3, 40, 50]})
+    for col in (pd.Categorical(module, categories=["unused", "jit_g", "jit_f"]), np.array(module, dtype=object)):
+        when, matched = launch_times({"module": col, "run_id": run, "start_ps": start}, lau)
+        assert matched == 5 and when[[0, 2, 5, 1, 6, 3]].tolist() == [30, 40, 50, 1, 1, 3] and np.isnan(when[4])
+    for values in (np.array([5, 3, 5, 9]), np.array([2**63 - 1, -2**63, 0, -2**63])):  # a table; a span past int64
+        keys, at = _sorted_codes(values)
+        assert keys.tolist() == sorted(set(values.tolist())) and (keys[at] == values).all()
+
+
+def test_assign_steps_matches_a_scan_of_the_steps():
+    # times in runs of equal values (an execution's events) and not, on one key and on two (one without steps),
+    # at step starts and ends, before the first step and in gaps
+    rng = np.random.default_rng(4)
+    steps = pd.DataFrame({"host": ["a", "a", "b", "a"], "step": pd.array([3, 4, 7, 5], "Int64"),
+                          "start_ps": [10, 20, 10, 40], "end_ps": [20, 30, 50, 45]})
+    for times in (np.repeat(rng.integers(0, 60, 40), rng.integers(1, 5, 40)), rng.integers(0, 60, 200)):
+        for keys in (np.full(len(times), "a"), rng.choice(["a", "b", "c"], len(times))):
+            want = [next((int(s) for h, s, a, b in steps.itertuples(index=False) if h == k and a <= t < b), -1)
+                    for t, k in zip(times, keys)]
+            assert assign_steps(times, pd.Categorical(keys), steps).tolist() == want
 
 
 def test_trace_json_with_garbage_ids_is_read_not_crashed(job, tmp_path):

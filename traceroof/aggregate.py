@@ -76,14 +76,17 @@ def aggregate_events(events: pd.DataFrame) -> tuple[pd.DataFrame, Timeline]:
     key_columns = [events[c] for c in keys]
     row = group_codes(key_columns) if keys else np.zeros(len(events), np.int64)
     n_rows = int(row.max()) + 1 if len(row) else 0
-    first = first_rows(row)
+    every = n_rows == len(row)  # every event a row of its own (the ids count up in event order: row i is event i)
+    first = None if every else first_rows(row)
     start = events["start_ps"].to_numpy(np.int64)
     duration = events["duration_ps"].to_numpy(np.int64)
-    cols: dict[str, object] = {c: col.array.take(first) for c, col in zip(keys, key_columns)}
-    cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
-    if n_rows == len(row):  # every event a row of its own (the ids count up in event order)
+    cols: dict[str, object] = {c: col.array.copy() if every else col.array.take(first)
+                               for c, col in zip(keys, key_columns)}
+    if every:
+        cols["events"] = np.ones(n_rows, np.int64)
         cols["duration_ps"], cols["start_ps"] = duration.copy(), start.copy()
     else:  # integer sums and minima in any order: no sort of the events
+        cols["events"] = np.bincount(row, minlength=n_rows).astype(np.int64)
         cols["duration_ps"], cols["start_ps"] = np.zeros(n_rows, np.int64), start[first]
         np.add.at(cols["duration_ps"], row, duration)
         np.minimum.at(cols["start_ps"], row, start)

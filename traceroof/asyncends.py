@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
-from traceroof.codes import first_rows, group_codes
+from traceroof.codes import first_rows, group_codes, run_starts
 from traceroof.join import match_modules
 
 
@@ -54,26 +54,30 @@ def _bound_async_ends(events: pd.DataFrame, modules: Sequence[HloModule], facts:
         return events
     implied_col = pd.array(events["async_end_ps"], "Int64")
     start = events["start_ps"].to_numpy(np.int64)
-    end = start + events["duration_ps"].to_numpy(np.int64)
-    grow = ~implied_col.isna()
-    implied = implied_col.to_numpy(np.int64, na_value=0)
-    grow &= implied > end
-    if not grow.any():
+    duration = events["duration_ps"].to_numpy(np.int64)
+    # the events whose end grows (few: below, only they are worked on)
+    known = np.flatnonzero(~implied_col.isna())
+    implied = implied_col[known].to_numpy(np.int64)
+    end = start[known] + duration[known]
+    grows = implied > end
+    grow, implied, end = known[grows], implied[grows], end[grows]
+    if not len(grow):
         return events
     by_user = _first_user_starts(events, modules, grow)
     by_next = _next_execution_starts(events, grow)
-    new_end = np.where(grow, np.maximum(end, np.minimum(implied, np.minimum(by_user, by_next))), end)
-    cut_user = grow & (by_user < implied) & (by_user <= by_next)
-    cut_next = grow & (by_next < implied) & ~cut_user
-    op_ps = int((end - start).sum())
-    extra_ps = int((new_end - end).sum())
+    new_end = np.maximum(end, np.minimum(implied, np.minimum(by_user, by_next)))
+    cut_user = (by_user < implied) & (by_user <= by_next)
+    cut_next = (by_next < implied) & ~cut_user
     cut = cut_user | cut_next
     removed_ps = int((implied - new_end)[cut].sum())
-    for k, v in (("async_op_ps", op_ps), ("async_extra_ps", extra_ps), ("async_grown", int((new_end > end).sum())),
-                 ("async_cut", int(cut.sum())), ("async_cut_user", int(cut_user.sum())),
-                 ("async_cut_next", int(cut_next.sum())), ("async_removed_ps", removed_ps)):
+    for k, v in (("async_op_ps", int(duration.sum())), ("async_extra_ps", int((new_end - end).sum())),
+                 ("async_grown", int((new_end > end).sum())), ("async_cut", int(cut.sum())),
+                 ("async_cut_user", int(cut_user.sum())), ("async_cut_next", int(cut_next.sum())),
+                 ("async_removed_ps", removed_ps)):
         facts[k] = facts.get(k, 0) + v
-    return events.assign(duration_ps=new_end - start)
+    duration = duration.copy()
+    duration[grow] = new_end - start[grow]
+    return events.assign(duration_ps=duration)
 
 
 def async_notes(facts: dict[str, int]) -> list[str]:
@@ -96,36 +100,38 @@ def async_notes(facts: dict[str, int]) -> list[str]:
 
 
 def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow: np.ndarray) -> np.ndarray:
-    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first start after its own of an op event of
+    """Per grown event (``grow``: their positions, increasing): the first start after its own of an op event of
     the same host, device and execution whose instruction uses the event's result (bound (a) of
-    :func:`_bound_async_ends`)."""
-    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    :func:`_bound_async_ends`); ``NO_BOUND_PS`` where none."""
+    out = np.full(len(grow), NO_BOUND_PS, np.int64)
     if not modules or "run_id" not in events:
         return out
     mod = match_modules(events, modules)[0]  # each event's module (matched once per run of one program)
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     has_run = events["run_id"].notna().to_numpy(bool)
-    sel = np.flatnonzero(grow & (mod >= 0) & has_run)
+    of_sel = np.flatnonzero((mod[grow] >= 0) & has_run[grow])  # (their places among the grown events)
+    sel = grow[of_sel]
     if not sel.size:
         return out
     hlo_op = pd.Categorical(events["hlo_op"])
-    op_code, op_names = hlo_op.codes.astype(np.int64), hlo_op.categories
+    op_code, op_names = hlo_op.codes, hlo_op.categories  # (codes of the few events concerned made int64 below)
     code_of = {n: i for i, n in enumerate(op_names)}
-    host = pd.Categorical(events["host"]).codes.astype(np.int64)
-    device = pd.Categorical(events["device"]).codes.astype(np.int64)
+    text = [str(n) for n in op_names]  # (an Index read per item costs a µs each)
+    host = pd.Categorical(events["host"]).codes
+    device = pd.Categorical(events["device"]).codes
     start = events["start_ps"].to_numpy(np.int64)
     # per (module, op) of the grown events: the ops with events that read its result, in one flat array
     pair_key = mod[sel] * (len(op_names) + 1) + op_code[sel]
     pair_of = group_codes([pair_key])  # as pd.factorize's codes (by first appearance), by a table: small codes
     pairs = pair_key[first_rows(pair_of)]
     user_lists = []
-    for m in np.unique(mod[sel]):
+    for m in np.flatnonzero(np.bincount(mod[sel])).tolist():  # (the distinct modules and ops by counts, not sorts)
         in_module = np.bincount(op_code[mod == m] + 1, minlength=len(op_names) + 1)[1:] > 0
-        evented = {str(op_names[c]) for c in np.flatnonzero(in_module)}
+        evented = {text[c] for c in np.flatnonzero(in_module).tolist()}
         graph = _users(modules[m])
-        for c in np.unique(op_code[sel[mod[sel] == m]]):
-            user_lists.append((int(m) * (len(op_names) + 1) + int(c), sorted(
-                code_of[u] for u in _evented_users(str(op_names[c]), graph, evented))))
+        for c in (np.flatnonzero(np.bincount(op_code[sel[mod[sel] == m]] + 1)) - 1).tolist():
+            user_lists.append((m * (len(op_names) + 1) + c, sorted(
+                code_of[u] for u in _evented_users(text[c], graph, evented))))
     users_of = dict(user_lists)
     n_pair = np.array([len(users_of[p]) for p in pairs.tolist()], np.int64)
     flat = np.array([u for p in pairs.tolist() for u in users_of[p]], np.int64)
@@ -134,6 +140,7 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     q_event = np.repeat(sel, n_users)
     if not len(q_event):
         return out
+    q_out = np.repeat(of_sel, n_users)
     first_user = np.repeat((np.cumsum(n_pair) - n_pair)[pair_of] - (np.cumsum(n_users) - n_users), n_users)
     q_user = flat[first_user + np.arange(len(q_event))]
     wanted = np.zeros(len(op_names) + 1, bool)  # by op code; the last: code -1 (no op)
@@ -144,23 +151,40 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     if not len(cand):
         return out
     # one group id per (host, device, module, run, op) over candidates and queries together: mixed-radix codes
-    # where they stay small, else dense ones
-    cols = [(col, int(col.min()), int(col.max()) - int(col.min()) + 1) for col in (host, device, mod)]
-    size = len(runs) * len(op_names) * int(np.prod([n for _, _, n in cols], dtype=object))
+    # where they stay small, else dense ones (of the columns' values at the candidates and grown events)
+    cols = [(col[cand].astype(np.int64), col[sel].astype(np.int64)) for col in (host, device, mod)
+            if col.min() < col.max()]  # (a column of one value splits nothing: one host, usually one device)
+    spans = [(int(min(c.min(), q.min())), int(max(c.max(), q.max()))) for c, q in cols]
+    size = len(runs) * len(op_names) * int(np.prod([hi - lo + 1 for lo, hi in spans], dtype=object))
     if size <= 4 * (len(cand) + len(q_event)):
         g_cand, g_sel = c_run, sel_run
-        for col, low, n in cols:
-            if n > 1:  # (a column of one value adds nothing)
-                g_cand, g_sel = g_cand * n + (col[cand] - low), g_sel * n + (col[sel] - low)
+        for (c, q), (lo, hi) in zip(cols, spans):
+            if hi > lo:  # (one value among the events concerned adds nothing)
+                g_cand, g_sel = g_cand * (hi - lo + 1) + (c - lo), g_sel * (hi - lo + 1) + (q - lo)
         g_cand, g_query = g_cand * len(op_names) + op_code[cand], np.repeat(g_sel * len(op_names), n_users) + q_user
         n_groups = size
     else:
-        group = group_codes([np.concatenate([col[cand], col[q_event]]) for col in (host, device, mod, run)]
-                            + [np.concatenate([op_code[cand], q_user])])
+        group = group_codes([np.concatenate([c, np.repeat(q, n_users)]) for c, q in cols]
+                            + [np.concatenate([run[cand], run[q_event]]), np.concatenate([op_code[cand], q_user])])
         g_cand, g_query, n_groups = group[:len(cand)], group[len(cand):], int(group.max()) + 1
+    np.minimum.at(out, q_out, _first_start_after(g_cand, start[cand], g_query, start[q_event], n_groups))
+    return out
+
+
+def _first_start_after(g_cand: np.ndarray, c_start: np.ndarray, g_query: np.ndarray, q_start: np.ndarray,
+                       n_groups: int) -> np.ndarray:
+    """Per query (group ``g_query``, start ``q_start``), the first start (ps) after its own among the candidates
+    of its group (``g_cand``, ``c_start``; groups 0..n_groups-1); ``NO_BOUND_PS`` where none."""
+    if np.bincount(g_cand, minlength=n_groups).max(initial=0) <= 1:  # one candidate per group at most (an op
+        # runs once per execution, outside loops): its start, by a table, if after the query's
+        by_group = np.full(n_groups, NO_BOUND_PS, np.int64)
+        by_group[g_cand] = c_start
+        bound = by_group[g_query]
+        bound[bound <= q_start] = NO_BOUND_PS
+        return bound
     # (group, start) as one sortable int64: start from the group's first (a group is one execution's events of
     # one op: a short span), or where that could overflow, the start's rank among all
-    t_cand, t_query = start[cand], start[q_event]
+    t_cand, t_query = c_start, q_start
     lo, width = None, 2**62
     first = min(int(t_cand.min()), int(t_query.min()))
     span = max(int(t_cand.max()), int(t_query.max())) - first
@@ -174,8 +198,8 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
         t_cand, t_query = t_cand - lo[g_cand], t_query - lo[g_query]
         width = int(max(t_cand.max(), t_query.max())) + 1
     if n_groups * width >= 2**62:
-        values, rank = np.unique(np.concatenate([start[cand], start[q_event]]), return_inverse=True)
-        t_cand, t_query, width, lo = rank[:len(cand)], rank[len(cand):], len(values) + 1, None
+        values, rank = np.unique(np.concatenate([c_start, q_start]), return_inverse=True)
+        t_cand, t_query, width, lo = rank[:len(c_start)], rank[len(c_start):], len(values) + 1, None
     # equal keys: equal starts, so no need to know which event; stable: the keys come in sorted runs (events by
     # thread and time), which a merge sort takes as they are
     key_cand = np.sort(g_cand * width + t_cand, kind="stable")
@@ -184,10 +208,9 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     at = key_cand[j[found]]
     found[found] = at // width == g_query[found]
     at = key_cand[j[found]] % width
-    bound = np.full(len(q_event), NO_BOUND_PS, np.int64)
+    bound = np.full(len(q_start), NO_BOUND_PS, np.int64)
     bound[found] = values[at] if lo is None else at + (lo if isinstance(lo, int) else lo[g_query[found]])
-    np.minimum.at(out, q_event, bound)
-    return out
+    return bound
 
 
 def _runs(sel_run: np.ndarray, cand_run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -236,40 +259,45 @@ def _evented_users(name: str, graph: dict[str, list[str]], evented: set[str]) ->
 
 
 def _next_execution_starts(events: pd.DataFrame, grow: np.ndarray) -> np.ndarray:
-    """Per event (``NO_BOUND_PS`` where none or not ``grow``): the first op start of the next execution of its
+    """Per grown event (``grow``: their positions, increasing): the first op start of the next execution of its
     program on its host and device, when the two executions' op events do not overlap (bound (b) of
-    :func:`_bound_async_ends`)."""
-    out = np.full(len(events), NO_BOUND_PS, np.int64)
+    :func:`_bound_async_ends`); ``NO_BOUND_PS`` where none."""
+    out = np.full(len(grow), NO_BOUND_PS, np.int64)
     if "run_id" not in events:
         return out
     has_run = events["run_id"].notna().to_numpy(bool)
-    if not (grow & has_run).any():
+    of_sel = np.flatnonzero(has_run[grow])  # (the grown events with a run id: their places among them)
+    if not len(of_sel):
         return out
     rows = np.flatnonzero(has_run)
     every = len(rows) == len(events)
     start = events["start_ps"].to_numpy(np.int64)
     end = start + events["duration_ps"].to_numpy(np.int64)
     # a program: (host, device, module, program id); an execution: a program's run id
-    program_of = [events[c].array for c in ("host", "device", "module")] + [
+    program_of = [pd.Categorical(events[c]).codes for c in ("host", "device", "module")] + [
         events["program_id"].to_numpy(dtype="int64", na_value=-1)]
     run = events["run_id"].to_numpy(dtype="int64", na_value=0)
     if not every:
         start, end, run = start[rows], end[rows], run[rows]
-        program_of = [col.take(rows) for col in program_of]
-    execution = group_codes(program_of + [run])
+        program_of = [col[rows] for col in program_of]
+    # an execution's events come in runs (a thread's, by time): each run's first start and last end, then each
+    # execution's over its runs (a few thousand, not every event)
+    heads = run_starts(*program_of, run)
+    execution = group_codes([col[heads] for col in program_of] + [run[heads]])
     n_ex = int(execution.max()) + 1
     ex_start = np.full(n_ex, NO_BOUND_PS, np.int64)
-    np.minimum.at(ex_start, execution, start)
+    np.minimum.at(ex_start, execution, np.minimum.reduceat(start, heads))
     ex_end = np.full(n_ex, np.iinfo(np.int64).min, np.int64)
-    np.maximum.at(ex_end, execution, end)
-    one = first_rows(execution)  # a row of each execution (any: they share the program)
-    ex_program = group_codes([col.take(one) for col in program_of])  # program numbers: only grouping matters
+    np.maximum.at(ex_end, execution, np.maximum.reduceat(end, heads))
+    one = heads[first_rows(execution)]  # a row of each execution (any: they share the program)
+    ex_program = group_codes([col[one] for col in program_of])  # program numbers: only grouping matters
     # executions of a program by first op start (ties: in order of first appearance), each bounded by the next
     order = np.lexsort((np.arange(n_ex), ex_start, ex_program))
     nxt = np.full(n_ex, NO_BOUND_PS, np.int64)
     same = ex_program[order[1:]] == ex_program[order[:-1]]
     nxt[order[:-1][same]] = ex_start[order[1:][same]]
     bound = np.where(ex_end <= nxt, nxt, NO_BOUND_PS)
-    sel = grow[rows]
-    out[rows[sel]] = bound[execution[sel]]
+    sel = grow[of_sel]
+    at = sel if every else np.searchsorted(rows, sel)  # as rows of the events with a run id
+    out[of_sel] = bound[execution[np.searchsorted(heads, at, side="right") - 1]]  # (by their run)
     return out

@@ -50,10 +50,19 @@ def _dense(group: np.ndarray, radix: int) -> tuple[np.ndarray, int]:
 
 def _ranks(first: np.ndarray, n: int) -> tuple[np.ndarray, int]:
     """Per code, its rank (int64; -1: none) among the codes that have a first row (``first`` below ``n``), by that
-    row; and how many have one."""
+    row; and how many have one. Many codes (an op row per event): each first row's rank among the rows marked
+    as first rows, by a cumulative count over the rows, instead of a sort of the first rows."""
     present = np.flatnonzero(first < n)
     table = np.full(len(first), -1, np.int64)
-    table[present[np.argsort(first[present], kind="stable")]] = np.arange(len(present))
+    at = first[present]
+    if len(present) == n:  # every row the first of its code: a row's rank is its position
+        table[present] = at
+    elif 8 * len(present) < n:
+        table[present[np.argsort(at, kind="stable")]] = np.arange(len(present))
+    else:
+        marked = np.zeros(n, bool)
+        marked[at] = True
+        table[present] = np.cumsum(marked)[at] - 1
     return table, len(present)
 
 
@@ -152,6 +161,21 @@ def run_starts(*columns: np.ndarray) -> np.ndarray:
         for c in columns:
             new[1:] |= c[1:] != c[:-1]
     return np.flatnonzero(new)
+
+
+def run_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``pd.factorize(values)`` of ids (int64, no NA): per row its value's number (int64, 0.. in order of first
+    appearance) and the distinct values. Where each value's rows come in one run (a plane's events come line by
+    line, so their thread or line ids do), the runs numbered by a count over the rows instead of a hash table
+    of every row's value."""
+    first = run_starts(values)
+    ids = values[first]
+    if len(np.unique(ids)) < len(ids):  # a value in several runs
+        codes, uniques = pd.factorize(values)
+        return codes.astype(np.int64, copy=False), uniques
+    new = np.zeros(len(values), bool)
+    new[first[1:]] = True
+    return np.cumsum(new), ids
 
 
 def first_rows(group: np.ndarray) -> np.ndarray:

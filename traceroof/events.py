@@ -15,7 +15,7 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.trace_json import text_categorical
 from parsers.xspace import AGGREGATE_START_PS
-from traceroof.codes import as_float64, constant_categorical, na_int64
+from traceroof.codes import as_float64, constant_categorical, na_int64, run_codes
 from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
 from traceroof.steps import kernel_launch_times, launch_events, launch_times
 
@@ -251,8 +251,7 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     end_event = _flow_ends(as_float64(ops["_p"]), as_float64(ends["_c"]))
     start = np.asarray(ops["start_ps"], np.int64)
     old_end = start + np.asarray(ops["duration_ps"], np.int64)
-    done = np.asarray(ends["start_ps"], np.int64).take(end_event)
-    done += np.asarray(ends["duration_ps"], np.int64).take(end_event)
+    done = (np.asarray(ends["start_ps"], np.int64) + np.asarray(ends["duration_ps"], np.int64)).take(end_event)
     sel = np.flatnonzero((end_event >= 0) & (done > old_end))
     if not len(sel):
         return implied
@@ -263,7 +262,7 @@ def _async_thunk_ends(ops: dict[str, Any], ends: dict[str, Any]) -> pd.arrays.In
     extra = (done - old_end[sel]).astype(np.float64)
     extra -= busy[:len(sel)] - busy[len(sel):]  # the completing thread's time in other ops meanwhile
     extra = np.maximum(extra, 0).astype(np.int64)
-    implied_ps = old_end.copy()
+    implied_ps = old_end  # (no longer needed as it is)
     implied_ps[sel] += extra
     missing = np.ones(n_ops, bool)
     missing[sel[extra > 0]] = False
@@ -296,7 +295,7 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
     out = np.zeros(len(q_t), np.int64)
     # threads numbered in order of first appearance (a plane's events come by thread and by time, so the
     # (thread, start) keys below are usually sorted already)
-    thread, ids = pd.factorize(lines)
+    thread, ids = run_codes(lines)
     q_thread = pd.Index(ids).get_indexer(q_line)  # -1: a thread without op events (0 busy)
     q = np.flatnonzero(q_thread >= 0)
     if not len(q):
@@ -307,7 +306,7 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
     lo = min(int(start.min()), int(q_t.min()))
     width = max(int(start.max()), int(q_t.max())) - lo + 1
     if width < 2**62:
-        t, q_tt = start - lo, q_t - lo
+        t, q_tt = lo, q_t - lo  # (the events' times: start - lo, made with their keys)
     else:
         times, rank = np.unique(np.concatenate([start, q_t]), return_inverse=True)
         width = len(times) + 1
@@ -319,41 +318,55 @@ def _busy(lines: np.ndarray, start: np.ndarray, end: np.ndarray, q_line: np.ndar
         wanted[q_thread] = True
         renumber = np.cumsum(wanted) - 1
         on = np.flatnonzero(wanted[thread])
-        thread, t, start, end = renumber[thread[on]], t[on], start[on], end[on]
+        thread, start, end = renumber[thread[on]], start[on], end[on]
+        t = t if isinstance(t, int) else t[on]
         q_thread, n_threads = renumber[q_thread], int(renumber[-1]) + 1
     if per >= n_threads:
-        out[q] = _busy_of_threads(thread, t, start, end, q_thread, q_tt, q_t, width)
+        out[q] = _busy_of_threads(thread, n_threads, t, start, end, q_thread, q_tt, q_t, width)
         return out
     res = np.zeros(len(q), np.int64)
     for a in range(0, n_threads, per):
         ev = np.flatnonzero((thread >= a) & (thread < a + per))
         qs = np.flatnonzero((q_thread >= a) & (q_thread < a + per))
-        res[qs] = _busy_of_threads(thread[ev] - a, t[ev], start[ev], end[ev], q_thread[qs] - a, q_tt[qs], q_t[qs],
-                                   width)
+        res[qs] = _busy_of_threads(thread[ev] - a, min(per, n_threads - a), t if isinstance(t, int) else t[ev],
+                                   start[ev], end[ev], q_thread[qs] - a, q_tt[qs], q_t[qs], width)
     out[q] = res
     return out
 
 
-def _busy_of_threads(thread: np.ndarray, t: np.ndarray, start: np.ndarray, end: np.ndarray, q_thread: np.ndarray,
-                     q_tt: np.ndarray, q_t: np.ndarray, width: int) -> np.ndarray:
-    """:func:`_busy` of threads numbered below ``2**63 // width``, times also as ``t`` / ``q_tt`` in [0, width)."""
-    key = thread * width
-    key += t
+def _busy_of_threads(thread: np.ndarray, n_threads: int, t: np.ndarray | int, start: np.ndarray, end: np.ndarray,
+                     q_thread: np.ndarray, q_tt: np.ndarray, q_t: np.ndarray, width: int) -> np.ndarray:
+    """:func:`_busy` of threads ``thread`` numbered 0..n_threads-1 (below ``2**63 // width``; int64, used up: the
+    array becomes the keys), times also as ``t`` / ``q_tt`` in [0, width) (``t`` an int: the events' times are
+    ``start - t``)."""
+    key = thread
+    key *= width
+    if isinstance(t, int):
+        key += start  # (modular int64: the sum after the next line fits)
+        key -= t
+    else:
+        key += t
     q_key = q_thread * width + q_tt
     if not (key[1:] >= key[:-1]).all():  # sorted already when the events come by thread and by time
         order = np.argsort(key, kind="stable")
-        key, thread, start, end = key[order], thread[order], start[order], end[order]
-    cum = end - start
-    np.cumsum(cum, out=cum)  # time in events up to each one's end, from the first event
-    first = np.flatnonzero(np.diff(thread, prepend=-1))  # each thread's first event (one run per thread)
-    before = np.zeros(int(max(thread.max(initial=0), q_thread.max(initial=0))) + 1, np.int64)
-    before[thread[first]] = cum[first] - (end[first] - start[first])  # time before each thread's first event
+        key, start, end = key[order], start[order], end[order]
+    duration = end - start
+    cum = np.cumsum(duration)
+    cum -= duration  # time in events before each one, from the first event
+    first = np.searchsorted(key, np.arange(n_threads) * width)  # each thread's first event (each has some)
+    before = cum[np.minimum(first, len(key) - 1)]  # time before it
     j = np.searchsorted(key, q_key, side="right") - 1  # the thread's last event starting at or before t
     ok = j >= 0
-    ok[ok] = thread[j[ok]] == q_thread[ok]
-    jj = np.maximum(j, 0)
-    part = np.clip(np.minimum(q_t, end[jj]) - start[jj], 0, None)  # of that event, up to t
-    return np.where(ok, cum[jj] - (end[jj] - start[jj]) - before[q_thread] + part, 0)
+    ok[ok] = key[j[ok]] // width == q_thread[ok]
+    np.maximum(j, 0, out=j)
+    part = np.minimum(q_t, end[j])
+    part -= start[j]
+    np.maximum(part, 0, out=part)  # of that event, up to t
+    busy = cum[j]
+    busy -= before[q_thread]
+    busy += part
+    busy[~ok] = 0
+    return busy
 
 
 def _tpu_ops(planes: Sequence, host: str, xs, info: dict[str, int]) -> tuple[list[pd.DataFrame], pd.DataFrame]:

@@ -182,7 +182,7 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
     launch = events["launch_ps"].to_numpy(dtype="float64", na_value=np.nan)
     known = ~np.isnan(launch)
     start = events["start_ps"].to_numpy(np.int64)
-    when = np.where(known, np.nan_to_num(launch), start).astype(np.int64)
+    when = np.where(known, launch, start).astype(np.int64)  # (float64 both, as launch is)
     hosts = pd.Categorical(events["host"])
     if steps.empty:
         steps, module = dominant_program_steps(events, when)

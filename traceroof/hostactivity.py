@@ -17,7 +17,10 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from traceroof.codes import run_codes
+
 HOST_KINDS = ("python", "dispatch", "compile", "input")
+PYTHON = HOST_KINDS.index("python")
 OP_WORKER_LINE = re.compile(r"^tf_XLAEigen|^XLA Ops$|^Stream")  # device work on XLA:CPU pools / device lines
 COMPILE_LINE = re.compile(r"compil|codegen", re.IGNORECASE)
 INPUT_LINE = re.compile(r"tf_data|tf\.data|grain|dataloader|input|prefetch", re.IGNORECASE)
@@ -171,7 +174,8 @@ def host_activity(xs, host: str) -> pd.DataFrame:
         return empty_activity()
     parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {k: [] for k in HOST_KINDS}
     waits: list[tuple[np.ndarray, np.ndarray]] = []
-    chosen = [(line, kind) for line in cpu.lines if line.event_count and (kind := _line_kind(line.name))]
+    kind_of = {name: _line_kind(name) for name in {line.name for line in cpu.lines}}  # (threads share names)
+    chosen = [(line, kind) for line in cpu.lines if line.event_count and (kind := kind_of[line.name])]
     if chosen:  # every host-thread line decoded in one pass (one call per line cost seconds on many threads)
         ev = cpu.columns(stats=("hlo_op", "step_num"), lines=[line for line, _ in chosen])
         names = ev["name"]
@@ -181,30 +185,30 @@ def host_activity(xs, host: str) -> pd.DataFrame:
         def by_name(pattern: re.Pattern) -> np.ndarray:
             return np.array([pattern.match(c) is not None for c in cats] + [False])[codes]
 
-        line_of = pd.factorize(ev["line_id"])
-        kind_of_id = {line.id: kind for line, kind in chosen}
+        line_of, line_ids = run_codes(ev["line_id"])
+        kind_of_id = {line.id: HOST_KINDS.index(kind) for line, kind in chosen}
         python_line = {line.id: bool(PYTHON_LINE.search(line.name)) for line, kind in chosen if kind == "python"}
-        kinds = np.array([kind_of_id[int(i)] for i in line_of[1]] + [""], dtype=object)[line_of[0]]
+        line_kind = np.array([kind_of_id[int(i)] for i in line_ids], np.int8)
+        kinds = line_kind[line_of]  # per event, its line's kind (HOST_KINDS index)
         dispatch = by_name(DISPATCH_EVENT)
         # a "python" line counts only when named so, or holding launches or step annotations; else some other
         # thread (GC, a profiler's own): not evidence of host work on the step
         marks = ~np.asarray(pd.isna(ev["step_num"]), bool)
-        evidence = np.bincount(line_of[0], weights=(dispatch | marks).astype(float),
-                               minlength=len(line_of[1])) > 0
-        drop_line = np.array([kind_of_id[int(i)] == "python" and not python_line[int(i)] and not evidence[j]
-                              for j, i in enumerate(line_of[1])] + [False])
-        keep = ~drop_line[line_of[0]]
+        evidence = np.bincount(line_of[dispatch | marks], minlength=len(line_ids)) > 0
+        drop_line = np.array([k == PYTHON and not python_line[int(i)] and not evidence[j]
+                              for j, (i, k) in enumerate(zip(line_ids.tolist(), line_kind.tolist()))], bool)
+        keep = ~drop_line[line_of] if drop_line.any() else True
         work = keep & np.asarray(pd.isna(ev["hlo_op"]), bool) & ~by_name(SCAFFOLD_EVENT)
         wait = keep & by_name(WAIT_EVENT)
         start = ev["start_ps"]
         end = start + ev["duration_ps"]
         waits.append(merge_intervals(start[wait], end[wait]))
         work &= ~wait
-        on_python = kinds == "python"
+        on_python = kinds == PYTHON
         parts["dispatch"].append((start[work & dispatch & on_python], end[work & dispatch & on_python]))
         work &= ~(dispatch & on_python)
-        for kind in HOST_KINDS:
-            sel = work & (kinds == kind)
+        for k, kind in enumerate(HOST_KINDS):
+            sel = work & (kinds == k)
             if sel.any():
                 parts[kind].append((start[sel], end[sel]))
     wait_all = merge_intervals(*(np.concatenate(x) for x in zip(*waits))) if waits else None

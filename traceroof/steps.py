@@ -120,6 +120,22 @@ def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.
     return int(candidates[best]), int(valid[best])
 
 
+def _sorted_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct ``values`` (int64, at least one), sorted, and each value's position among them: by a table
+    over the values' span where it is small (a program's run ids count its launches), else by a hash table and a
+    sort of the distinct values (``np.unique`` sorts every value)."""
+    lo = int(values.min())
+    span = int(values.max()) - lo + 1  # (in Python: int64 could overflow)
+    if span <= 2 * len(values) + 1024:
+        offset = values - lo
+        present = np.zeros(span, bool)
+        present[offset] = True
+        return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[offset]
+    at, keys = pd.factorize(values)
+    by_key = np.argsort(keys)
+    return keys[by_key], np.argsort(by_key)[at]
+
+
 def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.ndarray, int]:
     """The launch time (ps) of every op event's execution, NaN where it cannot be told, and how many
     executions were matched to a launch.
@@ -140,21 +156,25 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
     if not has.any():
         return out, 0
     pid = as_float64(ops["program_id"], -1) if "program_id" in ops else np.full(n, -1.0)
-    rows = np.flatnonzero(has)
+    rows = slice(None) if has.all() else np.flatnonzero(has)  # (every event: views, not copies)
     module_col = ops["module"]
-    module, names = pd.factorize((module_col.array if isinstance(module_col, pd.Series) else module_col)[has])
-    run, start, pid = rid[has].astype(np.int64), np.asarray(ops["start_ps"], np.int64)[has], pid[has]
+    module_col = module_col.array if isinstance(module_col, pd.Series) else module_col
+    if isinstance(module_col, pd.Categorical):  # its codes (-1: none), the modules present: no hash of every event
+        module, names = module_col.codes[rows], module_col.categories
+        present = np.flatnonzero(np.bincount(module[module >= 0], minlength=len(names))).tolist()
+    else:
+        module, names = pd.factorize(module_col[rows])
+        present = range(len(names))
+    run, start, pid = rid[rows].astype(np.int64), np.asarray(ops["start_ps"], np.int64)[rows], pid[rows]
     lau_module = launches["module"].to_numpy(object)
     lau_start = launches["start_ps"].to_numpy(np.int64)
     matched = 0
-    for k, name in enumerate(str(n) for n in names):
-        mine = np.flatnonzero(module == k)
+    for k in present:  # (each module's events are matched on their own: the order does not matter)
+        mine, name = np.flatnonzero(module == k), str(names[k])
         starts = lau_start[lau_module == name] if name else lau_start[:0]
         if not len(starts) or (pid[mine] != pid[mine[0]]).any():  # several programs share the name: ambiguous
             continue
-        at, run_keys = pd.factorize(run[mine])  # by a hash table, then by run id: np.unique's sort of every event
-        by_run = np.argsort(run_keys)
-        run_keys, at = run_keys[by_run], np.argsort(by_run)[at]
+        run_keys, at = _sorted_codes(run[mine])
         first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
         np.minimum.at(first_start, at, start[mine])
         runs = _unwrapped(run_keys)
@@ -168,7 +188,7 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
         when = np.full(len(run_keys), np.nan)
         when[order[ok]] = starts[idx[ok]]
         matched += int(ok.sum())
-        out[rows[mine]] = when[at]
+        out[mine if isinstance(rows, slice) else rows[mine]] = when[at]
     return out, matched
 
 
@@ -190,9 +210,9 @@ def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: p
     """The step (int64, -1 outside every step) whose interval in ``steps`` (``by``, ``step``, ``start_ps``,
     ``end_ps``) on the same ``by`` key (host annotations; a TPU device's ``Steps`` line) contains each time (ps).
     ``keys``: the ``by`` value of every time, compared through categorical codes."""
-    out = np.full(len(when_ps), -1, np.int64)
     if steps.empty:
-        return out
+        return np.full(len(when_ps), -1, np.int64)
+    out = None
     cat = keys if isinstance(keys, pd.Categorical) else pd.Categorical(keys)
     codes = cat.codes
     step_key, key_names = pd.factorize(steps[by])
@@ -204,19 +224,25 @@ def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: p
             continue
         st = np.flatnonzero(step_key == k)
         st = st[np.argsort(starts_all[st], kind="stable")]
-        rows = np.flatnonzero(codes == pos)
-        every = len(rows) == len(codes)  # one key (a host's annotations): the times as they are
+        on = codes == pos
+        every = bool(on.all())  # one key (a host's annotations): the times as they are
+        rows = None if every else np.flatnonzero(on)
         t = when_ps if every else when_ps[rows]
-        starts, ends = starts_all[st], ends_all[st]
-        idx = np.searchsorted(starts, t, side="right") - 1
-        ok = idx >= 0
-        np.maximum(idx, 0, out=idx)
-        ok &= t < ends[idx]
-        found = np.where(ok, step_all[st][idx], -1)
+        heads = run_starts(t)  # the events of an execution come together, at its launch: one look-up per run
+        t_heads = t[heads]
+        # the step starting last at or before each time (position 0: before the first step, which ends before
+        # every time), if the time is before its end
+        at = np.searchsorted(starts_all[st], t_heads, side="right")
+        found = np.append(-1, step_all[st])[at]
+        found[t_heads >= np.append(np.iinfo(np.int64).min, ends_all[st])[at]] = -1
+        if len(heads) < len(t):
+            found = np.repeat(found, np.diff(heads, append=len(t)))
         if every:
             return found
+        if out is None:
+            out = np.full(len(when_ps), -1, np.int64)
         out[rows] = found
-    return out
+    return np.full(len(when_ps), -1, np.int64) if out is None else out
 
 
 def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.DataFrame, str]:
@@ -263,13 +289,17 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     if not ok.all():
         ok = np.flatnonzero(ok)
         host, ops_step, when_ps, end_ps = host[ok], ops_step[ok], when_ps[ok], end_ps[ok]
-    group = group_codes([host, ops_step])
-    at = first_rows(group)
+    # a step's events come in runs (an execution's, a thread's): each run's first launch and last end, then each
+    # step's over its runs
+    heads = run_starts(host, ops_step)
+    group = group_codes([host[heads], ops_step[heads]])
+    at = heads[first_rows(group)]
     g_host, g_step = host[at], ops_step[at]
     first = np.full(len(at), np.iinfo(np.int64).max)
     last = np.full(len(at), np.iinfo(np.int64).min)
-    np.minimum.at(first, group, when_ps)
-    np.maximum.at(last, group, end_ps)
+    if len(heads):
+        np.minimum.at(first, group, np.minimum.reduceat(when_ps, heads))
+        np.maximum.at(last, group, np.maximum.reduceat(end_ps, heads))
     # per host in order of first launch: no earlier than the latest op end of any earlier step on the host (not
     # only the one before), and never past the step's own last op end: a step whose ops all ran inside an
     # earlier, longer one gets 0 device time
