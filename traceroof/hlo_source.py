@@ -222,47 +222,89 @@ def profile_hlo(events: pd.DataFrame, embedded: list[tuple[int | None, str, byte
 
 def reconcile(dumps: list[HloModule], truth: list[HloModule], notes: list[str]
               ) -> tuple[list[HloModule], frozenset[str]]:
-    """The dumps not superseded by the profile's own HLO, and the sources of those superseded: a dump of a
-    program the profile carries is dropped (with a note naming both when it differs)."""
+    """The dumps not superseded by the profile's own HLO, and the sources of those superseded that equal it (a
+    dump's reports, such as its buffer assignment, describe the profiled program only then): a dump of a program
+    the profile carries is dropped (with a note naming both when it differs)."""
     by_key = {(m.program_id, m.name): m for m in truth}
     kept = []
-    superseded = set()
+    equal = set()
     for d in dumps:
         t = by_key.get((d.program_id, d.name))
         if t is None:
             kept.append(d)
-            continue
-        superseded.add(d.source)
-        if fingerprint(d)[0] != fingerprint(t)[0]:
+        elif fingerprint(d)[0] == fingerprint(t)[0]:
+            equal.add(d.source)
+        else:
             notes.append(f"{d.source} is not the HLO that ran as {d.name}({d.program_id}) ({_first_difference(d, t)}):"
                          f" dropped; using the HLO the profile carries ({t.source})")
-    return kept, frozenset(superseded)
+    return kept, frozenset(equal)
 
 
-def check_dumps(dumps: Sequence[HloModule], events: pd.DataFrame) -> None:
-    """Refuse a dump that cannot be the program the events ran: every ``hlo_op`` the program's events name
-    must be an instruction of it (events are matched to dumps by program id, or by name without ids).
+def _op_names(module: HloModule) -> set[str]:
+    return {i.name for c in module.computations.values() for i in c.instructions}
 
-    :raises HloMismatchError: naming the first op the dump lacks.
+
+def _mismatch(d: HloModule, missing: list[str], program_id: int | None) -> HloMismatchError:
+    return HloMismatchError(
+        f"{d.source} is not the HLO of the profiled {d.name}{f'({program_id})' if program_id is not None else ''}:"
+        f" the profile ran {missing[0]!r}{f' and {len(missing) - 1} more ops' if len(missing) > 1 else ''} that it "
+        "lacks; pass the --xla_dump_to folder of the profiled run")
+
+
+def check_dumps(dumps: Sequence[HloModule], events: pd.DataFrame, notes: list[str]) -> list[HloModule]:
+    """The dumps that can be the programs the events ran, a dump that cannot refused.
+
+    A dump named for a program id the events ran must hold every ``hlo_op`` those events name. Events without
+    program ids (trace JSON) are matched by module name, and XLA dumps one module per compilation (jax compiles
+    ``jit_convert_element_type`` once per dtype and shape): of the dumps of that name, the one holding every op
+    the events ran is kept and the others dropped (several equal ones: the first). When several different dumps
+    hold them all, or none does and each op is in one of them, the events cannot tell which ran: no dump of that
+    name is kept, with a note in ``notes``. Dumps of programs the events did not run are kept.
+
+    :raises HloMismatchError: a dump of a profiled program id lacks an op its events ran, or an op that events
+        without ids ran is in no dump of their module's name (naming the first such op).
     """
     if not dumps or events.empty:
-        return
+        return list(dumps)
     ops = events[["program_id", "module", "hlo_op"]].drop_duplicates()
     ops = ops.assign(pid=ops["program_id"].astype("Int64"), module=ops["module"].astype(str),
                      hlo_op=ops["hlo_op"].astype(str))
+    no_id = ops["pid"].isna().to_numpy()
+    by_name: dict[str, list[HloModule]] = {}  # dumps told apart by the ops of events without ids
     for d in dumps:
         named = (ops["module"] == d.name).to_numpy()
         mine = ops[named & (ops["pid"] == d.program_id).to_numpy(dtype=bool, na_value=False)] \
             if d.program_id is not None else ops.iloc[:0]
-        if mine.empty:  # events without program ids (trace JSON) or a dump without one: by name
-            mine = ops[named & ops["pid"].isna().to_numpy()]
-        if mine.empty:
+        if not mine.empty:
+            missing = sorted(set(mine["hlo_op"]) - _op_names(d))
+            if missing:
+                raise _mismatch(d, missing, d.program_id)
+        elif (named & no_id).any():
+            by_name.setdefault(d.name, []).append(d)
+    dropped: set[int] = set()
+    for name, candidates in by_name.items():
+        ran = set(ops.loc[(ops["module"] == name).to_numpy() & no_id, "hlo_op"])
+        holders = [d for d in candidates if ran <= _op_names(d)]
+        if len(holders) == 1 or holders and len({fingerprint(d)[0] for d in holders}) == 1:
+            dropped |= {id(d) for d in candidates if d is not holders[0]}
             continue
-        have = {i.name for c in d.computations.values() for i in c.instructions}
-        missing = sorted(set(mine["hlo_op"]) - have)
-        if missing:
-            raise HloMismatchError(
-                f"{d.source} is not the HLO of the profiled {d.name}"
-                f"{f'({d.program_id})' if d.program_id is not None else ''}: the profile ran {missing[0]!r}"
-                f"{f' and {len(missing) - 1} more ops' if len(missing) > 1 else ''} that it lacks; pass the "
-                "--xla_dump_to folder of the profiled run")
+        if not holders:
+            missing = sorted(ran - set().union(*map(_op_names, candidates)))
+            if missing:
+                if len(candidates) == 1:
+                    raise _mismatch(candidates[0], missing, None)
+                more = f" and {len(missing) - 1} more ops" if len(missing) > 1 else ""
+                raise HloMismatchError(
+                    f"none of the {len(candidates)} dumps of {name} (such as {candidates[0].source}) is the HLO the "
+                    f"profile ran: it ran {missing[0]!r}{more} that none holds; pass the --xla_dump_to folder of the "
+                    "profiled run")
+        dropped |= {id(d) for d in candidates}
+        which = holders or candidates
+        differ = len({fingerprint(d)[0] for d in which})
+        notes.append(
+            f"{len(which)} dumps of {name} ({differ} different programs) hold "
+            f"{'every op its events ran' if holders else 'the ops its events ran only between them'} "
+            f"({', '.join(storage.name(d.source) for d in which[:3])}{' ...' if len(which) > 3 else ''}) and the "
+            "events carry no program ids to tell which ran: none is used (the .xplane.pb of the same capture "
+            "carries the ids)")
+    return [d for d in dumps if id(d) not in dropped]

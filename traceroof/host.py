@@ -142,7 +142,7 @@ def read_host(task: HostTask) -> HostEvents:
     texts = parse_dumps(relevant_dumps(task.hlo_files, ev), ev, out.hlo_notes,
                         covered={m.program_id for m in truth if m.program_id is not None})
     dumps, out.superseded = reconcile(texts, truth, out.hlo_notes)
-    check_dumps(dumps, ev)
+    dumps = check_dumps(dumps, ev, out.hlo_notes)
     ev = _bound_async_ends(ev, truth + dumps, counts)
     ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes, counts)
     out.rows, out.timeline = aggregate_events(ev)

@@ -576,17 +576,20 @@ def allocator_peaks(profile_files: Iterable) -> tuple[tuple[AllocatorPeak, ...],
 def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: tuple[AllocatorPeak, ...],
                 allocator_note: str, ran: Iterable[tuple[object, str]], hbm_bytes: float | None,
                 layers: Mapping[tuple[object, str], Mapping[str, str]] | None = None,
-                scopes: Mapping[int, ModuleScopes] | None = None) -> MemoryView:
+                scopes: Mapping[int, ModuleScopes] | None = None, equal_dumps: Iterable[str] = ()) -> MemoryView:
     """The memory view of the programs that ran (``ran``: (program id, module name) pairs of the op table), with
     the profile's allocator figures (:func:`merge_allocators`: ``allocators`` and the note when there are none).
 
     A program's XLA reports are found beside its after-optimization dump (``module_NNNN.<name>...``) among
-    ``hlo_files``; a report that cannot be read becomes a note and the live-range estimate is used. ``scopes``:
-    :func:`~traceroof.scopes.assign_scopes` of some modules (default pattern), by position in ``modules``, already
-    made (the others are assigned here).
+    ``hlo_files``, and used only when that dump holds the program's HLO: it is the module's own source, or one of
+    ``equal_dumps`` (dumps the profile's own HLO superseded and equals: ``Profile.dump_sources``); another dump
+    under the program's id and name (another run's) is left out with a note. A report that cannot be read becomes
+    a note; either way the live-range estimate is used. ``scopes``: :func:`~traceroof.scopes.assign_scopes` of
+    some modules (default pattern), by position in ``modules``, already made (the others are assigned here).
     """
     ran = {(int(p) if p is not None and not pd.isna(p) else None, str(m)) for p, m in ran}
     dumps = _dump_files(hlo_files)
+    equal = set(equal_dumps)
     notes: list[str] = []
     programs = []
     for at, module in enumerate(modules):
@@ -594,16 +597,18 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
         if key not in ran and (None, module.name) not in ran:
             continue
         dump = dumps.get(key) if module.program_id is not None else None
-        if dump is None:
-            dump = next((f for (pid, name), f in dumps.items() if name == module.name and len(
-                [k for k in dumps if k[1] == module.name]) == 1), None)
+        other = dump is not None and str(dump) != module.source and str(dump) not in equal
+        if other:
+            notes.append(f"{module.name}: {dump} is not the HLO that ran: XLA's reports beside it are not used; "
+                         "peak memory estimated from traceroof's live ranges")
+            dump = None
         known = (scopes or {}).get(at)
         try:
             pm = program_memory(module, dump, (layers or {}).get(key), known)
         except TraceroofError as e:
             notes.append(f"{e}; memory of {module.name} estimated from live ranges")
             pm = program_memory(module, None, (layers or {}).get(key), known)
-        if pm.source != "xla_buffer_assignment":
+        if pm.source != "xla_buffer_assignment" and not other:
             notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
                          "--xla_dump_hlo_as_text writes one): peak memory estimated from traceroof's live ranges")
         programs.append(pm)
@@ -627,7 +632,7 @@ def analysis_memory(profile, ops: pd.DataFrame, hbm_bytes: float | None,
                 key = (int(pid) if not pd.isna(pid) else None, str(mod))
                 layers.setdefault(key, {})[str(op)] = str(layer)
     return memory_view(profile.modules, profile.inputs.hlo_files, profile.allocators, profile.allocator_note, ran,
-                       hbm_bytes, layers, scopes)
+                       hbm_bytes, layers, scopes, profile.dump_sources)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -59,7 +59,7 @@ class Profile:
     plane_stats: dict[str, object] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     hlo_sources: dict[str, int] = field(default_factory=dict)
-    dump_sources: frozenset[str] = frozenset()  # HLO text files superseded by the profile's own HLO
+    dump_sources: frozenset[str] = frozenset()  # HLO text files superseded by the profile's own HLO, equal to it
     decoder: str = ""
     host_activity: pd.DataFrame = field(default_factory=empty_activity)  # traceroof.hostactivity, one clock
     allocators: tuple[AllocatorPeak, ...] = ()  # traceroof.memory.merge_allocators of the hosts'
