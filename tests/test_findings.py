@@ -256,3 +256,18 @@ def test_shares_are_of_the_step_the_breakdown_measures():
     assert 0 < share < 100 and f"{share:.1f}%" in hb.title
     from traceroof.report import render
     assert f"({share:.1f}% of the step)" in render(a, "summary")  # the digest uses the same step
+
+
+def test_summary_ops_give_the_median_time_their_median_lost_time_is_of():
+    """The digest's ops are ranked by median lost time per step; the time beside it is the median execution's
+    per step too (it gave the mean one, which a user saw below the lost time: 485.1 µs, 683.6 µs lost)."""
+    from traceroof.report import render
+    from traceroof.units import fmt_time
+
+    nnx = FIXTURES / "fw_nnx_transformer"
+    a = analyze(nnx / "blocking" / "logdir", hlo=[nnx / "hlo"], chip=HOST_CHIP)
+    lines = render(a, "summary").split("## Ops losing most time (median, per step)\n\n")[1].splitlines()
+    for line, r in zip(lines, a.top_ops.head(3).itertuples(index=False)):
+        median_s = r.median_s * r.executions_per_step
+        assert line.startswith(f"- {r.hlo_op} (") and f": {fmt_time(median_s)}, " in line
+        assert r.median_lost_per_step_s == pytest.approx(median_s - r.expected_per_step_s)

@@ -4,6 +4,8 @@ time, and how many notes the full report has."""
 
 from __future__ import annotations
 
+import math
+
 from traceroof.analysis import Analysis
 from traceroof.findings.record import step_time_s
 from traceroof.report.findings import TOP, lost_text
@@ -44,8 +46,11 @@ def render_summary(a: Analysis) -> str:
     if len(a.top_ops):
         out += ["", "## Ops losing most time (median, per step)", ""]
         for r in a.top_ops.head(TOP_OPS).itertuples(index=False):
+            # the median execution's time per step, as its lost time is (the mean one can be smaller than that)
+            median_s = r.median_s * r.executions_per_step
+            time_s = median_s if math.isfinite(median_s) else r.time_per_step_s
             out.append(f"- {markdown(r.hlo_op)} ({markdown(r.opcode)}, {markdown(r.layer)}): "
-                       f"{fmt_time(r.time_per_step_s)}, {fmt_time(r.median_lost_per_step_s)} lost, "
+                       f"{fmt_time(time_s)}, {fmt_time(r.median_lost_per_step_s)} lost, "
                        f"{markdown(r.bound)}-bound")
     if s.notes:
         out += ["", f"{len(s.notes)} note(s) on missing or partial input: see the full report."]
