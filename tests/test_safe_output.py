@@ -83,7 +83,8 @@ def _assert_markdown(text: str) -> None:
 def test_safe_functions():
     assert printable("a\x1b[31mb\x07\x9b\x7f\u202e\tc\nd") == "a\\x1b[31mb\\x07\\x9b\\x7f\\u202e\\tc\\nd"
     assert printable("µs ± 3 ÷ 4 → 注意") == "µs ± 3 ÷ 4 → 注意"
-    assert markdown("<b>&x</b>") == "&lt;b&gt;&amp;x&lt;/b&gt;" and markdown("a\\b") == "a\\\\b"
+    assert markdown("<b>&x</b>") == "&lt;b>&amp;x&lt;/b>" and markdown("a\\b") == "a\\\\b"
+    assert markdown("a -> b") == "a -> b" and markdown("> quote") == "\\> quote" and markdown(" >x") == " \\>x"
     assert markdown_cell("a|b\\|c") == "a\\|b\\\\\\|c"
     assert [csv_cell(v) for v in ("=1+2", "+1", "-x", "@SUM(A1)", "\tx", "\rx", "x=1", -3.5, -2, "")] == \
         ["'=1+2", "'+1", "'-x", "'@SUM(A1)", "'\tx", "'\rx", "x=1", -3.5, -2, ""]

@@ -42,10 +42,13 @@ def printable(value: object) -> str:
 
 
 def markdown(value: object) -> str:
-    """:func:`printable`, then ``\\`` backslash-escaped and ``&``, ``<``, ``>`` as HTML entities: the text shows
-    as written and never becomes markup. For Markdown outside tables (headers, list items)."""
-    s = printable(value).replace("\\", "\\\\")
-    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    """:func:`printable`, then ``\\`` backslash-escaped, ``&`` and ``<`` as HTML entities (no tag can open) and a
+    leading ``>`` backslash-escaped (no block quote): the text shows as written and never becomes markup. Other
+    ``>`` stay as they are (``a -> b`` reads the same in the file and on the page). For Markdown outside tables
+    (headers, list items)."""
+    s = printable(value).replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;")
+    text = s.lstrip()
+    return s[:len(s) - len(text)] + "\\" + text if text.startswith(">") else s
 
 
 def md_item(label: str, text: str) -> str:
