@@ -148,6 +148,13 @@ def test_capture_analyzes_a_running_job(job, tmp_path):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 2 and "(baseline)" in lines[0] and "vs baseline: step time" in lines[1]
+    runs = sorted((tmp_path / "ld2" / "plugins" / "profile").glob("*"))  # each capture's reports beside it
+    assert len(runs) == 2 and all(f"capture {i + 1}: {run}: " in lines[i] for i, run in enumerate(runs))
+    for run in runs:
+        assert json.loads((run / "traceroof_report.json").read_text())["summary"]["steps_used"]
+        assert (run / "traceroof_report.md").read_text().startswith("# traceroof")
+    r = _cli("capture", f"127.0.0.1:{job}", "--every", "1s", "--format", "markdown")
+    assert r.returncode == 2 and "--format with --every" in r.stderr and len(r.stderr.splitlines()) == 1
 
 
 def test_capture_errors_are_one_line(tmp_path):

@@ -255,7 +255,8 @@ def _duration(text: str) -> float:
 @click.argument("address")
 @click.option("--duration", default="2s", show_default=True, help="How long to trace (500ms, 2s, 1m).")
 @click.option("--logdir", default=None, help="Where captures go (default: a new temporary folder).")
-@click.option("--every", default=None, help="Keep capturing at this interval (10m) and compare with the first.")
+@click.option("--every", default=None, help="Keep capturing at this interval (10m) and compare with the first; "
+              "each capture's reports are written beside its run.")
 @click.option("--count", type=click.IntRange(1), default=None, help="With --every: stop after this many captures.")
 @click.option("--baseline", default=None, help="With --every: compare with this profile or JSON report instead.")
 @click.option("--fail-above", "fail_above", type=click.FloatRange(min=0), default=5.0, show_default=True,
@@ -273,10 +274,13 @@ def capture(address: str, duration: str, logdir: str | None, every: str | None, 
     import time
 
     from traceroof.analysis import analyze as run
-    from traceroof.attach import capture as grab, one_line
+    from traceroof.attach import capture as grab, one_line, write_reports
     from traceroof.diff import diff as compare, gate, load_side, side_from_analysis
     from traceroof.report import render
 
+    if every and click.get_current_context().get_parameter_source("fmt") == click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--format with --every: each capture prints one line and writes its reports "
+                         "(traceroof_report.txt, .md, .json) beside its run; drop --format")
     root = Path(logdir) if logdir else Path(tempfile.mkdtemp(prefix="traceroof_capture_"))
     seconds = _duration(duration)
     interval = _duration(every) if every else None
@@ -299,6 +303,7 @@ def capture(address: str, duration: str, logdir: str | None, every: str | None, 
         if interval is None:
             click.echo(render(a, fmt), nl=False)
             return
+        write_reports(a, run_dir)  # each capture's full reports beside it; one line each on stdout
         side = side_from_analysis(a, str(run_dir))
         if base is None:
             base = side
