@@ -119,3 +119,17 @@ def test_run_codes_match_factorize():
         codes, uniques = run_codes(values)
         want_codes, want_uniques = pd.factorize(values)
         assert codes.dtype == np.int64 and (codes == want_codes).all() and (uniques == want_uniques).all()
+
+
+def test_sorted_codes_is_np_unique_with_inverse():
+    """By a table over a small span and by hashing over a wide one (run ids that wrapped, a span past int64)."""
+    from traceroof.codes import TABLE_SLACK, sorted_codes, table_fits
+
+    rng = np.random.default_rng(7)
+    cases = [np.array([5, 3, 5, 9]), np.array([2**63 - 1, -2**63, 0, -2**63]), np.array([-4]),
+             rng.integers(-50, 50, 1000), rng.integers(0, 10**12, 1000), np.repeat(rng.integers(0, 3000, 300), 4)]
+    assert table_fits(2 * 1000 + TABLE_SLACK, 1000) and not table_fits(2 * 1000 + TABLE_SLACK + 1, 1000)
+    for values in cases:
+        keys, at = sorted_codes(values.astype(np.int64))
+        want_keys, want_at = np.unique(values, return_inverse=True)
+        assert keys.tolist() == want_keys.tolist() and at.tolist() == want_at.tolist()

@@ -26,7 +26,7 @@ from traceroof import analyze  # noqa: E402
 from traceroof.discovery import discover  # noqa: E402
 from traceroof.profile import load_profile  # noqa: E402
 from traceroof.hlo_source import HloMismatchError  # noqa: E402
-from traceroof.steps import _best_offset, _sorted_codes, _unwrapped, assign_steps, launch_times  # noqa: E402
+from traceroof.steps import _best_offset, _unwrapped, assign_steps, launch_times  # noqa: E402
 
 HOST_CHIP = Path(__file__).resolve().parents[1] / "fixtures" / "fixture_host.toml"
 
@@ -236,9 +236,6 @@ def test_launch_times_by_module_codes_and_wrapped_run_ids():
     for col in (pd.Categorical(module, categories=["unused", "jit_g", "jit_f"]), np.array(module, dtype=object)):
         when, matched = launch_times({"module": col, "run_id": run, "start_ps": start}, lau)
         assert matched == 5 and when[[0, 2, 5, 1, 6, 3]].tolist() == [30, 40, 50, 1, 1, 3] and np.isnan(when[4])
-    for values in (np.array([5, 3, 5, 9]), np.array([2**63 - 1, -2**63, 0, -2**63])):  # a table; a span past int64
-        keys, at = _sorted_codes(values)
-        assert keys.tolist() == sorted(set(values.tolist())) and (keys[at] == values).all()
 
 
 def test_assign_steps_matches_a_scan_of_the_steps():

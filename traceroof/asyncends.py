@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
-from traceroof.codes import first_rows, group_codes, run_starts
+from traceroof.codes import first_rows, group_codes, run_starts, table_fits
 from traceroof.join import match_modules
 
 
@@ -216,9 +216,10 @@ def _first_start_after(g_cand: np.ndarray, c_start: np.ndarray, g_query: np.ndar
 def _runs(sel_run: np.ndarray, cand_run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The distinct run ids of the grown events ``sel_run`` (sorted), and for the candidates ``cand_run`` and the
     grown events, the position of their run among them (candidates: whether it is there at all). By a table
-    over the ids' span when it is small (the run ids of a program count its launches), else by binary search."""
+    over the ids' span where it fits (:func:`~traceroof.codes.table_fits`: the run ids of a program count its
+    launches), else by binary search."""
     lo, hi = int(sel_run.min()), int(sel_run.max())
-    if hi - lo > 4 * len(sel_run) + 1024:
+    if not table_fits(hi - lo + 1, len(sel_run) + len(cand_run)):
         runs = np.unique(sel_run)
         c_run = np.minimum(np.searchsorted(runs, cand_run), len(runs) - 1)
         return runs, c_run, runs[c_run] == cand_run, np.searchsorted(runs, sel_run)

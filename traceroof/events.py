@@ -15,7 +15,7 @@ import pandas as pd
 from parsers.errors import InputError
 from parsers.trace_json import text_categorical
 from parsers.xspace import AGGREGATE_START_PS
-from traceroof.codes import as_float64, constant_categorical, na_int64, run_codes
+from traceroof.codes import as_float64, constant_categorical, na_int64, run_codes, sorted_codes
 from traceroof.discovery import TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
 from traceroof.steps import kernel_launch_times, launch_events, launch_times
 
@@ -124,7 +124,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         ev["launch_ps"] = pd.arrays.IntegerArray(np.where(known, launch, 0).astype(np.int64), ~known)
         info["launches_after_steps"] = _launches_after_steps(launches, launch[known], step_events)
         ordinal = ev["device_ordinal"].to_numpy(dtype="int64", na_value=0)  # ids: >= 0 (_checked_ids)
-        uniq, inv = _small_unique(ordinal)
+        uniq, inv = sorted_codes(ordinal) if len(ordinal) else (ordinal, ordinal)
         n = len(ordinal)
         ev.update(device=pd.Categorical.from_codes(inv, categories=[f"{host}/cpu:{u}" for u in uniq]),
                   kernel=constant_categorical("", n), attributed=np.ones(n, bool))
@@ -204,17 +204,6 @@ def _positions(rows: np.ndarray) -> np.ndarray:
     """A boolean mask as the positions it selects (positions as they are): each column is then taken by position,
     which beats a mask (a count and a branch per row, each time) on the interleaved rows of a host's events."""
     return np.flatnonzero(rows) if rows.dtype == bool else rows
-
-
-def _small_unique(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(values, return_inverse=True)`` of int64 ``values`` that are mostly small non-negative ids
-    (device ordinals): a bincount and a lookup table instead of a sort when they are all in [0, 2^16)."""
-    if not len(values) or values.min() < 0 or values.max() >= 1 << 16:
-        return np.unique(values, return_inverse=True)
-    uniq = np.flatnonzero(np.bincount(values))
-    table = np.zeros(int(uniq[-1]) + 1, np.intp)
-    table[uniq] = np.arange(len(uniq))
-    return uniq, table[values]
 
 
 def _take_out(columns: dict[str, Any], rows: np.ndarray) -> dict[str, Any]:

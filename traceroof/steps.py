@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import InputError
-from traceroof.codes import as_float64, first_rows, group_codes, na_int64, run_starts
+from traceroof.codes import as_float64, first_rows, group_codes, na_int64, run_starts, sorted_codes
 
 # PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
 LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnSingleDevice|Helper|Sharded|"
@@ -120,22 +120,6 @@ def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.
     return int(candidates[best]), int(valid[best])
 
 
-def _sorted_codes(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct ``values`` (int64, at least one), sorted, and each value's position among them: by a table
-    over the values' span where it is small (a program's run ids count its launches), else by a hash table and a
-    sort of the distinct values (``np.unique`` sorts every value)."""
-    lo = int(values.min())
-    span = int(values.max()) - lo + 1  # (in Python: int64 could overflow)
-    if span <= 2 * len(values) + 1024:
-        offset = values - lo
-        present = np.zeros(span, bool)
-        present[offset] = True
-        return np.flatnonzero(present) + lo, (np.cumsum(present) - 1)[offset]
-    at, keys = pd.factorize(values)
-    by_key = np.argsort(keys)
-    return keys[by_key], np.argsort(by_key)[at]
-
-
 def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.ndarray, int]:
     """The launch time (ps) of every op event's execution, NaN where it cannot be told, and how many
     executions were matched to a launch.
@@ -174,7 +158,7 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
         starts = lau_start[lau_module == name] if name else lau_start[:0]
         if not len(starts) or (pid[mine] != pid[mine[0]]).any():  # several programs share the name: ambiguous
             continue
-        run_keys, at = _sorted_codes(run[mine])
+        run_keys, at = sorted_codes(run[mine])
         first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
         np.minimum.at(first_start, at, start[mine])
         runs = _unwrapped(run_keys)
