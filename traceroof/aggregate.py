@@ -23,7 +23,9 @@ class Timeline:
     """Level 1: one entry per op event, in the profile's event order. ``row``: index of the event's op row
     (int64); ``start_ps``, ``duration_ps``: int64 picoseconds on the profile's clock; ``run_id`` and ``launch_ps``
     (float64, NaN where unknown; ``None`` when the profile has none): the execution an event belongs to and when
-    the host launched it, for the step breakdown (:mod:`traceroof.breakdown`)."""
+    the host launched it, for the step breakdown (:mod:`traceroof.breakdown`). float64 holds both exactly up to
+    2^53: run ids count a process's executions, and 2^53 ps is 2.5 hours after the profile's start (later
+    launches round to a few ps, far below any gap the breakdown measures)."""
 
     row: np.ndarray
     start_ps: np.ndarray
