@@ -25,6 +25,30 @@ a = jnp.ones((128, 128))
 """
 
 
+HEAVY = """
+import json, sys, time, jax, jax.numpy as jnp
+@jax.jit
+def g(a):  # milliseconds of device work per step, dispatched in a fraction of one: the host runs ahead
+    for _ in range(6):
+        a = jnp.tanh(a @ a) * 0.5
+    return a
+a = g(jnp.ones((384, 384)) / 384).block_until_ready()  # compiled outside any profile
+cost = g.lower(a).compile().cost_analysis()
+print(json.dumps({"flops": (cost[0] if isinstance(cost, list) else cost)["flops"]}), flush=True)
+"""
+
+
+def _executions(profile_dir, module: str) -> dict[int, int]:
+    """Op events per execution (run id) of ``module`` in the one profile file under ``profile_dir``, counted
+    from the raw events here rather than by traceroof's step logic."""
+    from parsers.xspace import read_xspace
+
+    (path,) = profile_dir.rglob("*.xplane.pb")
+    ev = read_xspace(path).plane("/host:CPU").events(stats=("run_id", "hlo_module", "hlo_op"))
+    ev = ev[(ev["hlo_module"].astype(str) == module) & ev["hlo_op"].notna() & ev["run_id"].notna()]
+    return {int(r): int(n) for r, n in ev.groupby("run_id").size().items()}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -113,6 +137,48 @@ except KeyboardInterrupt:
     assert not (cache / "traceroof" / "host.toml").exists()  # nothing calibrated
 
 
+def test_attach_to_a_loop_that_never_blocks_puts_each_execution_in_its_own_step(tmp_path):
+    """The README's loop without ``block_until_ready`` and a device slower than the host: when the window opens,
+    steps launched before it are still queued and run inside the trace. They belong to no step; each step holds
+    the one execution it launched (a user's attach report had them shifted by two steps: fractional FLOPs per
+    step, 489-507 op events for 486, and an MFU off by 5 %)."""
+    from traceroof.discovery import discover
+    from traceroof.profile import load_profile
+
+    out = tmp_path / "out"
+    script = HEAVY + f"""
+import traceroof
+seen = []
+with traceroof.attach(out_dir={str(out)!r}, wait_steps=4, warmup_steps=1, active_steps=4, chip={HOST_CHIP!r},
+                      on_report=seen.append) as hook:
+    for i in range(10):
+        with hook.step():
+            a = g(a)
+a.block_until_ready()
+print(json.dumps({{"steps_used": [w.summary["steps_used"] for w in seen], "errors": hook.errors}}))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    facts, done = map(json.loads, r.stdout.strip().splitlines()[-2:])
+    assert done == {"steps_used": [[5, 6, 7, 8]], "errors": []}
+    window = out / "profiles" / "window_0"
+    runs = sorted(_executions(window, "jit_g"))
+    # attach waits for the window's steps before it stops the trace and nothing is launched in between: the
+    # window's five steps (4-8) are the last five executions; the ones before ran steps 0-3, launched earlier
+    assert len(runs) > 5, f"the device kept up with the host ({len(runs)} executions): nothing was queued"
+    assert runs == list(range(runs[0], runs[0] + len(runs)))
+    truth = dict(zip(range(4, 9), runs[-5:]))
+    ev = load_profile(discover([window], [])).events()
+    ev = ev[(ev["module"].astype(str) == "jit_g") & ev["step"].notna()]
+    held = {int(s): sorted(int(x) for x in set(g["run_id"])) for s, g in ev.groupby("step")}
+    assert held == {s: [run] for s, run in truth.items()}
+    s = json.loads((out / "window_0" / "traceroof_report.json").read_text())["summary"]
+    assert s["flops_per_step"] == pytest.approx(facts["flops"], rel=1e-9)  # XLA's count, exactly
+    assert any(n.startswith(f"{len(runs) - 5} execution(s)") and "began before the trace started" in n
+               for n in s["notes"]), s["notes"]
+    assert not any("could not be tied to its launch" in n for n in s["notes"]), s["notes"]
+
+
 @pytest.fixture()
 def job(tmp_path):
     """A training loop with a profiler server on a free loopback port; stopped after the test."""
@@ -155,6 +221,50 @@ def test_capture_analyzes_a_running_job(job, tmp_path):
         assert (run / "traceroof_report.md").read_text().startswith("# traceroof")
     r = _cli("capture", f"127.0.0.1:{job}", "--every", "1s", "--format", "markdown")
     assert r.returncode == 2 and "--format with --every" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+def test_capture_leaves_out_the_steps_its_start_and_stop_cut(tmp_path):
+    """A remote capture starts and stops whenever it does: with a device busy most of the time, the execution
+    running at the stop (and the one at the start) is partly in the profile. That step is left out, with a note,
+    and the steps are XLA's count exactly (a user's capture counted 186 of a step's 486 op events as a step)."""
+    from traceroof.discovery import discover
+    from traceroof.profile import load_profile
+
+    port = _free_port()
+    script = HEAVY + f"""
+jax.profiler.start_server({port})
+t0, i = time.time(), 0
+while time.time() - t0 < 90:
+    with jax.profiler.StepTraceAnnotation("train", step_num=i):
+        a = g(a)
+    a.block_until_ready()
+    i += 1
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                         env=ENV)
+    try:
+        facts = json.loads(p.stdout.readline())
+        time.sleep(1.0)
+        r = _cli("capture", f"127.0.0.1:{port}", "--duration", "1s", "--logdir", str(tmp_path), "--chip", HOST_CHIP,
+                 "--format", "json")
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    assert r.returncode == 0, r.stderr
+    s = json.loads(r.stdout)["summary"]
+    assert s["flops_per_step"] == pytest.approx(facts["flops"], rel=1e-9)
+    counts = _executions(tmp_path, "jit_g")
+    runs = sorted(counts)
+    whole = max(counts.values())
+    cut = [run for run in (runs[0], runs[-1]) if counts[run] < whole]
+    # one run at either end cut short, the note says so; between them every execution is whole
+    assert all(counts[run] == whole for run in runs[1:-1])
+    assert any(n.startswith("1 execution(s)") and "still running when the trace stopped" in n
+               for n in s["notes"]) == (runs[-1] in cut), s["notes"]
+    ev = load_profile(discover([tmp_path], [])).events()
+    ev = ev[(ev["module"].astype(str) == "jit_g") & ev["step"].isin(s["steps_used"])]
+    held = {int(step): set(g["run_id"]) for step, g in ev.groupby("step")}
+    assert sorted(held) == s["steps_used"] and all(len(r) == 1 and counts[r.pop()] == whole for r in held.values())
 
 
 def test_capture_errors_are_one_line(tmp_path):

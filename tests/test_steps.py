@@ -26,7 +26,7 @@ from traceroof import analyze  # noqa: E402
 from traceroof.discovery import discover  # noqa: E402
 from traceroof.profile import load_profile  # noqa: E402
 from traceroof.hlo_source import HloMismatchError  # noqa: E402
-from traceroof.steps import _best_offset, _unwrapped, assign_steps, launch_times  # noqa: E402
+from traceroof.steps import _best_offset, _unwrapped, assign_steps, launch_times, left_out_executions  # noqa: E402
 
 HOST_CHIP = Path(__file__).resolve().parents[1] / "fixtures" / "fixture_host.toml"
 
@@ -83,6 +83,30 @@ JOB = textwrap.dedent("""
                 w = train_step(w, x)
         jax.profiler.stop_trace()
         jax.block_until_ready(w)
+    if "cut" in loops:  # the trace stopped while the last step's execution ran, as a remote capture may stop it
+        import time
+
+        @jax.jit
+        def long_step(a):  # launched in a fraction of a millisecond, then runs on XLA:CPU's threads
+            for _ in range(24):
+                a = jnp.tanh(a @ a)
+            return a
+
+        a = jax.block_until_ready(long_step(jnp.ones((256, 256)) / 256))
+        t = time.perf_counter()
+        a = jax.block_until_ready(long_step(a))
+        whole_s = time.perf_counter() - t
+        jax.profiler.start_trace(f"{out}/cut")
+        for i in range(5):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                a = long_step(a)
+            if i < 4:
+                a = jax.block_until_ready(a)
+        time.sleep(whole_s / 3)
+        jax.profiler.stop_trace()  # step 4's execution about a third through
+        jax.block_until_ready(a)
+        cost = long_step.lower(a).compile().cost_analysis()
+        json.dump({"flops": (cost[0] if isinstance(cost, list) else cost)["flops"]}, open(f"{out}/cut/facts.json", "w"))
     cost = train_step.lower(w, x).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     json.dump({"flops": cost["flops"]}, open(f"{out}/facts.json", "w"))
@@ -99,7 +123,7 @@ def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("job")
-    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock")
+    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut")
     _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
     return root
 
@@ -162,6 +186,24 @@ def test_step_open_when_the_trace_stopped_is_left_out_with_a_note(job):
     assert any("a step still open when the trace stopped" in n for n in a.summary.notes), a.summary.notes
 
 
+def test_step_whose_execution_the_trace_stop_cut_is_left_out_with_a_note(job):
+    """The trace stopped halfway through the last step's execution (its annotation closed at its launch): that
+    step is left out with a note, not counted with part of its ops (a user's capture: 186 of 486 op events)."""
+    from parsers.xspace import read_xspace
+
+    (path,) = (job / "run" / "cut").rglob("*.xplane.pb")
+    ev = read_xspace(path).plane("/host:CPU").events(stats=("run_id", "hlo_module", "hlo_op"))
+    ev = ev[(ev["hlo_module"].astype(str) == "jit_long_step") & ev["hlo_op"].notna()]
+    counts = ev.groupby("run_id").size().sort_index()
+    assert len(counts) == 5 and 0 < counts.iloc[-1] < counts.iloc[:-1].min()  # the last one cut, counted here
+    a = analyze(job / "run" / "cut", chip=str(HOST_CHIP))
+    assert a.summary.steps_total == 5 and a.summary.steps_used == (1, 2, 3)
+    flops = json.loads((job / "run" / "cut" / "facts.json").read_text())["flops"]
+    assert a.summary.flops_per_step == pytest.approx(flops, rel=1e-9)
+    assert any(n.startswith("1 execution(s)") and "still running when the trace stopped" in n
+               and "with the 1 step(s) that launched them" in n for n in a.summary.notes), a.summary.notes
+
+
 def test_unmarked_profile_makes_each_execution_a_step(job):
     a = analyze(job / "run" / "unmarked", hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
     assert a.summary.step_annotation == "executions of jit_train_step"
@@ -219,11 +261,38 @@ def test_run_ids_wrap_and_alignment():
     launches = np.array([10, 20, 30, 40, 50])
     first_op = np.array([15, 25, 60, 70])
     assert _best_offset(np.arange(4), first_op, launches) == (0, 4)
+    # every launch precedes every op under either alignment: run 10 ran while the trace recorded, so it was not
+    # launched after the last launch the trace holds; run 7, still queued when the trace started, has none
     ops = pd.DataFrame({"module": ["jit_f"] * 4, "run_id": pd.array([7, 8, 9, 10], "Int64"),
                         "start_ps": [35, 45, 55, 100]})
     lau = pd.DataFrame({"module": ["jit_f"] * 3, "start_ps": [30, 40, 50]})
     when, matched = launch_times(ops, lau)
-    assert matched == 3 and list(when[:3]) == [30, 40, 50] and np.isnan(when[3])
+    assert matched == 3 and np.isnan(when[0]) and list(when[1:]) == [30, 40, 50]
+    # unless run 10 was still running when the trace stopped (fewer op events than the runs before it): its launch
+    # event, still open, was not written; then the smallest shift
+    ops = pd.DataFrame({"module": ["jit_f"] * 10, "run_id": pd.array([7] * 3 + [8] * 3 + [9] * 3 + [10], "Int64"),
+                        "start_ps": [35, 36, 37, 45, 46, 47, 55, 56, 57, 100]})
+    when, matched = launch_times(ops, lau)
+    assert matched == 3 and list(when[:9]) == [30] * 3 + [40] * 3 + [50] * 3 and np.isnan(when[9])
+    assert _best_offset(np.arange(4), np.array([35, 45, 55, 100]), lau["start_ps"].to_numpy(), last_cut=True) == (0, 3)
+
+
+def test_executions_partly_in_the_profile_are_left_out():
+    """Run ids 5-9 of one program, 10-13 of another: 5 was launched before the trace (the first one tied to a
+    launch is 6), 9 was cut by the stop (it lacks op c), 13 only ran its loop body fewer times (no op missing)."""
+    rows = [(5, "abc"), (6, "abc"), (7, "abc"), (8, "abc"), (9, "a"), (10, "xyy"), (11, "xyyy"), (12, "xyy"),
+            (13, "xy")]
+    ev = pd.DataFrame([(1 if run < 10 else 2, "jit_f" if run < 10 else "jit_g", run, op)
+                       for run, ops in rows for op in ops], columns=["program_id", "module", "run_id", "hlo_op"])
+    ev["run_id"] = ev["run_id"].astype("Int64")
+    tied = (ev["run_id"] >= 6).to_numpy()
+    before, after = left_out_executions(ev, tied)
+    assert sorted(set(ev["run_id"][before])) == [5] and sorted(set(ev["run_id"][after])) == [9]
+    before, after = left_out_executions(ev, np.zeros(len(ev), bool))  # no launches: only the cut ones
+    assert not before.any() and sorted(set(ev["run_id"][after])) == [9]
+    ev = ev[(ev["run_id"] != 5) | (ev["hlo_op"] != "a")].reset_index(drop=True)  # 5 cut at the start: no a
+    before, _ = left_out_executions(ev, np.zeros(len(ev), bool))
+    assert sorted(set(ev["run_id"][before])) == [5]
 
 
 def test_launch_times_by_module_codes_and_wrapped_run_ids():

@@ -25,7 +25,7 @@ from traceroof.hlo_source import (check_dumps, embedded_hlo, fingerprint, parse_
                                   relevant_dumps)
 from traceroof.hostactivity import host_activity
 from traceroof.memory import AllocatorPeak, plane_allocators
-from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps
+from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps, left_out_executions
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
 
@@ -184,8 +184,11 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
     start = events["start_ps"].to_numpy(np.int64)
     when = np.where(known, launch, start).astype(np.int64)  # (float64 both, as launch is)
     hosts = pd.Categorical(events["host"])
+    before, after = left_out_executions(events, known)
+    left_out = before | after
     if steps.empty:
-        steps, module = dominant_program_steps(events, when)
+        steps, module = (dominant_program_steps(events[~left_out], when[~left_out]) if left_out.any() else
+                         dominant_program_steps(events, when))
         if module:
             annotation = f"executions of {module}"
             notes.append(f"no steps marked (jax.profiler.StepTraceAnnotation): each execution of {module}, the "
@@ -193,15 +196,27 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
     step = assign_steps(when, hosts, steps)
     has_run = events["run_id"].notna().to_numpy() if "run_id" in events else np.zeros(len(events), bool)
     duration = events["duration_ps"].to_numpy(np.int64)
-    outside = (step < 0) & known
+    outside = (step < 0) & known & ~left_out
     marked = bool(annotation) and not annotation.startswith("executions of")
     runs = len(events.loc[outside, ["program_id", "run_id"]].drop_duplicates()) if outside.any() and marked else 0
-    for k, v in (("steps_op_ps", int(duration.sum())), ("steps_untied_ps", int(duration[has_run & ~known].sum())),
-                 ("steps_untied", int((has_run & ~known).sum())), ("steps_outside_runs", runs),
-                 ("steps_outside_ps", int(duration[outside].sum()) if runs else 0)):
+    untied = has_run & ~known & ~left_out
+    cut_steps = np.unique(step[after & (step >= 0)]) if marked else step[:0]
+    for k, v in (("steps_op_ps", int(duration.sum())), ("steps_untied_ps", int(duration[untied].sum())),
+                 ("steps_untied", int(untied.sum())), ("steps_outside_runs", runs),
+                 ("steps_outside_ps", int(duration[outside].sum()) if runs else 0),
+                 ("steps_before_runs", _executions(events, before)), ("steps_before_ps", int(duration[before].sum())),
+                 ("steps_cut_runs", _executions(events, after)), ("steps_cut_ps", int(duration[after].sum())),
+                 ("steps_cut_steps", len(cut_steps))):
         facts[k] = facts.get(k, 0) + v
+    if left_out.any():  # and a marked step that launched an execution cut off at the end is incomplete: all of it
+        step[left_out | np.isin(step, cut_steps)] = -1
     steps = device_step_spans(step, hosts, when, start + events["duration_ps"].to_numpy(np.int64), steps)
     return events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0)), steps, annotation
+
+
+def _executions(events: pd.DataFrame, rows: np.ndarray) -> int:
+    """How many executions (program, run id) the op events ``rows`` (bool) belong to."""
+    return len(events.loc[rows, ["program_id", "module", "run_id"]].drop_duplicates()) if rows.any() else 0
 
 
 def step_notes(facts: dict[str, int]) -> list[str]:
@@ -216,6 +231,16 @@ def step_notes(facts: dict[str, int]) -> list[str]:
         out.append(f"{facts['launches_after_steps']} program launch(es) after the last marked step left no op "
                    "event: a step still open when the trace stopped (its annotation and its device work are not in "
                    "the profile): left out")
+    if facts.get("steps_before_runs", 0):
+        out.append(f"{facts['steps_before_runs']} execution(s) ({facts['steps_before_ps'] / total:.1%} of op time) "
+                   "began before the trace started (launched before it, still queued or running): left out of "
+                   "per-step figures")
+    if facts.get("steps_cut_runs", 0):
+        steps = facts.get("steps_cut_steps", 0)
+        out.append(f"{facts['steps_cut_runs']} execution(s) ({facts['steps_cut_ps'] / total:.1%} of op time) were "
+                   "still running when the trace stopped (fewer op events than the other executions of their "
+                   "program): left out of per-step figures" + (f", with the {steps} step(s) that launched them"
+                                                               if steps else ""))
     if facts.get("steps_outside_runs", 0):
         out.append(f"{facts['steps_outside_runs']} execution(s) ({facts['steps_outside_ps'] / total:.1%} of op time) "
                    "were launched outside the marked steps (work between steps, or a step still open when the "

@@ -99,10 +99,17 @@ def _unwrapped(run_ids: np.ndarray) -> np.ndarray:
     return r
 
 
-def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.ndarray) -> tuple[int, int]:
+def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.ndarray,
+                 last_cut: bool = False) -> tuple[int, int]:
     """The launch index ``o`` of the first execution maximising executions ``k`` whose launch
-    ``o + offsets[k]`` exists and starts no later than their first op; ties go to the smallest ``|o|`` (the
-    negative first). ``offsets``: non-decreasing from 0; ``launch_start``: sorted."""
+    ``o + offsets[k]`` exists and starts no later than their first op; ties go to the ``o`` that leaves the
+    fewest executions after the last launch, then to the smallest ``|o|`` (the negative first). An execution
+    whose ops ran while the trace recorded was launched while it recorded (its launch is in the profile) or
+    before it started, never after the last launch the profile holds: when the host runs far ahead of the
+    device (every launch precedes every op, so several alignments tie) the executions without a launch are the
+    first ones, still queued when the trace started. ``last_cut``: the last execution was still running when
+    the trace stopped, so its launch event, still open then, may be missing. ``offsets``: non-decreasing from
+    0; ``launch_start``: sorted."""
     n_l = len(launch_start)
     span = int(offsets[-1]) if len(offsets) else 0
     candidates = np.arange(-span, n_l)
@@ -115,7 +122,9 @@ def _best_offset(offsets: np.ndarray, first_start: np.ndarray, launch_start: np.
     ok = hi > lo
     diff = np.bincount(lo[ok] + span, minlength=n_l + span + 1) - np.bincount(hi[ok] + span, minlength=n_l + span + 1)
     valid = np.cumsum(diff)[candidates + span]
-    order = np.lexsort((candidates, np.abs(candidates)))
+    counted = offsets[:-1] if last_cut else offsets
+    late = len(counted) - np.searchsorted(counted, n_l - candidates, side="left")  # o + offsets[k] >= n_l
+    order = np.lexsort((candidates, np.abs(candidates), late))
     best = order[np.argmax(valid[order])]
     return int(candidates[best]), int(valid[best])
 
@@ -166,7 +175,8 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
             continue
         order = np.argsort(runs, kind="stable")
         runs, first_start = runs[order], first_start[order]
-        o, _ = _best_offset(runs - runs[0], first_start, starts)
+        o, _ = _best_offset(runs - runs[0], first_start, starts,
+                            last_cut=bool(_cut_short(np.bincount(at, minlength=len(runs))[order])[-1]))
         idx = o + (runs - runs[0])
         ok = (idx >= 0) & (idx < len(starts))
         when = np.full(len(run_keys), np.nan)
@@ -174,6 +184,70 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
         matched += int(ok.sum())
         out[mine if isinstance(rows, slice) else rows[mine]] = when[at]
     return out, matched
+
+
+def _cut_short(counts: np.ndarray) -> np.ndarray:
+    """Per execution of a program (``counts``: its op events, in run id order), whether it is the first or the last
+    one and holds fewer op events than every execution between them (at least one): a candidate for an execution
+    the trace's start or stop cut off (the ones between ran whole inside the trace)."""
+    out = np.zeros(len(counts), bool)
+    if len(counts) >= 3:
+        least = counts[1:-1].min()
+        out[0], out[-1] = counts[0] < least, counts[-1] < least
+    return out
+
+
+def left_out_executions(events: pd.DataFrame, tied: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per op event (bool), whether its execution ran only partly inside the profile, so no step may hold it:
+    ``before``: began before the trace started, either launched before it (its run id precedes that of its
+    program's first execution tied to a launch in the profile: run ids are issued in launch order, and a launch
+    while the trace recorded is in it) or already running (cut off at the start); ``after``: still running when
+    the trace stopped (cut off at the end). An execution is cut off when it is the first or the last of its
+    program in the profile, holds fewer op events than every execution between them (:func:`_cut_short`) and
+    lacks an op that each of those ran.
+
+    ``events``: one host's op events with ``program_id``, ``module``, ``run_id`` (nullable: events without one
+    are never left out) and ``hlo_op``; ``tied``: per event, whether its execution was tied to its launch.
+    """
+    n = len(events)
+    before, after = np.zeros(n, bool), np.zeros(n, bool)
+    has = events["run_id"].notna().to_numpy(bool) if n and "run_id" in events else before
+    if not has.any():
+        return before, after
+    rows = np.flatnonzero(has)
+    run = events["run_id"].to_numpy(np.int64, na_value=0)
+    pid, module = events["program_id"].array, events["module"].array
+    if len(rows) < n:
+        run, pid, module = run[rows], pid[rows], module[rows]
+    program = group_codes([pid, module])
+    exe = group_codes([program, run])  # one code per execution
+    first = first_rows(exe)
+    exe_program, exe_run, exe_tied = program[first], run[first], tied[rows[first]]
+    count = np.bincount(exe, minlength=len(first))
+    exe_before, exe_after = np.zeros(len(first), bool), np.zeros(len(first), bool)
+    for p in range(int(program.max()) + 1):
+        mine = np.flatnonzero(exe_program == p)
+        runs = _unwrapped(exe_run[mine])
+        by_run = np.argsort(runs, kind="stable")
+        mine, runs = mine[by_run], runs[by_run]
+        if exe_tied[mine].any():
+            exe_before[mine] = runs < runs[exe_tied[mine]].min()
+        short = np.flatnonzero(_cut_short(count[mine]))
+        if not len(short):
+            continue
+        at = np.flatnonzero(program == p)
+        op = pd.factorize(events["hlo_op"].array[rows[at]], use_na_sentinel=False)[0]
+        pairs = first_rows(group_codes([exe[at], op]))  # each (execution, op) once
+        ran_exe, ran_op = exe[at][pairs], op[pairs]
+        between = np.isin(ran_exe, mine[1:-1])
+        every = np.bincount(ran_op[between], minlength=op.max() + 1) == len(mine) - 2  # ops each of those ran
+        for k in short:
+            if every.sum() > every[ran_op[ran_exe == mine[k]]].sum():  # it lacks one
+                (exe_before if k == 0 else exe_after)[mine[k]] = True
+    for mask, exe_mask in ((before, exe_before), (after, exe_after)):
+        if exe_mask.any():  # rarely: most profiles leave nothing out
+            mask[rows] = exe_mask[exe]
+    return before, after
 
 
 def kernel_launch_times(kernel_correlation: np.ndarray, api_correlation: np.ndarray,
