@@ -180,10 +180,12 @@ def test_loop_that_never_blocks_gets_no_empty_steps(job):
 
 def test_step_open_when_the_trace_stopped_is_left_out_with_a_note(job):
     """``stop_trace`` inside the last step's annotation: jax writes no unfinished annotation, and the step's
-    launch is all that is left of it (its ops too, when cut off): 4 closed steps, a note for the fifth."""
+    launch is all that is left of it (its ops too, when cut off): 4 closed steps, a note for the fifth (which
+    one depends on how far its execution got: none of its ops ran, or it was cut off, fewer ops than the others)."""
     a = analyze(job / "run" / "midstep", chip=str(HOST_CHIP))
     assert a.summary.steps_used == (1, 2, 3)
-    assert any("a step still open when the trace stopped" in n for n in a.summary.notes), a.summary.notes
+    assert any("a step still open when the trace stopped" in n or "were still running when the trace stopped" in n
+               for n in a.summary.notes), a.summary.notes
 
 
 def test_step_whose_execution_the_trace_stop_cut_is_left_out_with_a_note(job):
