@@ -19,6 +19,7 @@ import click
 from parsers.errors import TraceroofError
 
 FORMATS = ("terminal", "markdown", "json", "csv", "html", "summary")
+RETRY_LINE_EVERY_S = 10.0  # capture: while it keeps trying for one reason, a line on stderr this often at most
 
 
 def _fail(message: str) -> None:
@@ -211,8 +212,8 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 @click.option("--chip", help="Target chip for both sides.")
 @click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 32))
 @click.option("--warmup-steps", default=1, show_default=True, type=click.IntRange(0))
-@click.option("--fail-above", "fail_above", type=click.FloatRange(min=0), help="Exit 1 when step time (or --layer) regresses by more "
-                                                             "than this percent, beyond noise.")
+@click.option("--fail-above", "fail_above", type=click.FloatRange(min=0),
+              help="Exit 1 when step time (or --layer) regresses by more than this percent, beyond noise.")
 @click.option("--layer", help="Gate on this layer's time (all phases) instead of the step time.")
 @click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json", "html")), default="terminal",
               show_default=True)
@@ -262,7 +263,8 @@ def _duration(text: str) -> float:
 @click.option("--fail-above", "fail_above", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="With --every: flag a regression above this percent, beyond noise.")
 @click.option("--chip", help="Target chip (default: detected; CPU jobs: the calibrated host).")
-@click.option("--format", "fmt", type=click.Choice(FORMATS[:3] + ("html",)), default="terminal", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(FORMATS[:3] + ("html",)), default="terminal", show_default=True,
+              help="The report of a single capture (not with --every, whose reports go beside each run).")
 @click.option("--retry-for", "retry_for", default="60s", show_default=True,
               help="Keep trying this long while nothing listens at ADDRESS (the job is still starting) or captures "
                    "hold no op events (it is still compiling).")
@@ -289,8 +291,14 @@ def capture(address: str, duration: str, logdir: str | None, every: str | None, 
     n = 0
     regressed = False
 
-    def retrying(attempt: int, reason: str) -> None:
-        if reason.startswith("nothing listens"):
+    said: dict[str, object] = {"starting": None, "at": 0.0}  # the last line's kind of reason, and when
+
+    def retrying(attempt: int, reason: str) -> None:  # a line when the reason changes, then one per 10 s at most
+        starting = reason.startswith("nothing listens")
+        if said["starting"] == starting and time.monotonic() - float(said["at"]) < RETRY_LINE_EVERY_S:  # type: ignore
+            return
+        said.update(starting=starting, at=time.monotonic())
+        if starting:
             click.echo(f"traceroof: {reason} (the job may still be starting): trying again", err=True)
         else:
             click.echo(f"traceroof: capture {attempt} from {address} held no op events (the job may still be "

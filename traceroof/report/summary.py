@@ -26,7 +26,7 @@ def render_summary(a: Analysis) -> str:
     out = [f"# traceroof summary: {markdown(s.input)}", "",
            f"- chip: {markdown(s.chip_name)} [{markdown(s.chip_id)}]; {s.devices} device(s); {markdown(s.device)}",
            f"- step: {fmt_time(step)} ± {fmt_time(s.step_time_std_s)} over {len(s.steps_used)} step(s); op time "
-           f"{fmt_pct(busy)} of it{' (ops ran concurrently)' if busy > 1 else ''}; exposed communication "
+           f"{fmt_pct(busy)} of it{' (op events overlap in time)' if busy > 1 else ''}; exposed communication "
            f"{fmt_pct(comm)}",
            f"- work per step and device: {fmt_si(s.flops_per_step, 'FLOP')}, {fmt_si(s.hbm_bytes_per_step, 'B')} HBM",
            f"- MFU {fmt_pct(s.mfu)}, HFU {fmt_pct(s.hfu)} ({markdown(s.mfu_peak_key or '-')} peak); roofline "
