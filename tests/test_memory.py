@@ -234,11 +234,23 @@ def test_diff_shows_flops_down_and_memory_up(remat, tmp_path):
     saved = tmp_path / "on.json"
     saved.write_text(render_json(remat["on"], tables=("layers", "op-stats")))
     assert side_from_json(saved).memory["peak_bytes_per_device"] == p["base_bytes"]
+    assert "not one measure" not in render_diff_text(r)
     doc = json.loads(saved.read_text())
     doc["memory"]["peak_bytes_per_device"] = "lots"
     saved.write_text(json.dumps(doc))
     with pytest.raises(MemoryReportError.__mro__[1], match=r"on.json: memory.peak_bytes_per_device is 'lots'"):
         side_from_json(saved)
+
+
+def test_diff_says_when_the_two_peaks_are_not_one_measure(remat, tmp_path):
+    """A side without its dump folder has traceroof's live-range estimate, the other XLA's buffer assignment: the
+    diff says the two peaks are not the same measure (a user saw "-6.6 %" between them for one program)."""
+    shutil.copytree(FIXTURES / "mem_remat_on" / "logdir", tmp_path / "logdir")  # the profile without its dumps
+    alone = analyze(tmp_path / "logdir")
+    assert alone.memory.peak.source == "traceroof_live_ranges"
+    r = diff(side_from_analysis(remat["on"], "with dumps"), side_from_analysis(alone, "without"))
+    assert ("; not one measure: base from XLA's buffer assignment, new from traceroof's live ranges (pass "
+            "--hlo-base / --hlo-new dumps for XLA's figure on both)") in render_diff_text(r)
 
 
 def test_allocator_events_of_a_gpu_profile():

@@ -113,5 +113,10 @@ def memory_delta_line(delta: Mapping | None) -> str:
     movers = sorted(delta["categories"].items(), key=lambda kv: -abs(kv[1]["delta_bytes"]))
     parts = [f"{c.replace('_', ' ')} {'+' if d['delta_bytes'] >= 0 else '-'}{fmt_bytes(abs(d['delta_bytes']))}"
              for c, d in movers[:3] if d["delta_bytes"]]
+    src = delta.get("source") or {}
+    base_src, new_src = src.get("base"), src.get("new")
+    differ = (f"; not one measure: base from {SOURCES.get(base_src, base_src)}, new from "
+              f"{SOURCES.get(new_src, new_src)} (pass --hlo-base / --hlo-new dumps for XLA's figure on both)"
+              if base_src and new_src and base_src != new_src else "")
     return (f"peak memory per device {fmt_bytes(p['base_bytes'])} -> {fmt_bytes(p['new_bytes'])}{pct}"
-            + (f": {', '.join(parts)}" if parts else ""))
+            + (f": {', '.join(parts)}" if parts else "") + differ)
