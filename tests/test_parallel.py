@@ -428,3 +428,32 @@ def test_a_process_returns_each_programs_hlo_once_per_analysis(tmp_path) -> None
     assert modules(merged) == modules(merge_hosts(inputs, [full[1], full[0], full[2]]))
     again = read_host(dataclasses.replace(tasks[1], analysis_id="analysis-2"))
     assert not any(isinstance(m, ModuleRef) for m, _ in again.modules)
+
+
+def test_a_step_that_one_host_lacks_is_left_out(tmp_path) -> None:
+    """Three hosts of one run; host_c's trace stopped a step sooner (its step 4 is missing): step 4 would give
+    per-step, per-device figures over two hosts' work divided by three hosts' devices. It is left out, with a
+    note; FLOPs per step stay those of the hosts that ran every used step."""
+    import dataclasses
+
+    from traceroof.analysis import DEFAULT_OPTIMIZER_PATTERN, _analyze_profile
+    from traceroof.discovery import discover
+    from traceroof.host import HostTask, read_host
+    from traceroof.profile import merge_hosts
+
+    inputs = discover([_pod(tmp_path)], [ROOT / "fixtures" / "sharded_mlp" / "hlo"])
+    hosts = [read_host(HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files)) for p in inputs.profiles]
+
+    def analyzed(hosts):
+        return _analyze_profile(merge_hosts(inputs, hosts), str(HOST_CHIP), 2, 1, 10, DEFAULT_OPTIMIZER_PATTERN,
+                                None, None, False).summary
+
+    whole = analyzed(hosts)
+    assert whole.steps_used == (1, 2, 3, 4) and not any("only some of the" in n for n in whole.notes)
+    c = hosts[2]
+    rows = c.rows.assign(step=c.rows["step"].where(c.rows["step"] != 4))  # its step-4 ops in no step
+    hosts[2] = dataclasses.replace(c, steps=c.steps[c.steps["step"] != 4], rows=rows)
+    part = analyzed(hosts)
+    assert part.steps_used == (1, 2, 3)
+    assert any(n.startswith("1 step(s) are on only some of the 3 hosts (steps 4): left out") for n in part.notes)
+    assert part.flops_per_step == pytest.approx(whole.flops_per_step)

@@ -33,7 +33,7 @@ from traceroof.progress import progress
 from traceroof.rowcosts import RowCosts
 from traceroof.results import Analysis, Summary  # noqa: F401 (the API: traceroof.analysis.Analysis)
 from traceroof.roofline import main_matmul_peak, precision_notes, roofline_rows
-from traceroof.steps import steps_with_ops
+from traceroof.steps import steps_on_every_host, steps_with_ops
 from traceroof.utilization import _step_durations, flop_utilization, step_periods, utilization_notes
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
@@ -187,6 +187,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         warmup_steps = 0
     used = steps_with_ops(tuple(all_steps[warmup_steps:]), ops["step"], profile.step_annotation,
                           profile.inputs.description, notes)
+    used = steps_on_every_host(used, steps, _hosts_with_ops(profile.rows), notes)
     sel = steps[steps["step"].isin(used)]
     durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
     step_col = ops["step"]
@@ -247,6 +248,15 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  parallelism=par, row_costs=costs)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
                                           tuple(profile.modules)))
+
+
+def _hosts_with_ops(rows: pd.DataFrame) -> list[str]:
+    """The hosts that hold op rows (the op table's ``host`` column: categorical, or text)."""
+    host = rows["host"].array if "host" in rows else pd.Categorical([])
+    if isinstance(host, pd.Categorical):
+        codes = host.codes[host.codes >= 0]
+        return [str(c) for c in host.categories[np.flatnonzero(np.bincount(codes, minlength=len(host.categories)))]]
+    return sorted({str(h) for h in pd.unique(host) if pd.notna(h)})
 
 
 def _cost_disagreements(ops: pd.DataFrame, costs: RowCosts) -> list[str]:

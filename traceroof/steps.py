@@ -20,7 +20,7 @@ executions in order) to its last op end; :func:`device_step_spans`.
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -377,6 +377,29 @@ def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, 
     end = np.array([f[1] if f else 0 for f in found], np.int64)
     return steps.assign(device_start_ps=pd.arrays.IntegerArray(start, missing),
                         device_end_ps=pd.arrays.IntegerArray(end, missing.copy()))
+
+
+def steps_on_every_host(used: tuple[int, ...], steps: pd.DataFrame, hosts: Sequence[str], notes: list[str]
+                        ) -> tuple[int, ...]:
+    """The steps among ``used`` that every host in ``hosts`` (those holding op events) has in ``steps`` (``host``,
+    ``step``: host annotations), the others left out with a note appended to ``notes``: a step one host lacks (its
+    trace started later or stopped sooner, or its execution was cut off there) would give per-step, per-device
+    figures over only some devices' work. Steps of devices' own ``Steps`` lines (a ``device`` column) are kept:
+    they number steps per device."""
+    if len(hosts) < 2 or not used or steps.empty or ("device" in steps and steps["device"].notna().any()):
+        return used
+    on = steps[steps["host"].isin(list(hosts))].groupby("step")["host"].nunique()
+    partial = [s for s in used if on.get(s, 0) < len(hosts)]
+    if not partial:
+        return used
+    if len(partial) == len(used):
+        return used  # no step on every host: keep them all, each host's own (the merge's notes say why)
+    shown = ", ".join(map(str, partial[:6])) + (" ..." if len(partial) > 6 else "")
+    notes.append(f"{len(partial)} step(s) are on only some of the {len(hosts)} hosts (steps {shown}): left out, so "
+                 "that every step's figures cover every host's devices (hosts whose traces started or stopped at "
+                 "other steps)")
+    gone = set(partial)
+    return tuple(s for s in used if s not in gone)
 
 
 def steps_with_ops(used: tuple[int, ...], step: pd.Series, annotation: str, description: str, notes: list[str]
