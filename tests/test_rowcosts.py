@@ -62,10 +62,10 @@ def test_the_roofline_worked_out_per_op_equals_the_roofline_of_stored_columns(na
     """The roofline columns RowCosts works out from per-op costs equal apply_roofline's on a table whose cost
     columns are stored (the path of XProf exports, which never goes through RowCosts), value for value."""
     from traceroof.chips import get_chip, per_device_chip
-    from traceroof.roofline import _ROOFLINE, apply_roofline
+    from traceroof.roofline import ROOFLINE_COLUMNS, apply_roofline
 
     wide = analyze(FIXTURES / name, chip=chip_name).ops
-    worked = [*_ROOFLINE, "peak_flops_per_s", "peak_key"]
+    worked = [*ROOFLINE_COLUMNS, "peak_flops_per_s", "peak_key"]
     chip = per_device_chip(get_chip(str(chip_name)))[0]
     stored = apply_roofline(wide.drop(columns=worked).copy(), chip)
     for c in worked:

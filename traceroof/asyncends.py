@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
-from traceroof.codes import first_rows, group_codes, run_starts, table_fits
+from traceroof.codes import first_rows, group_codes, run_starts, sorted_codes
 from traceroof.join import match_modules
 
 
@@ -146,7 +146,9 @@ def _first_user_starts(events: pd.DataFrame, modules: Sequence[HloModule], grow:
     wanted = np.zeros(len(op_names) + 1, bool)  # by op code; the last: code -1 (no op)
     wanted[q_user] = True
     cand = np.flatnonzero(wanted[op_code] & has_run & (mod >= 0))
-    runs, c_run, keep, sel_run = _runs(run[sel], run[cand])
+    runs, sel_run = sorted_codes(run[sel])  # the grown events' executions (few): candidates found by binary search
+    c_run = np.minimum(np.searchsorted(runs, run[cand]), len(runs) - 1)
+    keep = runs[c_run] == run[cand]
     cand, c_run = cand[keep], c_run[keep]  # in an execution of a grown event (below: of its host, device, module)
     if not len(cand):
         return out
@@ -211,24 +213,6 @@ def _first_start_after(g_cand: np.ndarray, c_start: np.ndarray, g_query: np.ndar
     bound = np.full(len(q_start), NO_BOUND_PS, np.int64)
     bound[found] = values[at] if lo is None else at + (lo if isinstance(lo, int) else lo[g_query[found]])
     return bound
-
-
-def _runs(sel_run: np.ndarray, cand_run: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The distinct run ids of the grown events ``sel_run`` (sorted), and for the candidates ``cand_run`` and the
-    grown events, the position of their run among them (candidates: whether it is there at all). By a table
-    over the ids' span where it fits (:func:`~traceroof.codes.table_fits`: the run ids of a program count its
-    launches), else by binary search."""
-    lo, hi = int(sel_run.min()), int(sel_run.max())
-    if not table_fits(hi - lo + 1, len(sel_run) + len(cand_run)):
-        runs = np.unique(sel_run)
-        c_run = np.minimum(np.searchsorted(runs, cand_run), len(runs) - 1)
-        return runs, c_run, runs[c_run] == cand_run, np.searchsorted(runs, sel_run)
-    present = np.zeros(hi - lo + 1, bool)
-    present[sel_run - lo] = True
-    index = np.cumsum(present) - 1  # id - lo -> its position among the distinct ids (where present)
-    inside = (cand_run >= lo) & (cand_run <= hi)
-    at = np.where(inside, cand_run - lo, 0)  # (outside the span: wraps, unused)
-    return np.flatnonzero(present) + lo, index[at], inside & present[at], index[sel_run - lo]
 
 
 def _users(module: HloModule) -> dict[str, list[str]]:

@@ -34,7 +34,7 @@ from traceroof.codes import group_codes, group_order, run_starts
 from traceroof.hostactivity import (HOST_KINDS, covered_both_ps, covered_ps, intersect_intervals,
                                    merge_intervals, subtract_intervals)
 from traceroof.aggregate import Timeline
-from traceroof.overlap import pair_windows
+from traceroof.overlap import collective_rows, pair_windows
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
 BREAKDOWN_COLUMNS = ("step_time_s", *COMPONENTS)  # the numeric columns a saved report's rows must carry
@@ -67,7 +67,7 @@ def _positions(key: np.ndarray, n: int) -> Callable[[int], np.ndarray]:
     (``np.flatnonzero(key == k)``; none for a code outside 0..n-1): from the runs of equal codes where they are
     long (a device's events one after another), else from :func:`~traceroof.codes.group_order`."""
     change = run_starts(key)[1:]
-    if len(change) > len(key) // 64:
+    if len(change) > len(key) // 64:  # runs shorter than 64 events on average: one sort beats a walk per run
         order, bounds = group_order(key, n)
         return lambda k: order[bounds[k]:bounds[k + 1]] if 0 <= k < n else order[:0]
     run_start, run_end = np.append(0, change), np.append(change, len(key))
@@ -194,10 +194,10 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     r = timeline.row
     dev_codes, dev_names = _codes(ops["device"])
     code_of = {name: i for i, name in enumerate(dev_names.tolist())}
-    cat_codes, cat_names = _codes(ops["category"])
-    is_coll = np.append(cat_names == "collective", False)
-    any_coll = bool(is_coll.any()) and bool(is_coll[cat_codes].any())
-    coll_row = is_coll[cat_codes] if any_coll else None
+    coll_row = collective_rows(ops)
+    any_coll = bool(coll_row.any())
+    if not any_coll:
+        coll_row = None
     pid_row = ops["program_id"].to_numpy(dtype="float64", na_value=-1)
     step_row = None  # read where run ids are missing
     op_codes, op_names = _codes(ops["hlo_op"]) if any_coll else (None, None)

@@ -291,13 +291,15 @@ def capture(address: str, duration: str, logdir: str | None, every: str | None, 
     n = 0
     regressed = False
 
-    said: dict[str, object] = {"starting": None, "at": 0.0}  # the last line's kind of reason, and when
+    said_starting: bool | None = None  # the kind of reason of the last line said, and when
+    said_at_s = 0.0
 
     def retrying(attempt: int, reason: str) -> None:  # a line when the reason changes, then one per 10 s at most
+        nonlocal said_starting, said_at_s
         starting = reason.startswith("nothing listens")
-        if said["starting"] == starting and time.monotonic() - float(said["at"]) < RETRY_LINE_EVERY_S:  # type: ignore
+        if said_starting == starting and time.monotonic() - said_at_s < RETRY_LINE_EVERY_S:
             return
-        said.update(starting=starting, at=time.monotonic())
+        said_starting, said_at_s = starting, time.monotonic()
         if starting:
             click.echo(f"traceroof: {reason} (the job may still be starting): trying again", err=True)
         else:

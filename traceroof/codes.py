@@ -88,7 +88,7 @@ def _ranks(first: np.ndarray, n: int) -> tuple[np.ndarray, int]:
     at = first[present]
     if len(present) == n:  # every row the first of its code: a row's rank is its position
         table[present] = at
-    elif 8 * len(present) < n:
+    elif 8 * len(present) < n:  # few codes (under an eighth of the rows): sorting their first rows beats a pass
         table[present[np.argsort(at, kind="stable")]] = np.arange(len(present))
     else:
         marked = np.zeros(n, bool)
@@ -104,7 +104,7 @@ def _first_rows(group: np.ndarray, n_codes: int) -> np.ndarray:
     checked for such a code (a look-up per row, no write), and scattered too if one holds it."""
     n = len(group)
     first = np.full(n_codes, n, np.int64)
-    head = min(n, max(n_codes, 1 << 16))
+    head = min(n, max(n_codes, 1 << 16))  # at least 64 Ki rows: a scatter that size costs far less than a pass
     first[group[:head][::-1]] = np.arange(head - 1, -1, -1)
     if head < n and (first == n).any() and not (first < n)[group[head:]].all():
         rest = np.full(n_codes, n, np.int64)
@@ -307,3 +307,26 @@ def constant_categorical(value: Any, n: int) -> pd.Categorical:
     if value is None:
         return pd.Categorical.from_codes(np.full(n, -1, np.int8), categories=[])
     return pd.Categorical.from_codes(np.zeros(n, np.int8), categories=[value])
+
+
+def group_codes_at(columns: Sequence[Any], at: np.ndarray | None, small: bool = False
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`group_codes` of the rows at positions ``at`` (increasing; default all) of equally
+    long ``columns``, given for every row: per row its group (0..n-1 in order of first appearance among the rows
+    at ``at``; n for a row elsewhere; int64, the type numpy indexes with fastest, or with ``small`` the smallest
+    unsigned type that holds n), and each group's first row (n positions). The rows elsewhere are grouped too,
+    told apart by a column of their own, and their groups dropped: no copy of the columns at ``at``, and no
+    scatter of their codes back into every row."""
+    if at is None:
+        group = group_codes(columns)
+        first = first_rows(group)
+        return group.astype(np.min_scalar_type(len(first))) if small else group, first
+    elsewhere = np.ones(len(columns[0]), bool)
+    elsewhere[at] = False
+    group = group_codes([elsewhere, *columns])
+    first = first_rows(group)
+    kept = ~elsewhere[first]  # the groups of rows at ``at``
+    n = int(np.count_nonzero(kept))
+    renumber = np.full(len(first), n, np.min_scalar_type(n) if small else np.int64)
+    renumber[kept] = np.arange(n)
+    return np.take(renumber, group), first[kept]

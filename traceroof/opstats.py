@@ -8,9 +8,9 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from traceroof.codes import as_text, category_text, first_rows, group_codes, group_order, group_sum, positions
+from traceroof.codes import (as_text, category_text, first_rows, group_codes, group_codes_at, group_order, group_sum,
+                             positions)
 from traceroof.aggregate import Timeline
-from traceroof.optable import group_codes_at
 
 OUTLIER_RATIO = 10.0  # an execution slower than this x its op's median is an outlier (noise, contention, first run)
 OUTLIER_MIN_EXECUTIONS = 3  # ops with fewer executions than this have no median to judge outliers by
@@ -100,7 +100,7 @@ def _op_codes(counted: pd.DataFrame, at: np.ndarray | None
     among the rows at the positions ``at``, default all rows, as :func:`~traceroof.codes.group_codes` numbers
     them; n for a row not at ``at``; in the smallest unsigned type that holds n), n, and per op its module, program
     id (missing: -1) and HLO op as ``astype(str)`` writes them (a missing name: ``nan``), by
-    :func:`~traceroof.optable.group_codes_at`."""
+    :func:`~traceroof.codes.group_codes_at`."""
     module, hlo_op = _categorical(counted["module"]), _categorical(counted["hlo_op"])
     pid = counted["program_id"].to_numpy(dtype="int64", na_value=-1)
     row_op, first = group_codes_at([module, pid, hlo_op], at, small=True)
@@ -183,12 +183,8 @@ def execution_stats(counted: pd.DataFrame, timeline: Timeline | None = None, at:
         q, mx, total, mid, far = stats
     median = q[0.5]
     keys = [np.unique(op_t, return_inverse=True)[1].reshape(-1), pid_t, np.unique(mod_t, return_inverse=True)[1]]
+    # lexsort is stable: ops alike in text (a missing name and one written "nan") stay in order of first appearance
     order = np.lexsort(keys)
-    alike = np.ones(n_ops - 1, bool)
-    for k in keys:
-        alike &= np.diff(k[order]) == 0
-    if alike.any():  # ops alike in text (a missing name and one written "nan"): in order of first appearance
-        order = np.lexsort([np.arange(n_ops), *keys])
     with np.errstate(divide="ignore", invalid="ignore"):
         spread = q[0.9] / np.where(median > 0, median, np.nan)
     out = {"median_s": median, "p90_s": q[0.9], "spread": spread, "max_s": mx, "samples": total,

@@ -14,7 +14,7 @@ and lost time) are sums over the row's events, so any sum of rows equals the sum
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -22,7 +22,7 @@ import pandas as pd
 from parsers.hlo import Instruction, is_retiling
 from parsers.xspace import code_dtype
 from traceroof.aggregate import Timeline
-from traceroof.codes import first_rows, group_codes, run_starts
+from traceroof.codes import first_rows, group_codes, group_codes_at, run_starts
 from traceroof.collectives import classify, module_devices
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
@@ -214,29 +214,6 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
                         partial.ambiguous_modules, partial.matched_sources)
     costs = RowCosts({c: np.array(table[c], np.float64) / k_u for c in ADDITIVE}, tpu="profile_flops" in rows)
     return out, report, timeline, collectives, module_scopes, costs
-
-
-def group_codes_at(columns: Sequence[Any], at: np.ndarray | None, small: bool = False
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`~traceroof.codes.group_codes` of the rows at positions ``at`` (increasing; default all) of equally
-    long ``columns``, given for every row: per row its group (0..n-1 in order of first appearance among the rows
-    at ``at``; n for a row elsewhere; int64, the type numpy indexes with fastest, or with ``small`` the smallest
-    unsigned type that holds n), and each group's first row (n positions). The rows elsewhere are grouped too,
-    told apart by a column of their own, and their groups dropped: no copy of the columns at ``at``, and no
-    scatter of their codes back into every row."""
-    if at is None:
-        group = group_codes(columns)
-        first = first_rows(group)
-        return group.astype(np.min_scalar_type(len(first))) if small else group, first
-    elsewhere = np.ones(len(columns[0]), bool)
-    elsewhere[at] = False
-    group = group_codes([elsewhere, *columns])
-    first = first_rows(group)
-    kept = ~elsewhere[first]  # the groups of rows at ``at``
-    n = int(np.count_nonzero(kept))
-    renumber = np.full(len(first), n, np.min_scalar_type(n) if small else np.int64)
-    renumber[kept] = np.arange(n)
-    return np.take(renumber, group), first[kept]
 
 
 def _broadcast(values: Sequence[str], at: np.ndarray) -> pd.Categorical:

@@ -17,7 +17,7 @@ from traceroof.hostactivity import covered_ps, merge_intervals
 from traceroof.aggregate import Timeline
 
 
-def _collective_rows(ops: pd.DataFrame) -> np.ndarray:
+def collective_rows(ops: pd.DataFrame) -> np.ndarray:
     """Whether each op row's ``category`` is ``collective`` (tested once per category of a categorical column;
     no row read where no category is)."""
     col = ops["category"]
@@ -98,7 +98,7 @@ def exposed_communication(ops: pd.DataFrame, timeline: Timeline, pairs: dict[tup
     columns are added to ``ops`` in place (no copy of the large op table), which is returned.
     """
     out = ops
-    is_coll_row = _collective_rows(out)
+    is_coll_row = collective_rows(out)
     window_row, hidden_row, exposed_row = np.zeros(len(out)), np.zeros(len(out)), np.zeros(len(out))
     if is_coll_row.any():
         rows = np.arange(len(out))
@@ -154,7 +154,7 @@ def arrival_skew(ops: pd.DataFrame, timeline: Timeline) -> pd.DataFrame:
     Rows sorted by program id (missing: -1), op name, step and occurrence (the n-th execution of the op in the
     step on a device, in order of start)."""
     cols = ["program_id", "hlo_op", "step", "occurrence", "devices", "skew_s", "last_device", "wait_s"]
-    pick = _collective_rows(ops)
+    pick = collective_rows(ops)
     if pick.any():
         pick = pick & ops["step"].notna().to_numpy(bool)
     if not pick.any():

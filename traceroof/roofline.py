@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from traceroof.rowcosts import RowCosts
 
 BOUNDS = ("communication", "compute", "latency", "memory", "opaque", "unknown")  # sorted, as a Categorical orders them
-_ROOFLINE = ("compute_s", "memory_s", "communication_s", "expected_s", "bound", "efficiency",
-             "arithmetic_intensity_flops_per_byte", "lost_s")  # what roofline_values works out, in its order
+ROOFLINE_COLUMNS = ("compute_s", "memory_s", "communication_s", "expected_s", "bound", "efficiency",
+                    "arithmetic_intensity_flops_per_byte", "lost_s")  # what roofline_values works out, in its order
 
 
 def _usable(figure: object) -> bool:
@@ -102,7 +102,7 @@ def roofline_values(work_flops: np.ndarray, hbm_bytes: np.ndarray, comm_s: np.nd
     (s; NaN where not ``joined`` or ``opaque``), ``bound`` (int8 codes into :data:`BOUNDS`), ``efficiency``
     (expected ÷ measured), ``arithmetic_intensity_flops_per_byte`` and ``lost_s`` (measured − expected, s); with
     ``names``, only those, and only what they need is computed (formulas: the module docstring)."""
-    want = set(_ROOFLINE if names is None else names)
+    want = set(ROOFLINE_COLUMNS if names is None else names)
     out: dict[str, np.ndarray] = {}
     if want - {"arithmetic_intensity_flops_per_byte"}:
         compute = work_flops / peak_flops_per_s
@@ -164,7 +164,7 @@ def apply_roofline(ops: pd.DataFrame, chip: Chip) -> pd.DataFrame:
         out["opaque"].to_numpy(bool),
         out["comm_latency_bound"].to_numpy(bool) if "comm_latency_bound" in out else None,
         out["measured_s"].to_numpy(np.float64))
-    for name in _ROOFLINE:
+    for name in ROOFLINE_COLUMNS:
         out[name] = _sorted_categorical(values[name], BOUNDS) if name == "bound" else values[name]
     return out
 

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import pandas as pd
 
-from traceroof.roofline import roofline_values
+from traceroof.roofline import ROOFLINE_COLUMNS, roofline_values
 
 ADDITIVE = ("flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")  # per event x events
 TPU_OURS = ("traceroof_flops", "traceroof_hbm_bytes")  # our count beside libtpu's, on TPU rows
-ROOFLINE_FLOATS = ("compute_s", "memory_s", "communication_s", "expected_s", "efficiency",
-                   "arithmetic_intensity_flops_per_byte", "lost_s")
+ROOFLINE_FLOATS = tuple(c for c in ROOFLINE_COLUMNS if c != "bound")  # ("bound" is a code)
 CHUNK_ROWS = 1 << 18  # op rows whose worked-out columns are computed at once when reducing them: ~2 MB per column
 ALL_ROWS_FROM = 0.8  # RowCosts.sums of rows ``at``: share of all rows from which working out every row costs less
 #                      than copying the stored columns of those rows (a row's copy costs a fifth of working it out)
@@ -98,7 +97,7 @@ class RowCosts:
     def _roof(self, want: tuple[str, ...]) -> tuple[str, ...]:
         """The roofline columns among ``want`` (``bound``: codes into :data:`traceroof.roofline.BOUNDS`), none
         before :meth:`with_roofline`."""
-        return tuple(c for c in want if c in ROOFLINE_FLOATS or c == "bound") if self.peak_flops_per_s is not None \
+        return tuple(c for c in want if c in ROOFLINE_COLUMNS) if self.peak_flops_per_s is not None \
             else ()
 
     def _worked(self, stored: dict[str, np.ndarray], want: tuple[str, ...], at: np.ndarray | slice | None,

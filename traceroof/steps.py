@@ -33,8 +33,9 @@ LAUNCH_EVENT = re.compile(r"^(?:\w+::)*\w*PjRt\w*Executable::Execute(?:HelperOnS
                           r"Portable)?(?: \((?P<module>[^()]*)\))?$")
 PJIT_EVENT = re.compile(r"^PjitFunction\((?P<fn>.*)\)$")
 MAX_PJIT_LOOKBACK = 100_000  # PjitFunction events (tracing, nested calls) searched back for a launch's caller
-# candidate offsets x executions above which only start/end alignments are tried (the search itself now costs the
-# same for any number of offsets: the cap only narrows which offsets are tried)
+# candidate offsets x executions above which only start/end alignments are tried. The search no longer costs
+# offsets x executions (a difference array), so this bound is historical: it keeps which alignments are tried on
+# very long profiles (a few thousand executions of one program) as they were; lifting it changes results there.
 MAX_OFFSET_WORK = 20_000_000
 # run ids of one program spanning more than this x (executions + launches) are not one launch counter: no guess
 RUN_ID_GAP_FACTOR = 4
