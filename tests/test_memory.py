@@ -21,6 +21,7 @@ from traceroof.report.diff import render_diff_text
 from traceroof.report.html import render_html
 from traceroof.report.text import render_markdown, render_terminal
 from traceroof.scopes import assign_scopes
+from traceroof.findings.record import fmt_bytes
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DUMPS = sorted(f for f in FIXTURES.glob("*/hlo/*after_optimizations.txt") if report_files(f))
@@ -203,6 +204,48 @@ def test_saved_activations_are_what_the_forward_leaves_for_the_backward():
     assert saved("mem_remat_on") == saved("fw_scan_remat") == 4 * 16 * 16 * 64 * 4 + carry_and_head == 393216
     assert saved("mem_remat_off") == (6 * 4 * 16 * 16 * 256 * 4 + 4 * 4 * 16 * 16 * 64 * 4 + 16384 + 1024
                                       + carry_and_head) == 7488512
+
+
+def test_gradient_accumulation_holds_accumulators_and_one_micro_batch_of_activations():
+    """mem_accum: mem_remat_on's model and batch of 16 as 4 micro-batches of 4 in a lax.scan that adds each
+    micro-batch's gradients into accumulators (a user's Llama-style FSDP step, 4 micro-batches, read 125 kB of
+    gradients for its 985,600 B of accumulators and 985,600 B of saved activations: the accumulators). XLA
+    keeps the accumulators in its temporaries block as loop-carried (phi) values, which the split skipped; the
+    forward and backward run in the loop body, so the activations live at once are one micro-batch's: by hand
+    4 layer inputs f32[4,4,16,64] + the final carry f32[4,16,64] + the head's output f32[64,64] = 98,304 B,
+    a quarter of mem_remat_on's 393,216 B."""
+    facts = json.loads((FIXTURES / "mem_accum" / "facts.json").read_text())
+    assert facts["config"]["micro_batches"] == 4
+    a = analyze(FIXTURES / "mem_accum")
+    pm = a.memory.peak
+    assert pm.peak_bytes == facts["xla_memory_usage_report_total_bytes"]
+    assert sum(pm.categories.values()) == pm.peak_bytes
+    # the peak is inside the loop: the accumulators (one copy of the weights) and a micro-batch's gradients
+    assert facts["parameter_bytes"] < pm.categories["gradients"] < 2.5 * facts["parameter_bytes"]
+    assert pm.book.activations_bytes == 4 * 4 * 16 * 64 * 4 + 4 * 16 * 64 * 4 + 64 * 64 * 4 == 98304
+    assert any("one micro-batch's" in line for line in pm.book.explanation)
+    on = analyze(FIXTURES / "mem_remat_on").memory.peak
+    assert on.categories["gradients"] >= facts["parameter_bytes"]  # the backward scan's stacked weight gradients
+    assert not any("micro-batch" in line for line in on.book.explanation)
+
+
+def test_recomputed_activations_are_near_what_xla_adds_without_remat():
+    """What remat recomputes and the backward reads, against XLA's own peak without remat (mem_remat_off's
+    report total minus mem_remat_on's: 6.32 MB; XLA saves some values unfused that remat recomputes fused):
+    the remat-cost finding used to multiply every recomputed op's output by its executions per step (a user's
+    4-micro-batch step: 23.5 MB, where XLA's peak without remat was 1.47 MB higher). With gradient
+    accumulation the figure is one micro-batch's: mem_accum's is about a quarter of mem_remat_on's."""
+    total = "xla_memory_usage_report_total_bytes"
+    xla_added = _facts("off")[total] - _facts("on")[total]
+    on = analyze(FIXTURES / "mem_remat_on")
+    recomputed = on.memory.peak.book.recomputed_activations_bytes
+    assert 0.5 * xla_added < recomputed <= xla_added
+    assert analyze(FIXTURES / "mem_remat_off").memory.peak.book.recomputed_activations_bytes == 0
+    accum = analyze(FIXTURES / "mem_accum")
+    assert accum.memory.peak.book.recomputed_activations_bytes == pytest.approx(recomputed / 4, rel=0.1)
+    for a in (on, accum):
+        (f,) = [f for f in a.findings if f.code == "remat-cost"]
+        assert f"about {fmt_bytes(a.memory.peak.book.recomputed_activations_bytes)} more" in f.evidence[1]
 
 
 def test_largest_buffers_carry_op_layer_and_shape(remat):

@@ -174,26 +174,8 @@ class CostModel:
 
     # -- loops ------------------------------------------------------------------------------------------
     def trip_count(self, inst: Instruction) -> tuple[int, str]:
-        """Trip count of a ``while`` and its source: ``known_trip_count`` in backend_config, else a
-        ``compare(iv, constant(N)), direction=LT`` in the condition (init 0 assumed), else 1 ("unknown")."""
-        bc = inst.backend_config
-        known = bc.get("known_trip_count") if isinstance(bc, dict) else None
-        if isinstance(known, dict) and known.get("n") is not None:
-            n = _count(known["n"])
-            if n is not None:
-                return n, "known_trip_count"
-        cond = self.module.computations.get(inst.attrs.get("condition", "").lstrip("%"))
-        if cond is not None and cond.root is not None and cond.root.opcode == "compare":
-            direction = cond.root.attrs.get("direction", "")
-            for op in cond.root.operands:
-                c = cond.by_name.get(op)
-                if c is not None and c.opcode == "constant" and re.fullmatch(r"-?[0-9]{1,19}", c.literal.strip()):
-                    n = int(c.literal)
-                    if direction in ("LT", "GT") and n <= MAX_TRIP_COUNT:
-                        return max(n, 0), "condition"
-                    if direction in ("LE", "GE") and n < MAX_TRIP_COUNT:
-                        return max(n + 1, 0), "condition"
-        return 1, "unknown"
+        """:func:`trip_count` of a ``while`` of this module."""
+        return trip_count(self.module, inst)
 
     def _execution_counts(self) -> dict[str, float]:
         """Executions per module run of each non-fused computation (entry = 1, while bodies x trip count),
@@ -598,6 +580,29 @@ class CostModel:
         for _, inst, k in self.executed_instructions():
             total = total + self.cost(inst).scaled(1.0 if loops_once and k > 0 else k)
         return total
+
+
+def trip_count(module: HloModule, inst: Instruction) -> tuple[int, str]:
+    """Trip count of a ``while`` and its source: ``known_trip_count`` in backend_config, else a
+    ``compare(iv, constant(N)), direction=LT`` in the condition (init 0 assumed), else 1 ("unknown")."""
+    bc = inst.backend_config
+    known = bc.get("known_trip_count") if isinstance(bc, dict) else None
+    if isinstance(known, dict) and known.get("n") is not None:
+        n = _count(known["n"])
+        if n is not None:
+            return n, "known_trip_count"
+    cond = module.computations.get(inst.attrs.get("condition", "").lstrip("%"))
+    if cond is not None and cond.root is not None and cond.root.opcode == "compare":
+        direction = cond.root.attrs.get("direction", "")
+        for op in cond.root.operands:
+            c = cond.by_name.get(op)
+            if c is not None and c.opcode == "constant" and re.fullmatch(r"-?[0-9]{1,19}", c.literal.strip()):
+                n = int(c.literal)
+                if direction in ("LT", "GT") and n <= MAX_TRIP_COUNT:
+                    return max(n, 0), "condition"
+                if direction in ("LE", "GE") and n < MAX_TRIP_COUNT:
+                    return max(n + 1, 0), "condition"
+    return 1, "unknown"
 
 
 def _count(value: object) -> int | None:

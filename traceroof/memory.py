@@ -47,8 +47,9 @@ from parsers.buffer_assignment import (BufferAssignment, read_buffer_assignment,
                                        read_memory_usage_report, report_files)
 from parsers.dump_folder import dump_file_kind
 from parsers.errors import TraceroofError
-from parsers.hlo import HloModule, Instruction
+from parsers.hlo import Computation, HloModule, Instruction
 from traceroof.codes import first_rows, group_codes
+from traceroof.cost import trip_count
 from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
 from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes
 
@@ -79,12 +80,14 @@ class Buffer:
 @dataclass(frozen=True)
 class BookModel:
     """The book's per-device memory model for this program (see the module docstring): bytes per term, their
-    sum, and the lines explaining the difference from the peak."""
+    sum, and the lines explaining the difference from the peak. ``recomputed_activations_bytes``: what remat
+    recomputes in the backward pass instead of saving (saving it would add up to this; not in the sum)."""
 
     parameters_bytes: int
     optimizer_state_bytes: int
     gradients_bytes: int
     activations_bytes: int
+    recomputed_activations_bytes: int = 0
     explanation: tuple[str, ...] = ()
 
     @property
@@ -175,6 +178,7 @@ class MemoryView:
                                "optimizer_state_bytes": q.book.optimizer_state_bytes,
                                "gradients_bytes": q.book.gradients_bytes,
                                "activations_bytes": q.book.activations_bytes,
+                               "recomputed_activations_bytes": q.book.recomputed_activations_bytes,
                                "total_bytes": q.book.total_bytes, "explanation": list(q.book.explanation),
                                "source": SCALING_BOOK},
                 "files": list(q.files),
@@ -254,16 +258,20 @@ def _outputs(module: HloModule, cats: Mapping[int, str]) -> dict[str, str]:
 
 def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str] | None = None):
     """The one categorisation of values that the category split and the largest-buffers table share: a function
-    instruction name -> category. Entry parameters by :func:`parameter_categories`, constants ``other``,
-    returned values by :func:`_outputs` (an updated weight is ``parameters`` when donated, ``outputs`` when
-    written beside the old one), backward values shaped like a parameter ``gradients``, the rest
-    ``activations`` (activations and scratch, including values of called computations)."""
+    (instruction name, XLA shape index such as ``"{3}"``) -> category. Entry parameters by
+    :func:`parameter_categories`, constants ``other``, returned values by :func:`_outputs` (an updated weight is
+    ``parameters`` when donated, ``outputs`` when written beside the old one), backward values shaped like a
+    parameter ``gradients``, the rest ``activations`` (activations and scratch, including values of called
+    computations). A loop-carried slot (element k of a ``while``'s result or of its body's parameter) takes the
+    category of what fills it (:func:`_slot_value`): a gradient-accumulation scan's accumulators are
+    ``gradients``, the weights it carries through are the weights' category."""
     cats = parameter_categories(module, scopes) if cats is None else cats
     pshapes = _param_shapes(module, cats)
     outputs = _outputs(module, cats)
     entry = module.entry
+    loops = _loops(module)
 
-    def category_of(name: str) -> str:
+    def category_of(name: str, index: str = "") -> str:
         if name in outputs:
             return outputs[name]
         inst = module.instruction(name)
@@ -273,11 +281,55 @@ def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int,
             return cats.get(inst.parameter_number, "inputs")
         if inst.opcode == "constant":
             return "other"
+        slot = index.strip("{}").split(",")[0].strip()
+        if slot.isdigit() and inst.shape.is_tuple:
+            loop = inst if inst.opcode == "while" else loops.get(name)
+            filled = _slot_value(module, loops, loop, int(slot), set()) if loop is not None else None
+            if filled is not None:
+                return category_of(filled)
         if scopes.get(name).phase == "backward" and (inst.shape.element_type, inst.shape.dims) in pshapes:
             return "gradients"
         return "activations"
 
     return category_of
+
+
+def _loops(module: HloModule) -> dict[str, Instruction]:
+    """A ``while`` body's parameter name -> the ``while`` instruction that runs the body."""
+    out: dict[str, Instruction] = {}
+    for comp in module.computations.values():
+        for w in comp.instructions:
+            body = _body(module, w)
+            if body is not None:
+                out.update((p.name, w) for p in body.parameters().values())
+    return out
+
+
+def _slot_value(module: HloModule, loops: Mapping[str, Instruction], loop: Instruction, k: int,
+                seen: set[str]) -> str | None:
+    """The instruction whose value fills slot ``k`` of ``loop``'s carried tuple: what its body writes there
+    (a gradient accumulator's add), or, for a slot the body passes through unchanged, the value the loop starts
+    with (through the init tuple and outer loops). ``loops``: :func:`_loops`. ``None`` when the HLO does not
+    say (no tuple root or init)."""
+    if loop.name in seen:
+        return None
+    seen.add(loop.name)
+    body = _body(module, loop)
+    if body is None or body.root is None or body.root.opcode != "tuple" or k >= len(body.root.operands):
+        return None
+    if k not in _carried_unchanged(module, loop):
+        return body.root.operands[k]
+    init = module.instruction(loop.operands[0]) if loop.operands else None
+    if init is None or init.opcode != "tuple" or k >= len(init.operands):
+        return None
+    src = module.instruction(init.operands[k])
+    while src is not None and src.opcode in ("bitcast", "copy") and src.operands:
+        src = module.instruction(src.operands[0])
+    if src is not None and src.opcode == "get-tuple-element" and src.operands:  # an outer loop's slot
+        outer = loops.get(src.operands[0])
+        if outer is not None:
+            return _slot_value(module, loops, outer, int(src.attrs.get("index", "-1").strip() or -1), seen)
+    return src.name if src is not None else None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -287,15 +339,15 @@ def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int,
 _PLUMBING = {"get-tuple-element", "bitcast", "tuple", "copy"}
 
 
-def _weight_values(module: HloModule, cats: Mapping[int, str]) -> set[str]:
-    """Entry values computed from the weights alone: parameters and optimizer state among the entry parameters,
-    constants, and every value all of whose operands are such (their all-gathers, slices, copies, casts)."""
-    out: set[str] = set()
-    for inst in module.entry.instructions:
-        if inst.opcode == "parameter":
-            if cats.get(inst.parameter_number) in ("parameters", "optimizer_state"):
-                out.add(inst.name)
-        elif all(op in out for op in inst.operands):  # constants and other ops without operands too
+def _derived(comp: Computation, seeds: set[str]) -> set[str]:
+    """Values of ``comp`` computed from the ``seeds`` alone (the weights as ``comp`` receives them, or the
+    batch): the seeds, constants, and every value all of whose non-scalar operands are such (the weights'
+    all-gathers, slices, copies, casts; a micro-batch sliced at a loop's scalar index)."""
+    out = set(seeds)
+    for inst in comp.instructions:
+        if inst.opcode != "parameter" and all(op in out for op in inst.operands
+                                              if comp.by_name.get(op) is None or comp.by_name[op].shape.dims
+                                              or comp.by_name[op].shape.is_tuple):
             out.add(inst.name)
     return out
 
@@ -303,7 +355,7 @@ def _weight_values(module: HloModule, cats: Mapping[int, str]) -> set[str]:
 def _carried_unchanged(module: HloModule, loop: Instruction) -> set[int]:
     """Tuple indices a ``while`` body passes through unchanged (``root[i] = get-tuple-element(param), index=i``,
     through bitcasts and copies): loop-carried weights and inputs, not made by the loop."""
-    body = module.computations.get(loop.attrs.get("body", "").strip().lstrip("%"))
+    body = _body(module, loop)
     if body is None or body.root is None or body.root.opcode != "tuple":
         return set()
     out = set()
@@ -318,15 +370,68 @@ def _carried_unchanged(module: HloModule, loop: Instruction) -> set[int]:
     return out
 
 
-def _saved_activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str]) -> int:
-    """Bytes of the book's activations: entry values defined by forward / remat ops and read by backward ops
-    (through tuple / get-tuple-element / bitcast / copy plumbing), excluding weights (entry parameters and
-    values computed from the weights alone, :func:`_weight_values`). A tuple-shaped value (a ``while``'s
-    result) counts per element: the elements backward ops read, and of a ``while`` only those its body changes
-    (a scan's stacked residuals and final carry; not the weights it carries through)."""
+def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str]) -> tuple[int, int, bool]:
+    """Bytes of the book's activations, of the activations remat recomputes instead (what saving them would
+    add, about: every recomputed value the backward reads), and whether they are one micro-batch's.
+
+    Saved: values defined by forward ops and read by backward ops (through tuple / get-tuple-element / bitcast
+    / copy plumbing), excluding the weights and the batch (entry parameters and the values computed from the
+    weights alone or from the batch alone, :func:`_derived`: the weights' all-gathers and casts, a reshaped
+    batch). Counted in the entry computation, plus, where the forward and backward run inside a ``while`` (a
+    gradient-accumulation scan over micro-batches: a loop whose body adds gradients into carried accumulators,
+    :func:`traceroof.scopes.assign_scopes`), in the largest such loop body: one micro-batch's worth.
+    A tuple-shaped value (a ``while``'s result) counts per element: the elements backward ops read, and of a
+    ``while`` only those its body changes and not with a backward op (a scan's stacked residuals and final
+    carry; not the weights it carries through, nor gradient accumulators).
+
+    Recomputed: the same count over values defined by ``remat`` ops (the forward recomputed in the backward
+    pass), at every depth, times the trip counts of the loops they run in below the micro-batch loop (a
+    layer scan would stack one per layer)."""
     entry = module.entry
-    users = entry.users()
-    weights = _weight_values(module, cats)
+    params = entry.parameters()
+    seeds = ({p.name for n, p in params.items() if cats.get(n) in ("parameters", "optimizer_state")},
+             {p.name for n, p in params.items() if cats.get(n) == "inputs"})
+    loops = _loops(module)
+
+    def walk(comp: Computation, seeds: tuple[set[str], ...], trips: int, top: bool) -> tuple[int, int]:
+        derived = [_derived(comp, s) for s in seeds]
+        excluded = set().union(*derived)
+        saved = _saved_in(module, comp, scopes, excluded, "forward") if top else 0
+        recomputed = _saved_in(module, comp, scopes, excluded, "remat") * trips
+        inner: list[tuple[int, int]] = [(0, 0)]
+        for w in comp.instructions:
+            body = _body(module, w)
+            param = next(iter(body.parameters().values()), None) if body is not None else None
+            if param is None:
+                continue
+            unchanged = _carried_unchanged(module, w)
+            slots = {i.name: _slot_value(module, loops, w, _index(i), set()) for i in body.instructions
+                     if i.opcode == "get-tuple-element" and i.operands[:1] == (param.name,) and _index(i) in unchanged}
+            body_seeds = tuple({n for n, v in slots.items() if v in d} for d in derived)
+            if comp is entry and body.root is not None and any(  # the micro-batch loop: one micro-batch live
+                    scopes.get(r).how == "accumulate" for r in body.root.operands):
+                inner.append(walk(body, body_seeds, trips, True))
+            else:
+                recomputed += walk(body, body_seeds, trips * trip_count(module, w)[0], False)[1]
+        return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner)
+
+    saved, recomputed = walk(entry, seeds, 1, True)
+    return saved, recomputed, any(scopes.get(i.name).how == "accumulate" for i in entry.instructions)
+
+
+def _body(module: HloModule, inst: Instruction) -> Computation | None:
+    """The body computation of a ``while`` (None for other instructions)."""
+    return module.computations.get(inst.attrs.get("body", "").strip().lstrip("%")) if inst.opcode == "while" else None
+
+
+def _index(inst: Instruction) -> int:
+    return int(inst.attrs.get("index", "-1").strip() or -1)
+
+
+def _saved_in(module: HloModule, comp: Computation, scopes: ModuleScopes, excluded: set[str], phase: str) -> int:
+    """Bytes of ``comp``'s values defined by ``phase`` ops and read by backward ops (:func:`_activations`),
+    less the ``excluded`` (weights and batch)."""
+    users = comp.users()
 
     def read_by_backward(readers: list[Instruction]) -> bool:
         seen: set[str] = set()
@@ -342,20 +447,22 @@ def _saved_activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[in
         return False
 
     total = 0
-    for inst in entry.instructions:
-        if (inst.opcode == "parameter" or inst.name in weights
-                or scopes.get(inst.name).phase not in ("forward", "remat")):
+    for inst in comp.instructions:
+        if inst.opcode == "parameter" or inst.name in excluded or scopes.get(inst.name).phase != phase:
             continue
         readers = users.get(inst.name, [])
         if not inst.shape.is_tuple:
             total += own_bytes(inst) if read_by_backward(list(readers)) else 0
             continue
-        unchanged = _carried_unchanged(module, inst) if inst.opcode == "while" else set()
+        skip = set()
+        body = _body(module, inst)
+        if body is not None:
+            skip = _carried_unchanged(module, inst)
+            if body.root is not None:  # gradient accumulators: the body adds a gradient
+                skip |= {k for k, r in enumerate(body.root.operands) if scopes.get(r).phase == "backward"}
         for i, element in enumerate(inst.shape.tuple_shapes):
-            if i in unchanged:
-                continue
-            mine = [u for u in readers if u.opcode != "get-tuple-element" or u.attrs.get("index", "").strip() == str(i)]
-            if read_by_backward(mine):
+            if i not in skip and read_by_backward([u for u in readers if u.opcode != "get-tuple-element"
+                                                   or _index(u) == i]):
                 total += data_bytes(element)
     return total
 
@@ -391,7 +498,7 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
         return Buffer(value if index.strip("}") else name, inst.opcode if inst else "", layer, info.phase,
                       str(shape) if shape is not None else "", size, category)
 
-    saved = _saved_activations(module, scopes, cats)
+    saved, recomputed, micro = _activations(module, scopes, cats)
     if "buffer-assignment" in files:
         ba = read_buffer_assignment(files["buffer-assignment"])
         report = read_memory_usage_report(files["memory-usage-report"]) if "memory-usage-report" in files else None
@@ -416,7 +523,7 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
         largest = sorted((describe(n, s, category_of(n)) for n, s in ours.live), key=lambda b: -b.size_bytes)
         pm = ProgramMemory(module.name, module.program_id, devices, "traceroof_live_ranges", ours.peak_bytes, split,
                            tuple(largest[:TOP_BUFFERS]), BookModel(0, 0, 0, 0), None, ours.peak_bytes, None, ())
-    return replace(pm, book=_book(pm, saved))
+    return replace(pm, book=_book(pm, saved, recomputed, micro))
 
 
 def _key(v) -> str:
@@ -441,7 +548,7 @@ def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: 
     for a in ba.allocations:
         if a.color != 0:
             continue
-        live = sorted((v for v in a.values if not v.phi and _key(v) in live_at_peak),
+        live = sorted((v for v in a.values if _key(v) in live_at_peak),
                       key=lambda v: -order.get(v.instruction, -1))
         kept: list = []
         for v in live:
@@ -453,7 +560,7 @@ def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: 
                    else "activations" if kind == "temp" else "other")
         by_category: dict[str, int] = {}
         for v in kept:
-            c = category_of(v.instruction)
+            c = category_of(v.instruction, v.shape_index)
             if c == "outputs" and kind == "parameter":  # returned in a parameter's buffer: the donated state
                 c = default
             by_category[c] = by_category.get(c, 0) + v.size_bytes
@@ -471,12 +578,12 @@ def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: 
     return split, held
 
 
-def _book(pm: ProgramMemory, saved_bytes: int) -> BookModel:
+def _book(pm: ProgramMemory, saved_bytes: int, recomputed_bytes: int, micro_batch: bool) -> BookModel:
     c = pm.categories
     params, opt = c["parameters"], c["optimizer_state"]
     training = opt > 0 or c["gradients"] > 0 or saved_bytes > 0
     grads = params if training else 0
-    book = BookModel(params, opt, grads, saved_bytes)
+    book = BookModel(params, opt, grads, saved_bytes, recomputed_bytes)
     diff = pm.peak_bytes - book.total_bytes
     lines = [f"the book's model gives {_mb(book.total_bytes)} per device, the peak is {_mb(pm.peak_bytes)} "
              f"({'+' if diff >= 0 else '-'}{_mb(abs(diff))})"]
@@ -491,6 +598,13 @@ def _book(pm: ProgramMemory, saved_bytes: int) -> BookModel:
                          "XLA keeps more live at once (backward scratch beyond the saved activations)"
                          if temps > grads + saved_bytes else
                          "XLA never holds every gradient at once (each is consumed by the update as it is made)"))
+    if micro_batch:
+        lines.append("saved activations are one micro-batch's: the forward and backward run in a gradient-"
+                     "accumulation loop, whose accumulators are held beside each micro-batch's gradients (up to 2x "
+                     "the gradients term)")
+    if recomputed_bytes:
+        lines.append(f"remat recomputes {_mb(recomputed_bytes)} of activations the backward reads: saving them "
+                     "instead would add about that")
     if c["other"]:
         lines.append(f"constants and thread-local scratch: {_mb(c['other'])}")
     return replace(book, explanation=tuple(lines))

@@ -162,8 +162,9 @@ def memory_bound_chain(x: FindingInputs) -> list[Finding]:
 
 def remat_cost(x: FindingInputs) -> list[Finding]:
     """The forward recomputed in the backward pass (phase ``remat``; XProf's remat flag): its share of the step,
-    and the activations that keeping instead of recomputing would hold (the recomputed ops' outputs, an upper
-    bound). Lost: the recomputation's time."""
+    and the activations that keeping instead of recomputing would hold: the recomputed values the backward
+    reads, one micro-batch's and per device (:class:`traceroof.memory.BookModel`), from the memory view of the
+    programs that ran them (absent for an XProf export). Lost: the recomputation's time."""
     c = x.cols
     mask = c.text("phase") == "remat"
     if "remat" in c:
@@ -172,16 +173,15 @@ def remat_cost(x: FindingInputs) -> list[Finding]:
     t = total(c.num("measured_s")[rows]) / x.per
     if not len(rows) or not (t >= REMAT_SHARE_MIN * x.step_s):
         return []
-    held = 0.0
-    module, program, op, executions = c.value("module"), c.value("program_id"), c.value("hlo_op"), c.num("executions")
-    for i in rows:
-        got = x.programs.instruction(module[i], program[i], op[i]) if x.modules else None
-        if got is not None:
-            held += sum(s.byte_size() for s in got[1].shape.leaves()) * float(executions[i]) / x.per
+    memory = x.analysis.memory
+    module, program = c.value("module"), c.value("program_id")
+    ran = {(module[i], program[i]) for i in rows}
+    held = max((q.book.recomputed_activations_bytes for q in (memory.programs if memory else ())
+                if (q.program, q.program_id) in ran), default=0)
     flops = total(c.num("flops")[rows]) / x.per
     evidence = [f"{len(rows)} recomputed op(s), {flops:.3g} FLOPs per step",
-                f"keeping their outputs instead: up to {fmt_bytes(held)} more activations per step and device"
-                if held else ""]
+                f"keeping them instead: about {fmt_bytes(held)} more activations per device (the recomputed values "
+                "the backward reads; XLA may keep more where it fuses less)" if held else ""]
     title = f"recomputing the forward pass (remat) takes {fmt_s(t)} per step"
     advice = ("if HBM has room, save more and recompute less: jax.checkpoint(f, policy=jax.checkpoint_policies."
               "dots_with_no_batch_dims_saveable) keeps the matmul outputs, save_only_these_names keeps what you "
