@@ -170,6 +170,9 @@ def read_trace_json(path: str | Path) -> TraceJson:
     data = load_json(p)
     events = data.get("traceEvents") if isinstance(data, dict) else data if isinstance(data, list) else None
     if not isinstance(events, list):
+        if isinstance(data, dict) and {"summary", "layers"} <= set(data):  # `traceroof analyze --format json`
+            raise FormatError(f"{p}: a traceroof report, not a profile: analyze the profile it came from, or "
+                              "compare two reports with `traceroof diff BASE.json NEW.json`")
         raise FormatError(f"{p}: JSON without 'traceEvents': not a TensorBoard/Perfetto trace")
     procs: dict[int, str] = {}
     threads: dict[tuple[int, int], str] = {}

@@ -133,6 +133,7 @@ except KeyboardInterrupt:
     assert s["steps_used"] == [1, 2] and s["steps_total"] == 3  # step 0 warm-up; step 3 interrupted
     assert any("interrupted in step 3 (KeyboardInterrupt): that step is left out" in n for n in s["notes"])
     assert s["chip_id"] == "uncalibrated-host" and s["peak_flops_per_s"] == {}
+    assert s["mfu"] is None and s["roofline_efficiency"] is None  # no figures: unknown, not 0 %
     assert any("attach never calibrates inside a job" in n for n in s["notes"])
     assert not (cache / "traceroof" / "host.toml").exists()  # nothing calibrated
 

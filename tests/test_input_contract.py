@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 
@@ -365,3 +366,11 @@ def test_export_devices_follow_the_per_device_rule():
 
 def test_every_bad_input_here_is_a_traceroof_error():
     assert issubclass(SizeLimitError, FormatError) and issubclass(FormatError, TraceroofError)
+
+
+def test_a_saved_report_given_to_analyze_points_to_diff():
+    """A user passed `traceroof analyze --format json`'s output back to analyze and read "JSON without
+    'traceEvents'"; the line now says it is a report and how to compare two."""
+    report = Path(__file__).resolve().parents[1] / "reports" / "transformer.json"
+    with pytest.raises(FormatError, match=r"a traceroof report, not a profile: .*`traceroof diff BASE.json NEW.json`"):
+        read_trace_json(report)

@@ -17,6 +17,7 @@ from parsers.errors import FormatError, HloParseError, InputError, TraceroofErro
 from parsers.hlo_proto import HloProtoMessage, module_from_proto
 from parsers.hlo_text import parse_hlo_text, parse_replica_groups
 from tests.conftest import FIXTURES
+from traceroof.analysis import analyze
 from traceroof.chips import ChipError, all_chips, get_chip, load_chip_file
 from traceroof.cli import main
 from traceroof.collectives import classify, parse_topology
@@ -488,3 +489,19 @@ def test_an_unrelated_dump_reusing_a_profiled_program_id_does_not_hide_the_profi
     a = analyze(FIXTURES / "transformer" / "logdir", hlo=[tmp_path], chip=str(HOST_CHIP))
     assert a.summary.join.events_joined == a.summary.join.events_total == own.summary.join.events_total
     assert a.summary.flops_per_step == own.summary.flops_per_step
+
+
+def test_a_topology_is_checked_against_the_programs_devices():
+    """A user's 8-device step with --topology 2x2 (v5p) placed devices 4..7 in a second slice and called the
+    collectives DCN; 4x4x4 and a host target's --topology were taken silently. Too few devices is bad input;
+    more is a note; a CPU-host target says the topology is not used."""
+    fixture = str(FIXTURES / "par_fsdp4_tp2")
+    r = CliRunner().invoke(main, ["analyze", fixture, "--chip", "v5p", "--topology", "2x2"])
+    assert r.exit_code == 2 and r.output.count("\n") == 1
+    assert "--topology 2x2 holds 4 devices but the program runs on 8" in r.output and "2x2x2" in r.output
+    big = analyze(fixture, chip="v5p", topology="4x4x4")
+    assert big.topology.startswith("4x4x4") and (big.collectives["link"] == "ICI").all()
+    assert any("holds 64 devices, the program runs on 8" in n for n in big.summary.notes)
+    host = analyze(fixture, chip=str(FIXTURES / "fixture_host.toml"), topology="2x2")
+    assert host.topology == "8 device(s) on one host"
+    assert any(n.startswith("--topology 2x2 not used") for n in host.summary.notes)

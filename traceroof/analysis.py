@@ -11,12 +11,11 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from parsers.errors import InputError
 from parsers.storage import is_url
 from parsers.hlo_text import is_known_opcode
 from traceroof.breakdown import analysis_breakdown
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
-from traceroof.collectives import default_topology, expected_time, module_devices, parse_topology
+from traceroof.collectives import expected_time, module_devices, topology_for
 from traceroof.communication import _async_pairs, _latency_bound, collectives_table
 from traceroof.discovery import discover
 from traceroof.export_analysis import analyze_export
@@ -155,10 +154,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                         if join.ambiguous_modules else "")
                      + "; pass --hlo DIR with those modules' dumps")
     n_devices = max([module_devices(m) for m in profile.modules] + [int(ops["device"].nunique())])
-    try:
-        topo = parse_topology(topology, chip_ici) if topology else default_topology(chip_ici, n_devices)
-    except ValueError as e:
-        raise InputError(str(e)) from None
+    topo, topo_note = topology_for(topology, chip_ici, n_devices)
+    notes += [topo_note] * bool(topo_note)
     estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
@@ -220,7 +217,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                                                            model_flops_per_step)
     if not join.events_joined:
         mfu = hfu = float("nan")
-    efficiency = expected / step_mean if step_mean > 0 and join.events_joined else float("nan")
+    # no expected time (a chip without figures: an uncalibrated host) gives no efficiency, not 0 %
+    efficiency = expected / step_mean if step_mean > 0 and expected > 0 and join.events_joined else float("nan")
     notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,

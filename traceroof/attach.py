@@ -84,8 +84,11 @@ def one_line(analysis: object) -> str:
     if len(layers):
         layer, phase = layers.iloc[0]["layer"], layers.iloc[0]["phase"]
         worst = f"; worst layer {layer}" + ("" if layer == f"({phase})" else f" ({phase})")
-    return printable(f"step {s.step_time_mean_s * 1e3:.3f} ms over {len(s.steps_used)} steps, MFU {s.mfu:.1%}, "
-                     f"roofline efficiency {s.roofline_efficiency:.1%}, exposed comm "
+    def pct(x: float) -> str:
+        return f"{x:.1%}" if x == x else "n/a"  # NaN: no peak figures for the chip
+
+    return printable(f"step {s.step_time_mean_s * 1e3:.3f} ms over {len(s.steps_used)} steps, MFU {pct(s.mfu)}, "
+                     f"roofline efficiency {pct(s.roofline_efficiency)}, exposed comm "
                      f"{s.exposed_comm_per_step_s * 1e3:.3f} ms{worst}")
 
 

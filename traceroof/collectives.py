@@ -259,6 +259,33 @@ class Topology:
         return f"{self.slices} x " * (self.slices > 1) + f"{dims} slice ({wrap})"
 
 
+def topology_for(text: str | None, chip: Chip, devices: int) -> tuple[Topology, str]:
+    """The topology collectives are placed on, and a note ('' when none): ``--topology`` (``text``) checked
+    against the ``devices`` the program runs on, else :func:`default_topology`. A topology larger than the
+    program takes its devices as the program's first ones (a note says so); on a CPU-host target it is not
+    used (a note says to pass ``--chip``).
+
+    :raises InputError: a ``--topology`` that is malformed (:func:`parse_topology`) or holds fewer devices
+        than the program runs on (its collectives would reach devices the topology lacks).
+    """
+    like = default_topology(chip, devices)
+    if not text:
+        return like, ""
+    topo = parse_topology(text, chip)
+    if topo.kind == "host":
+        return like, (f"--topology {text} not used: the target {chip.name} is a CPU host; pass --chip (e.g. v5p, "
+                      "h100) to place the collectives on a TPU slice or GPU nodes")
+    dims = f"{like.shape[0]}x{like.shape[1]}" if like.kind == "gpu" else "x".join(str(d) for d in like.shape)
+    if topo.devices < devices:
+        raise InputError(f"--topology {text} holds {topo.devices:,} devices but the program runs on {devices:,}: "
+                         f"pass a topology of {devices:,} devices (e.g. {dims})")
+    if topo.devices > devices:
+        return topo, (f"--topology {text} holds {topo.devices:,} devices, the program runs on {devices:,}: its "
+                      f"devices are taken as the topology's first {devices:,} (a {dims} topology holds exactly "
+                      "them)")
+    return topo, ""
+
+
 def _tpu_wraparound(chip: Chip, shape: tuple[int, ...]) -> tuple[bool, ...]:
     """2D-torus chips (v5e, v6e: 16 x 16 pods) wrap an axis only at size 16; 3D chips (v4, v5p, v7) built from
     4 x 4 x 4 cubes wrap every axis when all axes are multiples of 4 (hardware-and-rooflines.md §2.1)."""

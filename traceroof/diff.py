@@ -374,8 +374,13 @@ def gate(result: DiffResult, fail_above_pct: float | None, layer: str | None = N
         n = rows["time_per_step_s_new"].fillna(0).sum()
         pct = (n - b) / b * 100 if b else float("inf")
         fail = pct > fail_above_pct
-        return fail, f"layer {layer}: {pct:+.1f}% (limit {fail_above_pct:g}%)"
+        return fail, f"layer {layer}: {pct:+.1f}% ({_against(fail, fail_above_pct)})"
     pct = result.step.delta_pct * 100
     fail = pct > fail_above_pct and not result.step.noise
-    why = "within noise" if result.step.noise else f"limit {fail_above_pct:g}%"
+    why = "within noise" if result.step.noise else _against(fail, fail_above_pct)
     return fail, f"step time {pct:+.1f}% ({why})"
+
+
+def _against(fail: bool, fail_above_pct: float) -> str:
+    """``above the +5% limit`` / ``within the +5% limit``: a faster step read "-6.3% (limit 5%)"."""
+    return f"{'above' if fail else 'within'} the {fail_above_pct:+g}% limit"

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.chips import Chip, detect_chip, get_chip
-from traceroof.collectives import default_topology, expected_time, parse_topology
+from traceroof.collectives import expected_time, topology_for
 from traceroof.communication import _latency_bound, collectives_table
 from traceroof.discovery import Inputs
 from traceroof.findings import FindingInputs, with_findings
@@ -39,7 +39,8 @@ def analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int
     # collectives: expected time on the chip's links; replica-group ids are the program's devices
     collectives = ops.attrs.get("collectives", [])
     ids = [d for c in collectives if c is not None for g in c.groups for d in g]
-    topo = parse_topology(topology, chip_ici) if topology else default_topology(chip_ici, max(ids, default=0) + 1)
+    topo, topo_note = topology_for(topology, chip_ici, max(ids, default=0) + 1)
+    notes += [topo_note] * bool(topo_note)
     estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     per_exec = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
@@ -72,7 +73,7 @@ def analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int
     peak, peak_key = main_matmul_peak(counted, target, "bf16")
     model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, cores,
                                                            model_flops_per_step)
-    efficiency = expected / step_mean if step_mean > 0 else float("nan")
+    efficiency = expected / step_mean if step_mean > 0 and expected > 0 else float("nan")
     notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     n = len(ops)
     join = JoinReport(n, n, int(ops["duration_ps"].sum()), int(ops["duration_ps"].sum()), (), 0, ())
