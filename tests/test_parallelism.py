@@ -310,3 +310,46 @@ def test_weight_shapes_hold_every_shard_of_a_weight_over_the_devices() -> None:
     assert {(64, 384), (128, 384), (128, 192), (32, 384), (64, 192), (16, 384), (128, 48)} <= shapes
     assert (128, 128) not in shapes and (96, 384) not in shapes  # 384 / 3: no cut of 8 devices
     assert weight_shapes([w]) == {(64, 384), (128, 384)}
+
+
+def test_weights_gathered_before_a_micro_batch_loop_are_gathered_before_use() -> None:
+    """XLA hoists a scan's loop-invariant FSDP all-gathers out of a gradient-accumulation loop: the gathered
+    weight enters the ``while`` and its body's matmul uses it. A user's 4-micro-batch step read them as
+    "updated weights all-gathered" (16 all-gathers, the embedding table's among them)."""
+    m, = parse_hlo_text("""HloModule step, num_partitions=8, input_output_alias={ {0}: (0, {}, may-alias) }
+
+%body (s: (s32[], f32[32,16], f32[32,16])) -> (s32[], f32[32,16], f32[32,16]) {
+  %s = (s32[], f32[32,16]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %w = f32[32,16]{1,0} get-tuple-element(%s), index=1
+  %acc = f32[32,16]{1,0} get-tuple-element(%s), index=2
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  %y = f32[32,16]{1,0} dot(%w, %w), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/while/body/jvp(mlp)/dot_general"}
+  %g = f32[32,16]{1,0} add(%acc, %y)
+  ROOT %t = (s32[], f32[32,16]{1,0}, f32[32,16]{1,0}) tuple(%n, %w, %g)
+}
+
+%cond (c: (s32[], f32[32,16], f32[32,16])) -> pred[] {
+  %c = (s32[], f32[32,16]{1,0}, f32[32,16]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %four = s32[] constant(4)
+  ROOT %lt = pred[] compare(%ci, %four), direction=LT
+}
+
+ENTRY %main (p: f32[4,16]) -> f32[4,16] {
+  %p = f32[4,16]{1,0} parameter(0), sharding={devices=[8,1]<=[8]}
+  %ag = f32[32,16]{1,0} all-gather(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jvp(mlp)/all_gather"}
+  %zero = s32[] constant(0)
+  %z = f32[] constant(0)
+  %zeros = f32[32,16]{1,0} broadcast(%z), dimensions={}
+  %init = (s32[], f32[32,16]{1,0}, f32[32,16]{1,0}) tuple(%zero, %ag, %zeros)
+  %loop = (s32[], f32[32,16]{1,0}, f32[32,16]{1,0}) while(%init), condition=%cond, body=%body
+  %grad = f32[32,16]{1,0} get-tuple-element(%loop), index=2
+  %sl = f32[4,16]{1,0} slice(%grad), slice={[0:4], [0:16]}
+  ROOT %new = f32[4,16]{1,0} subtract(%p, %sl)
+}
+""")
+    mesh = recover_mesh(m)
+    (evidence,) = collect_evidence(m, mesh, state_params(m)).values()
+    assert set(evidence.ops) == {"weights_gathered"}, evidence.ops
