@@ -51,7 +51,7 @@ from parsers.hlo import Computation, HloModule, Instruction
 from traceroof.codes import first_rows, group_codes
 from traceroof.cost import trip_count
 from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
-from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes
+from traceroof.scopes import ModuleScopes, _alias_outputs, _tuple_index, assign_scopes, while_body
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "gradients", "activations", "outputs", "other")
 TOP_BUFFERS = 8
@@ -81,7 +81,7 @@ class Buffer:
 class BookModel:
     """The book's per-device memory model for this program (see the module docstring): bytes per term, their
     sum, and the lines explaining the difference from the peak. ``recomputed_activations_bytes``: what remat
-    recomputes in the backward pass instead of saving (saving it would add up to this; not in the sum)."""
+    recomputes in the backward pass instead of saving (saving it would add about this; not in the sum)."""
 
     parameters_bytes: int
     optimizer_state_bytes: int
@@ -299,7 +299,7 @@ def _loops(module: HloModule) -> dict[str, Instruction]:
     out: dict[str, Instruction] = {}
     for comp in module.computations.values():
         for w in comp.instructions:
-            body = _body(module, w)
+            body = while_body(module, w)
             if body is not None:
                 out.update((p.name, w) for p in body.parameters().values())
     return out
@@ -314,7 +314,7 @@ def _slot_value(module: HloModule, loops: Mapping[str, Instruction], loop: Instr
     if loop.name in seen:
         return None
     seen.add(loop.name)
-    body = _body(module, loop)
+    body = while_body(module, loop)
     if body is None or body.root is None or body.root.opcode != "tuple" or k >= len(body.root.operands):
         return None
     if k not in _carried_unchanged(module, loop):
@@ -328,7 +328,7 @@ def _slot_value(module: HloModule, loops: Mapping[str, Instruction], loop: Instr
     if src is not None and src.opcode == "get-tuple-element" and src.operands:  # an outer loop's slot
         outer = loops.get(src.operands[0])
         if outer is not None:
-            return _slot_value(module, loops, outer, int(src.attrs.get("index", "-1").strip() or -1), seen)
+            return _slot_value(module, loops, outer, _tuple_index(src), seen)
     return src.name if src is not None else None
 
 
@@ -343,11 +343,13 @@ def _derived(comp: Computation, seeds: set[str]) -> set[str]:
     """Values of ``comp`` computed from the ``seeds`` alone (the weights as ``comp`` receives them, or the
     batch): the seeds, constants, and every value all of whose non-scalar operands are such (the weights'
     all-gathers, slices, copies, casts; a micro-batch sliced at a loop's scalar index)."""
+    def scalar(op: str) -> bool:
+        x = comp.by_name.get(op)
+        return x is not None and not x.shape.is_tuple and not x.shape.dims
+
     out = set(seeds)
     for inst in comp.instructions:
-        if inst.opcode != "parameter" and all(op in out for op in inst.operands
-                                              if comp.by_name.get(op) is None or comp.by_name[op].shape.dims
-                                              or comp.by_name[op].shape.is_tuple):
+        if inst.opcode != "parameter" and all(op in out for op in inst.operands if not scalar(op)):
             out.add(inst.name)
     return out
 
@@ -355,7 +357,7 @@ def _derived(comp: Computation, seeds: set[str]) -> set[str]:
 def _carried_unchanged(module: HloModule, loop: Instruction) -> set[int]:
     """Tuple indices a ``while`` body passes through unchanged (``root[i] = get-tuple-element(param), index=i``,
     through bitcasts and copies): loop-carried weights and inputs, not made by the loop."""
-    body = _body(module, loop)
+    body = while_body(module, loop)
     if body is None or body.root is None or body.root.opcode != "tuple":
         return set()
     out = set()
@@ -364,7 +366,7 @@ def _carried_unchanged(module: HloModule, loop: Instruction) -> set[int]:
         while x is not None and x.opcode in ("bitcast", "copy") and x.operands:
             x = body.by_name.get(x.operands[0])
         src = body.by_name.get(x.operands[0]) if x is not None and x.operands else None
-        if (x is not None and x.opcode == "get-tuple-element" and x.attrs.get("index", "").strip() == str(i)
+        if (x is not None and x.opcode == "get-tuple-element" and _tuple_index(x) == i
                 and src is not None and src.opcode == "parameter"):
             out.add(i)
     return out
@@ -393,39 +395,30 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
              {p.name for n, p in params.items() if cats.get(n) == "inputs"})
     loops = _loops(module)
 
-    def walk(comp: Computation, seeds: tuple[set[str], ...], trips: int, top: bool) -> tuple[int, int]:
+    def walk(comp: Computation, seeds: tuple[set[str], ...], trips: int, top: bool) -> tuple[int, int, bool]:
         derived = [_derived(comp, s) for s in seeds]
         excluded = set().union(*derived)
         saved = _saved_in(module, comp, scopes, excluded, "forward") if top else 0
         recomputed = _saved_in(module, comp, scopes, excluded, "remat") * trips
         inner: list[tuple[int, int]] = [(0, 0)]
         for w in comp.instructions:
-            body = _body(module, w)
+            body = while_body(module, w)
             param = next(iter(body.parameters().values()), None) if body is not None else None
             if param is None:
                 continue
             unchanged = _carried_unchanged(module, w)
-            slots = {i.name: _slot_value(module, loops, w, _index(i), set()) for i in body.instructions
-                     if i.opcode == "get-tuple-element" and i.operands[:1] == (param.name,) and _index(i) in unchanged}
+            slots = {i.name: _slot_value(module, loops, w, _tuple_index(i), set()) for i in body.instructions
+                     if i.opcode == "get-tuple-element" and i.operands[:1] == (param.name,)
+                     and _tuple_index(i) in unchanged}
             body_seeds = tuple({n for n, v in slots.items() if v in d} for d in derived)
             if comp is entry and body.root is not None and any(  # the micro-batch loop: one micro-batch live
                     scopes.get(r).how == "accumulate" for r in body.root.operands):
-                inner.append(walk(body, body_seeds, trips, True))
+                inner.append(walk(body, body_seeds, trips, True)[:2])
             else:
                 recomputed += walk(body, body_seeds, trips * trip_count(module, w)[0], False)[1]
-        return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner)
+        return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner), len(inner) > 1
 
-    saved, recomputed = walk(entry, seeds, 1, True)
-    return saved, recomputed, any(scopes.get(i.name).how == "accumulate" for i in entry.instructions)
-
-
-def _body(module: HloModule, inst: Instruction) -> Computation | None:
-    """The body computation of a ``while`` (None for other instructions)."""
-    return module.computations.get(inst.attrs.get("body", "").strip().lstrip("%")) if inst.opcode == "while" else None
-
-
-def _index(inst: Instruction) -> int:
-    return int(inst.attrs.get("index", "-1").strip() or -1)
+    return walk(entry, seeds, 1, True)
 
 
 def _saved_in(module: HloModule, comp: Computation, scopes: ModuleScopes, excluded: set[str], phase: str) -> int:
@@ -455,14 +448,14 @@ def _saved_in(module: HloModule, comp: Computation, scopes: ModuleScopes, exclud
             total += own_bytes(inst) if read_by_backward(list(readers)) else 0
             continue
         skip = set()
-        body = _body(module, inst)
+        body = while_body(module, inst)
         if body is not None:
             skip = _carried_unchanged(module, inst)
             if body.root is not None:  # gradient accumulators: the body adds a gradient
                 skip |= {k for k, r in enumerate(body.root.operands) if scopes.get(r).phase == "backward"}
         for i, element in enumerate(inst.shape.tuple_shapes):
             if i not in skip and read_by_backward([u for u in readers if u.opcode != "get-tuple-element"
-                                                   or _index(u) == i]):
+                                                   or _tuple_index(u) == i]):
                 total += data_bytes(element)
     return total
 

@@ -214,7 +214,8 @@ def _evidence_kind(module: HloModule, comp: Computation, users: dict[str, list[I
     backward = "transpose(" in pc.op_name
     if weightlike:
         if c.kind == "all-gather":
-            # used by a matmul, or by a loop (the micro-batch scan's weights, gathered once before it)
+            # used by a matmul, or by a loop (the micro-batch scan's weights, gathered once before it); 4 users:
+            # all-gather -> cast -> cast -> tuple -> while, as XLA:CPU wrote a user's FSDP step
             return "weights_gathered" if _reaches(module, comp, users, inst, MATMULS + ("while",), 4) \
                 else "weights_gathered_after_update"
         if c.kind == "reduce-scatter":

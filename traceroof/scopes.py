@@ -669,7 +669,7 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
         for w in comp.instructions:
             if w.opcode != "while":
                 continue
-            body = module.computations.get(w.attrs.get("body", "").lstrip("%"))
+            body = while_body(module, w)
             cond = module.computations.get(w.attrs.get("condition", "").lstrip("%"))
             if body is None:
                 continue
@@ -709,7 +709,7 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
     for comp in module.computations.values():
         users = comp.users()
         for w in comp.instructions:
-            body = module.computations.get(w.attrs.get("body", "").lstrip("%")) if w.opcode == "while" else None
+            body = while_body(module, w)
             if body is None or body.root is None or body.root.opcode != "tuple" or not w.operands:
                 continue
             param = next(iter(body.parameters().values()), None)
@@ -739,6 +739,11 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
                 for g in users.get(w.name, ()):
                     if g.opcode == "get-tuple-element" and _tuple_index(g) == k:
                         infos[g.name] = label
+
+
+def while_body(module: HloModule, inst: Instruction) -> Computation | None:
+    """The body computation of a ``while`` instruction (``None`` for other instructions or a missing body)."""
+    return module.computations.get(inst.attrs.get("body", "").strip().lstrip("%")) if inst.opcode == "while" else None
 
 
 def _tuple_index(inst: Instruction) -> int:
