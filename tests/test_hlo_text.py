@@ -227,6 +227,30 @@ def test_embedded_hlo_proto_keeps_the_schedule_and_the_donated_buffers():
     assert _alias_outputs(proto) == _alias_outputs(text) and len(_alias_outputs(text)) > 2
 
 
+def test_an_hloproto_embedded_by_every_host_is_decoded_once(monkeypatch):
+    """Every host of a pod embeds its program's HloProto: the same bytes from another host's file give a module
+    of that file, decoded once per process."""
+    import glob
+
+    import parsers.hlo_proto as hlo_proto
+    from parsers.xspace import read_xspace
+    from traceroof.hlo_source import embedded_hlo
+
+    (pb,) = glob.glob("fixtures/mem_remat_on/logdir/**/*.xplane.pb", recursive=True)
+    (data,) = [d for _, name, d, _ in embedded_hlo(read_xspace(pb)) if name == "jit_train_step"]
+    calls = []
+    decode = hlo_proto._decode
+    monkeypatch.setattr(hlo_proto, "_decode", lambda *a: (calls.append(a[1]), decode(*a))[1])
+    monkeypatch.setattr(hlo_proto, "_DECODED", type(hlo_proto._DECODED)())
+    a = hlo_proto.module_from_proto(data, "host_a.xplane.pb", 3)
+    b = hlo_proto.module_from_proto(bytes(data), "host_b.xplane.pb", 3)
+    c = hlo_proto.module_from_proto(data, "host_c.xplane.pb", 4)  # another program id: decoded again
+    assert calls == ["host_a.xplane.pb", "host_c.xplane.pb"]
+    assert (a.source, b.source, c.source) == ("host_a.xplane.pb", "host_b.xplane.pb", "host_c.xplane.pb")
+    assert b.computations is a.computations  # shared: nothing modifies them
+    assert [i.name for i in b.entry.instructions] == [i.name for i in a.entry.instructions]
+
+
 def _parsed(module) -> list:
     """Everything the parser read of a module, as plain values (Instruction compares by identity)."""
     from dataclasses import fields

@@ -103,6 +103,38 @@ def test_a_worker_that_dies_is_an_input_error_naming_the_item() -> None:
     assert str(dying) in str(caught.value) and "\n" not in str(caught.value)
 
 
+def _arrays(n: int) -> dict[str, object]:
+    import numpy as np
+
+    return {"ids": np.arange(n, dtype=np.int64), "names": [f"op{i}" for i in range(3)], "n": n}
+
+
+def test_pool_results_come_back_through_shared_memory_files_and_leave_none(tmp_path, monkeypatch) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(parallel, "_SHARED_MEMORY_DIR", str(tmp_path))
+    spilled = []
+    unspill = parallel._unspill
+    monkeypatch.setattr(parallel, "_unspill", lambda r: (spilled.append(isinstance(r, parallel._Spilled)),
+                                                          unspill(r))[1])
+    results = map_hosts(_arrays, [10, 200_000, 0], jobs=2)
+    assert spilled == [True, True, True] and list(tmp_path.iterdir()) == []  # the folder and its files removed
+    for n, r in zip([10, 200_000, 0], results):
+        assert r["n"] == n and r["names"] == ["op0", "op1", "op2"]
+        assert np.array_equal(r["ids"], np.arange(n)) and r["ids"].flags.writeable
+    r["ids"][:] = 1  # the parent may write the arrays it received
+
+
+def test_without_shared_memory_results_come_through_the_pipe(monkeypatch, tmp_path) -> None:
+    import numpy as np
+
+    monkeypatch.setattr(parallel, "_SHARED_MEMORY_DIR", str(tmp_path / "missing"))
+    (r,) = map_hosts(_arrays, [5], jobs=2)[:1]
+    assert np.array_equal(r["ids"], np.arange(5))
+    gone = tmp_path / "gone"  # a folder that fills up or vanishes: the worker returns the result itself
+    assert parallel._spill(7, str(gone)) == 7
+
+
 def test_fork_unless_threads_may_run(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in parallel._FORK_UNSAFE_MODULES:
         monkeypatch.delitem(sys.modules, name, raising=False)
@@ -155,8 +187,9 @@ def test_pool_workers_never_draw(monkeypatch: pytest.MonkeyPatch) -> None:
     screen = _fake_terminal(monkeypatch)
     monkeypatch.setattr(progress_module, "PROGRESS_DELAY_S", 0.0)
     monkeypatch.setattr(parallel, "_state", None)
+    monkeypatch.setattr(parallel, "_spill_dir", None)
     monkeypatch.setitem(progress_module._shared, "off", False)
-    parallel._init_worker(None)  # what each pool worker runs first
+    parallel._init_worker(None, None)  # what each pool worker runs first
     with progress(3, "stages") as bar:
         bar.advance()
     assert screen.getvalue() == ""
