@@ -8,6 +8,7 @@ openxla/xla ``xla/service/hlo.proto`` and ``xla/xla_data.proto``; byte sizes fol
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,6 +348,9 @@ class StackFrame:
     parent_frame_id: int
 
 
+_INSTRUCTIONS: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()  # HloModule.instruction
+
+
 @dataclass(eq=False)
 class HloModule:
     """An HLO module.
@@ -370,12 +374,14 @@ class HloModule:
         return self.computations[self.entry_name]
 
     def instruction(self, name: str) -> Instruction | None:
-        """Find an instruction by name in any computation (names are unique within a module)."""
-        for comp in self.computations.values():
-            inst = comp.by_name.get(name)
-            if inst is not None:
-                return inst
-        return None
+        """Find an instruction by name in any computation (names are unique within a module; the first
+        computation's when not). By an index of the module built at the first call: a large program has
+        thousands of computations to look through."""
+        index = _INSTRUCTIONS.get(self)
+        if index is None:
+            index = _INSTRUCTIONS[self] = {n: i for comp in reversed(self.computations.values())
+                                           for n, i in comp.by_name.items()}
+        return index.get(name)
 
     def source_line(self, inst: Instruction) -> str:
         """``file:line`` of an instruction from its metadata or the stack-frame table ('' when unknown)."""

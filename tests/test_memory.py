@@ -21,7 +21,7 @@ from traceroof.report.diff import render_diff_text
 from traceroof.report.html import render_html
 from traceroof.report.text import render_markdown, render_terminal
 from traceroof.scopes import assign_scopes
-from traceroof.findings.record import fmt_bytes
+from traceroof.units import fmt_bytes
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DUMPS = sorted(f for f in FIXTURES.glob("*/hlo/*after_optimizations.txt") if report_files(f))

@@ -16,6 +16,11 @@ def fmt_si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
+def fmt_bytes(n: float | None) -> str:
+    """Bytes with a decimal prefix (``4.33 MB``, ``512 B``); ``-`` when unknown."""
+    return fmt_si(n, "B")
+
+
 def fmt_time(s: float) -> str:
     """Seconds as a short string with a unit (ns, µs, ms, s); '-' when missing or not finite."""
     if s is None or not math.isfinite(s):

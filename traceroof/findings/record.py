@@ -18,7 +18,7 @@ import pandas as pd
 
 from traceroof.codes import category_text
 from traceroof.findings.hlo_graph import Programs
-from traceroof.units import fmt_si, fmt_time
+from traceroof.units import fmt_time
 
 if TYPE_CHECKING:
     from parsers.hlo import HloModule
@@ -185,11 +185,6 @@ def share(lost_s: float, step_s: float) -> str:
 
 
 fmt_s = fmt_time  # seconds with their unit (traceroof.units)
-
-
-def fmt_bytes(b: float) -> str:
-    """Bytes with a decimal prefix (:func:`traceroof.units.fmt_si`)."""
-    return fmt_si(b, "B")
 
 
 def total(values: np.ndarray) -> float:

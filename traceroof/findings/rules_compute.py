@@ -12,8 +12,9 @@ import pandas as pd
 
 from parsers.hlo import ELEMENT_BITS
 from traceroof.findings.hlo_graph import is_narrow, dot_dims
-from traceroof.findings.record import (BOOK, Finding, FindingInputs, descending, fmt_bytes, fmt_s, make, share,
+from traceroof.findings.record import (BOOK, Finding, FindingInputs, descending, fmt_s, make, share,
                                        total)
+from traceroof.units import fmt_bytes
 from traceroof.utilization import FASTER_THAN_ROOF_RATIO
 
 UPCAST_SOURCE = (f"{BOOK} §2 (the MXU multiplies bf16 inputs and accumulates in f32) and §1 (peak FLOP/s per "

@@ -12,8 +12,9 @@ import numpy as np
 
 from parsers.hlo import Instruction, is_retiling
 from traceroof.findings.hlo_graph import LAYOUT_ONLY, ModuleIndex
-from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, descending, fmt_bytes, fmt_s, make,
+from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, descending, fmt_s, make,
                                        total)
+from traceroof.units import fmt_bytes
 
 PADDING_SOURCE = f"{BOOK} §9.2.2 (tiled layouts); docs/reference/hlo-text.md §6.2 (TPU tile padding)"
 LAYOUT_SOURCE = (f"{BOOK} §9.2.2 (layouts and retiling copies); XProf static HLO detectors (layout-changing "

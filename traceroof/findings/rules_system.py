@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 
-from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, fmt_bytes, fmt_s, make, mean_of,
+from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, fmt_s, make, mean_of,
                                        share, total)
+from traceroof.units import fmt_bytes
 from traceroof.opstats import OUTLIER_RATIO
 
 COLLECTIVE_SOURCE = (f"{BOOK} §1 (overlapping communication with compute: T = max(T_math, T_comms)) and §5 "

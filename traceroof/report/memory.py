@@ -9,18 +9,9 @@ from typing import Mapping
 import pandas as pd
 
 from traceroof.memory import CATEGORIES, MemoryView, ProgramMemory
+from traceroof.units import fmt_bytes
 
 SOURCES = {"xla_buffer_assignment": "XLA's buffer assignment", "traceroof_live_ranges": "traceroof's live ranges"}
-
-
-def fmt_bytes(n: float | None) -> str:
-    """Bytes in decimal units (``4.33 MB``); ``-`` when unknown."""
-    if n is None or pd.isna(n):
-        return "-"
-    for unit, k in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= k:
-            return f"{n / k:.3g} {unit}"
-    return f"{int(n)} B"
 
 
 def _lines(view: MemoryView) -> list[tuple[str, str]]:
