@@ -283,7 +283,7 @@ def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int,
             return "other"
         slot = index.strip("{}").split(",")[0].strip()
         if slot.isdigit() and inst.shape.is_tuple:
-            loop = inst if inst.opcode == "while" else loops.get(name)
+            loop = inst if inst.opcode == "while" else loops.by_body_param.get(name)
             filled = _slot_value(module, loops, loop, int(slot), set()) if loop is not None else None
             if filled is not None:
                 return category_of(filled)
@@ -294,30 +294,40 @@ def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int,
     return category_of
 
 
-def _loops(module: HloModule) -> dict[str, Instruction]:
-    """A ``while`` body's parameter name -> the ``while`` instruction that runs the body."""
-    out: dict[str, Instruction] = {}
+@dataclass(frozen=True)
+class _Loops:
+    """A module's ``while`` loops: ``by_body_param`` maps a body's parameter name to the ``while`` that runs the
+    body; ``unchanged`` maps a ``while``'s name to the slots its body passes through (:func:`_carried_unchanged`),
+    found once per loop rather than once per slot."""
+
+    by_body_param: dict[str, Instruction]
+    unchanged: dict[str, set[int]]
+
+
+def _loops(module: HloModule) -> _Loops:
+    """The module's :class:`_Loops`."""
+    by_param: dict[str, Instruction] = {}
+    unchanged: dict[str, set[int]] = {}
     for comp in module.computations.values():
         for w in comp.instructions:
             body = while_body(module, w)
             if body is not None:
-                out.update((p.name, w) for p in body.parameters().values())
-    return out
+                by_param.update((p.name, w) for p in body.parameters().values())
+                unchanged[w.name] = _carried_unchanged(module, w)
+    return _Loops(by_param, unchanged)
 
 
-def _slot_value(module: HloModule, loops: Mapping[str, Instruction], loop: Instruction, k: int,
-                seen: set[str]) -> str | None:
+def _slot_value(module: HloModule, loops: _Loops, loop: Instruction, k: int, seen: set[str]) -> str | None:
     """The instruction whose value fills slot ``k`` of ``loop``'s carried tuple: what its body writes there
     (a gradient accumulator's add), or, for a slot the body passes through unchanged, the value the loop starts
-    with (through the init tuple and outer loops). ``loops``: :func:`_loops`. ``None`` when the HLO does not
-    say (no tuple root or init)."""
+    with (through the init tuple and outer loops). ``None`` when the HLO does not say (no tuple root or init)."""
     if loop.name in seen:
         return None
     seen.add(loop.name)
     body = while_body(module, loop)
     if body is None or body.root is None or body.root.opcode != "tuple" or k >= len(body.root.operands):
         return None
-    if k not in _carried_unchanged(module, loop):
+    if k not in loops.unchanged.get(loop.name, ()):
         return body.root.operands[k]
     init = module.instruction(loop.operands[0]) if loop.operands else None
     if init is None or init.opcode != "tuple" or k >= len(init.operands):
@@ -326,7 +336,7 @@ def _slot_value(module: HloModule, loops: Mapping[str, Instruction], loop: Instr
     while src is not None and src.opcode in ("bitcast", "copy") and src.operands:
         src = module.instruction(src.operands[0])
     if src is not None and src.opcode == "get-tuple-element" and src.operands:  # an outer loop's slot
-        outer = loops.get(src.operands[0])
+        outer = loops.by_body_param.get(src.operands[0])
         if outer is not None:
             return _slot_value(module, loops, outer, _tuple_index(src), seen)
     return src.name if src is not None else None
@@ -406,7 +416,7 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
             param = next(iter(body.parameters().values()), None) if body is not None else None
             if param is None:
                 continue
-            unchanged = _carried_unchanged(module, w)
+            unchanged = loops.unchanged[w.name]
             slots = {i.name: _slot_value(module, loops, w, _tuple_index(i), set()) for i in body.instructions
                      if i.opcode == "get-tuple-element" and i.operands[:1] == (param.name,)
                      and _tuple_index(i) in unchanged}
