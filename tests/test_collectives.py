@@ -116,8 +116,16 @@ def test_h100_two_nodes_all_gather_crosses_infiniband():
 
 
 def test_bus_bandwidth_follows_nccl_tests():
-    c = coll("all-reduce", 1 << 30, 1 << 30, [list(range(8))])
-    assert bus_bandwidth(c, 1.0) == pytest.approx((1 << 30) * 2 * 7 / 8)
+    """nccl-tests' *GetBw: S / t x factor, S the whole array (all-reduce, all-gather's output, reduce-scatter's
+    input) or one rank's buffer (alltoall.cu: count * nranks * typesize, count the per-peer part; sendrecv)."""
+    g = 1 << 30
+    assert bus_bandwidth(coll("all-reduce", g, g, [list(range(8))]), 1.0) == pytest.approx(g * 2 * 7 / 8)
+    assert bus_bandwidth(coll("all-gather", g // 8, g, [list(range(8))]), 1.0) == pytest.approx(g * 7 / 8)
+    assert bus_bandwidth(coll("reduce-scatter", g, g // 8, [list(range(8))]), 1.0) == pytest.approx(g * 7 / 8)
+    # a user's MoE dispatch: 8,192 B per device over 4 experts in 384.5 us -> 16.0 MB/s (not 4x that)
+    a2a = coll("all-to-all", 8192, 8192, [list(range(4))])
+    assert bus_bandwidth(a2a, 384.5e-6) == pytest.approx(8192 / 384.5e-6 * 3 / 4)
+    assert bus_bandwidth(coll("collective-permute", 8192, 8192, [list(range(4))]), 1e-3) == pytest.approx(8.192e6)
 
 
 # -- classification on real HLO --------------------------------------------------------------------------------

@@ -25,9 +25,10 @@ KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all
          "collective-broadcast", "send", "recv")
 TPU_HOP_LATENCY_S = 1e-6  # per ICI hop (How to Scale Your Model §3; hardware-and-rooflines.md §2.1)
 GPU_LAUNCH_LATENCY_S = 5e-6  # kernel launch floor (Stratos, Compute-Bound Training §A.1.3 fn 10)
-NCCL_BUS_FACTOR = {  # busbw = algbw x factor (NVIDIA/nccl-tests doc/PERFORMANCE.md)
+NCCL_BUS_FACTOR = {  # busbw = algbw x factor (NVIDIA/nccl-tests doc/PERFORMANCE.md; src/*.cu, *GetBw)
     "all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
     "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,  # sendrecv_perf: busbw = algbw
 }
 
 
@@ -486,8 +487,13 @@ def expected_time(c: Collective, chip: Chip, topo: Topology) -> CommEstimate | N
 
 
 def bus_bandwidth(c: Collective, measured_s: float) -> float | None:
-    """Achieved bus bandwidth (B/s) as nccl-tests reports it: S / t x factor, S the full array size."""
+    """Achieved bus bandwidth (B/s) as nccl-tests reports it: S / t x factor, S the size its ``*GetBw`` counts
+    (src/all_reduce.cu, all_gather.cu, reduce_scatter.cu, alltoall.cu, sendrecv.cu): the whole array for an
+    all-reduce, all-gather (its output) and reduce-scatter (its input); one device's buffer for an all-to-all
+    (``count * nranks`` with ``count`` the per-peer part) and for a collective-permute (what one device
+    sends). None for other kinds, a group of one, or no time."""
     f = NCCL_BUS_FACTOR.get(c.kind)
     if f is None or measured_s <= 0 or c.group_size < 2:
         return None
-    return c.full_bytes / measured_s * f(c.group_size)
+    size_bytes = c.bytes_in if c.kind in ("all-to-all", "collective-permute") else c.full_bytes
+    return size_bytes / measured_s * f(c.group_size)
