@@ -353,3 +353,20 @@ ENTRY %main (p: f32[4,16]) -> f32[4,16] {
     mesh = recover_mesh(m)
     (evidence,) = collect_evidence(m, mesh, state_params(m)).values()
     assert set(evidence.ops) == {"weights_gathered"}, evidence.ops
+
+
+def test_a_dump_of_another_program_given_with_hlo_is_left_out_of_every_section() -> None:
+    """A user passed another job's dump folder (its program also named jit_train_step, another program id): the
+    report said it was ignored, yet the parallelism section read that program's mesh and strategies (the
+    profile's pipeline x data step showed the FSDP x TP dump's axes). Every section equals the run without it."""
+    from traceroof.analysis import analyze
+
+    chip = str(FIXTURES / "fixture_host.toml")
+    own = analyze(FIXTURES / "par_pp2" / "logdir", chip=chip)
+    other = analyze(FIXTURES / "par_pp2" / "logdir", hlo=FIXTURES / "par_fsdp4_tp2" / "hlo", chip=chip)
+    assert any("describes none of the profiled programs" in n for n in other.summary.notes)
+    assert [(r.axis, r.size, r.strategy) for r in own.parallelism.rows] == [("axis0", 2, "pipeline"),
+                                                                            ("axis1", 4, "data")]
+    assert repr(other.parallelism.rows) == repr(own.parallelism.rows)  # (NaN figures: compared as text)
+    assert other.parallelism.sizes == own.parallelism.sizes
+    assert other.memory.peak == own.memory.peak and other.summary.flops_per_step == own.summary.flops_per_step

@@ -5,6 +5,7 @@ HLO costs (:mod:`traceroof.optable`), the roofline on the target chip, steps, an
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Sequence
 
@@ -109,12 +110,6 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     chip_note = "; ".join(x for x in (chip_note or (chip_ici.note if core_note else ""), core_note) if x)
     ops, join, timeline, collectives, scopes, costs = op_table(profile, depth, optimizer_pattern, expand)  # no attrs
     framework = "framework_scope" in ops
-    unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
-                      if not is_known_opcode(i.opcode)})
-    if unknown:
-        notes.append(f"opcodes unknown to traceroof kept with no FLOPs (bytes counted): {', '.join(unknown[:8])}")
-    if costs.tpu:
-        notes += _cost_disagreements(ops, costs)
     user = {str(f) for f in profile.inputs.user_hlo_files}
     hlo_sources = dict(profile.hlo_sources)
     if user and not user & (set(join.matched_sources) | profile.dump_sources):
@@ -128,6 +123,16 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         ignored = sum(1 for m in profile.modules if str(m.source) in user)
         hlo_sources["HLO text dumps"] = hlo_sources.get("HLO text dumps", 0) - ignored
         hlo_sources = {k: v for k, v in hlo_sources.items() if v > 0}
+        # and out of the analysis: a dump of another program (a user's MoE dump given for a pipeline profile)
+        # drove the mesh, parallelism and memory sections; the table again, its scopes by the modules' positions
+        profile = replace(profile, modules=[m for m in profile.modules if str(m.source) not in user])
+        ops, join, timeline, collectives, scopes, costs = op_table(profile, depth, optimizer_pattern, expand)
+    unknown = sorted({i.opcode for m in profile.modules for c in m.computations.values() for i in c.instructions
+                      if not is_known_opcode(i.opcode)})
+    if unknown:
+        notes.append(f"opcodes unknown to traceroof kept with no FLOPs (bytes counted): {', '.join(unknown[:8])}")
+    if costs.tpu:
+        notes += _cost_disagreements(ops, costs)
     if not profile.modules and not framework:
         notes.append("no usable HLO (no dumps, no HloProto in the profile that decodes): times only; pass --hlo DIR "
                      "(an --xla_dump_to folder) for the roofline")
