@@ -184,3 +184,27 @@ def test_pairing_is_what_an_outer_merge_pairs(hlo_ops):
         pd.testing.assert_frame_equal(got, want)
         assert b["n"].iloc[rows_b].tolist() == want["n_base"].tolist()
         assert n["n"].iloc[rows_n].tolist() == want["n_new"].tolist()
+
+
+def test_two_different_jobs_are_flagged_and_the_gate_says_so(sides):
+    """A CI gate given another program's report passed "within noise" with no word that the sides differ (a
+    user's 8-device MoE base against a 4-device pipeline): now a warning names the op time found in both and the
+    device counts, and the gate line carries it. Runs of one job (same model, a wider MLP) get none."""
+    assert diff(sides["diff_base"], sides["diff_rerun"]).warnings == ()
+    assert diff(sides["diff_base"], sides["diff_wide"]).warnings == ()
+    other = load_side(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
+    assert (sides["diff_base"].devices, other.devices) == (1, 8)
+    r = diff(sides["diff_base"], other)
+    (devices, programs) = r.warnings
+    assert devices.startswith("the profiles ran on different numbers of devices (base 1, new 8)")
+    assert "look like different programs" in programs
+    share = r.ops["time_per_step_s_base"].sum() / sides["diff_base"].op_stats["time_per_step_s"].sum()
+    assert f"only {share:.0%} of the base's op time" in programs and share < 0.5
+    assert gate(r, 5.0)[1].endswith("; but 2 warning(s): the sides may not be one job")
+
+
+def test_a_json_base_keeps_the_device_count(tmp_path, sides):
+    out = tmp_path / "base.json"
+    subprocess.run([sys.executable, "-m", "traceroof.cli", "analyze", str(FIXTURES / "sharded_mlp"), "--chip",
+                    str(HOST_CHIP), "--format", "json", "-o", str(out)], check=True, cwd=ROOT)
+    assert load_side(out).devices == 8

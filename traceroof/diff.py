@@ -50,6 +50,7 @@ class Side:
     op_stats: pd.DataFrame
     step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown rows
     memory: dict | None = None  # the JSON ``memory`` object (traceroof.memory)
+    devices: int = 0  # devices that ran the profiled steps (0: unknown, a report without it)
 
 
 def side_from_analysis(a: Analysis, label: str) -> Side:
@@ -57,7 +58,7 @@ def side_from_analysis(a: Analysis, label: str) -> Side:
     s = a.summary
     return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
                 a.layers, a.op_stats, a.step_breakdown,
-                a.memory.to_json() if a.memory is not None else None)
+                a.memory.to_json() if a.memory is not None else None, int(s.devices))
 
 
 def _number(value: object) -> float | None:
@@ -125,11 +126,13 @@ def side_from_json(path: Path) -> Side:
                                               and math.isfinite(t) and t > 0 for t in times):
         raise FormatError(f"{path}: summary.step_times_s is not a list of positive finite step times")
     chip = s.get("chip_id", "")
+    devices = s.get("devices")
     return Side(str(path), chip if isinstance(chip, str) else str(chip), tuple(float(t) for t in times), step,
                 figures["flops_per_step"] or 0.0, figures["exposed_comm_per_step_s"] or 0.0,
                 _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS),
                 _table(path, doc, "step_breakdown", BREAKDOWN_COLUMNS) if "step_breakdown" in doc else pd.DataFrame(),
-                memory_from_json(path, doc.get("memory")))
+                memory_from_json(path, doc.get("memory")),
+                devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 0)
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
@@ -170,6 +173,7 @@ class DiffResult:
     unmatched: pd.DataFrame
     contributors: tuple[str, ...]
     memory: dict | None = None  # peak memory and category deltas (traceroof.memory.memory_delta)
+    warnings: tuple[str, ...] = ()  # the two sides may not be the same job (:func:`_warnings`)
 
 
 def step_delta(base: Side, new: Side) -> StepDelta:
@@ -299,7 +303,8 @@ def diff(base: Side, new: Side) -> DiffResult:
         pairs, rows_b, rows_n = _match(ub.drop(columns=list(dropped)), un.drop(columns=list(dropped)), loose)
         if pairs.empty:
             continue
-        pairs = pd.concat([pairs, ub[list(dropped)].iloc[rows_b].reset_index(drop=True)], axis=1)
+        pairs = pd.concat([pairs, ub[list(dropped)].iloc[rows_b].reset_index(drop=True),  # the base's, and:
+                           un[list(dropped)].iloc[rows_n].reset_index(drop=True).add_suffix("_new")], axis=1)
         named = pairs.assign(hlo_ops_base=pairs["hlo_ops"], hlo_ops_new=pairs["hlo_ops"]) if by_name else pairs
         both = pd.concat([both, named.drop(columns="hlo_ops", errors="ignore").assign(matched_by=how)],
                          ignore_index=True)
@@ -314,7 +319,28 @@ def diff(base: Side, new: Side) -> DiffResult:
     layers = _layer_deltas(base.layers, new.layers)
     step = step_delta(base, new)
     return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched)),
-                      memory_delta(base.memory, new.memory))
+                      memory_delta(base.memory, new.memory), _warnings(base, new, both, b, n))
+
+
+MIN_MATCHED_SHARE = 0.5  # less of either side's op time in ops found in both: not two runs of one job
+
+
+def _warnings(base: Side, new: Side, both: pd.DataFrame, b: pd.DataFrame, n: pd.DataFrame) -> tuple[str, ...]:
+    """Lines saying the two sides may not be the same job: other device counts (per-device figures of different
+    shardings), or less than :data:`MIN_MATCHED_SHARE` of either side's op time in ops found in both (a CI gate
+    given the report of another program passed "within noise", pairing a pipeline's ops with a MoE's)."""
+    out = []
+    if base.devices and new.devices and base.devices != new.devices:
+        out.append(f"the profiles ran on different numbers of devices (base {base.devices}, new {new.devices}): "
+                   "per-device figures compare different shardings of the work")
+    shares = [float(both[f"time_per_step_s_{side}"].sum()) / total if total > 0 else 1.0
+              for side, total in (("base", float(b["time_per_step_s"].sum())),
+                                  ("new", float(n["time_per_step_s"].sum())))]
+    if min(shares) < MIN_MATCHED_SHARE:
+        out.append(f"only {shares[0]:.0%} of the base's op time and {shares[1]:.0%} of the new profile's is in ops "
+                   "found in both: these look like different programs, not two runs of one; check that the base "
+                   "is the report of this job")
+    return tuple(out)
 
 
 def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:
@@ -378,7 +404,8 @@ def gate(result: DiffResult, fail_above_pct: float | None, layer: str | None = N
     pct = result.step.delta_pct * 100
     fail = pct > fail_above_pct and not result.step.noise
     why = "within noise" if result.step.noise else _against(fail, fail_above_pct)
-    return fail, f"step time {pct:+.1f}% ({why})"
+    caveat = f"; but {len(result.warnings)} warning(s): the sides may not be one job" if result.warnings else ""
+    return fail, f"step time {pct:+.1f}% ({why}){caveat}"
 
 
 def _against(fail: bool, fail_above_pct: float) -> str:

@@ -30,10 +30,18 @@ def _ops(r: DiffResult, n: int = 10) -> pd.DataFrame:
     d = r.ops.head(n)
     return pd.DataFrame({
         "ops (new)": d["hlo_ops_new"], "layer": d["layer"], "phase": d["phase"], "opcode": d["opcode"],
-        "shape": d["shape"], "base": d["time_per_step_s_base"].map(fmt_time),
+        "shape": _shapes(d), "base": d["time_per_step_s_base"].map(fmt_time),
         "new": d["time_per_step_s_new"].map(fmt_time), "delta": d["time_per_step_s_delta"].map(fmt_time),
         "matched by": d["matched_by"],
     })
+
+
+def _shapes(d: pd.DataFrame) -> pd.Series:
+    """The result shape of each matched op: ``base -> new`` where a looser pass matched other shapes."""
+    if "shape_new" not in d:
+        return d["shape"]
+    changed = d["shape_new"].notna() & (d["shape_new"] != d["shape"])
+    return d["shape"].where(~changed, d["shape"] + " -> " + d["shape_new"].astype(str))
 
 
 def _unmatched(r: DiffResult, n: int = 10) -> pd.DataFrame:
@@ -50,6 +58,7 @@ def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False)
            f"base: {safe(r.base.label)} ({safe(r.base.chip)}); new: {safe(r.new.label)} ({safe(r.new.chip)})",
            f"FLOPs per step {fmt_si(r.base.flops_per_step, 'FLOP')} -> {fmt_si(r.new.flops_per_step, 'FLOP')}"]
     out += [safe(memory_delta_line(r.memory))] if r.memory else []
+    out += [f"warning: {safe(w)}" for w in r.warnings]
     out += [f"- {safe(c)}" for c in r.contributors]
     if gate_line:
         out.append(f"gate: {safe(gate_line)}")
@@ -67,7 +76,8 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
         "base": r.base.label, "new": r.new.label,
         "step": clean_value({k: getattr(r.step, k) for k in ("base_s", "new_s", "delta_s", "delta_pct",
                                                           "standard_error_s", "noise")}),
-        "contributors": list(r.contributors), "gate": {"failed": failed, "reason": gate_line},
+        "warnings": list(r.warnings), "contributors": list(r.contributors),
+        "gate": {"failed": failed, "reason": gate_line},
         "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
         "step_breakdown": records(breakdown_delta(r.base.step_breakdown, r.new.step_breakdown)),
     }
@@ -91,6 +101,7 @@ def render_diff_html(r: DiffResult, gate_line: str = "") -> str:
     body = [
         "<h2>Summary</h2>",
         f"<p>base: {esc(r.base.label)} ({esc(r.base.chip)})<br>new: {esc(r.new.label)} ({esc(r.new.chip)})</p>",
+        "".join(f"<p><b>warning:</b> {esc(w)}</p>" for w in r.warnings),
         "<ul>" + "".join(f"<li>{esc(c)}</li>" for c in r.contributors + (memory_delta_line(r.memory),) if c) + "</ul>",
         f"<p>gate: {esc(gate_line)}</p>" if gate_line else "",
         '<div id="layer-bars" class="chart"></div>',
