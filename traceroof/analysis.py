@@ -27,7 +27,7 @@ from traceroof.memory import analysis_memory
 from traceroof.mesh_book import book_on_mesh
 from traceroof.optable import SharedList, op_table, per_op
 from traceroof.opstats import execution_stats, top_ops
-from traceroof.overlap import arrival_skew, exposed_communication
+from traceroof.overlap import arrival_skew, collective_rows, exposed_communication
 from traceroof.profile import Profile, load_profile
 from traceroof.progress import progress
 from traceroof.rowcosts import RowCosts
@@ -136,6 +136,12 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     if not profile.modules and not framework:
         notes.append("no usable HLO (no dumps, no HloProto in the profile that decodes): times only; pass --hlo DIR "
                      "(an --xla_dump_to folder) for the roofline")
+    by_name = ~ops["joined"].to_numpy(bool) & collective_rows(ops)
+    if by_name.any() and not framework:
+        names = sorted(set(ops["hlo_op"].array[by_name].astype(str)))
+        notes.append(f"{len(names)} op(s) without HLO taken for collectives by their names ({', '.join(names[:4])}"
+                     f"{' ...' if len(names) > 4 else ''}): exposed communication counts them; their sizes, groups "
+                     "and links need the HLO (analyze the .xplane.pb, or pass --hlo)")
     if framework:
         notes.append("no XLA ops in this profile (framework ops without HLO, e.g. TensorFlow without XLA): times "
                      "per framework op and name scope only; no HLO roofline is possible")

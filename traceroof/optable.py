@@ -14,6 +14,7 @@ and lost time) are sums over the row's events, so any sum of rows equals the sum
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import numpy as np
@@ -39,6 +40,15 @@ class SharedList(list):
     def __deepcopy__(self, memo: dict) -> SharedList:
         return self
 
+
+COLLECTIVE_NAME = re.compile(  # XLA names an instruction after its opcode; JAX after the primitive that made it
+    r"(all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute|collective-broadcast"
+    r"|psum|psum_invariant|pmax|pmin|all_gather|psum_scatter|reduce_scatter|all_to_all|ppermute)"
+    r"(-start|-done)?(\.\d+)?$")
+"""An HLO op name that is a collective's (``all-reduce.14``, ``all-gather-start``, ``ppermute.12``): without HLO
+(a trace JSON alone) the op table takes such ops for collectives (category ``collective``), so that exposed
+communication is measured; XLA's instruction names (the opcode, made unique with ``.N``: xla/service/name_uniquer.cc)
+and JAX's (the primitive's name, as in the par_* fixtures: ``ppermute.12``, ``psum_invariant.49``)."""
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
                  "source", "flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
@@ -142,6 +152,9 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
             devices_of[mi] = max(module_devices(modules[mi]), int(ran_on[mi]))
         attrs.append(_attrs(model, inst, optimizer_pattern, module_scopes[mi].get(inst.name), devices_of[mi]))
     table = {c: [(a if a is not None else _BLANK)[c] for a in attrs] for c in _ATTR_COLUMNS}  # per op
+    for k, (a, oc) in enumerate(zip(attrs, u_op)):  # no HLO: a collective known by its name, as XLA names it
+        if a is None and COLLECTIVE_NAME.match(op_names[oc]):
+            table["category"][k] = "collective"
     joined_u = np.array([a is not None for a in attrs] or [False])
     # control ops (while/call/conditional): not counted when their bodies' ops show up as events
     counted_u = np.array([not any((mi, c) in comps_with_events for c in called)
