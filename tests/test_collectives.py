@@ -298,6 +298,7 @@ def test_library_collective_custom_calls_are_classified_without_a_made_up_cost()
 
 
 def test_findings_name_the_straggler_and_the_exposed_collective():
+    from dataclasses import replace
     from types import SimpleNamespace
 
     from traceroof.findings import FindingInputs
@@ -318,6 +319,11 @@ def test_findings_name_the_straggler_and_the_exposed_collective():
     assert "xla_gpu_enable_latency_hiding_scheduler" in exposed.advice and exposed.lost_per_step_s == 2e-3
     (late,) = collective_straggler(x)
     assert late.title.startswith("host_b/gpu:3 arrives last at 100%") and late.code == "collective-straggler"
+    # a user's 4-byte loss psum, latency-bound on the links: splitting or sharding it cannot help
+    loss = table.assign(hlo_op="all-reduce.16", bytes_out=4, bound="latency")
+    (small,) = exposed_collective(replace(x, analysis=SimpleNamespace(**{**vars(a), "collectives": loss})))
+    assert small.advice.startswith("a latency-bound all-reduce of 4 B: its cost on these links is the fixed latency")
+    assert "reduce-scatter + all-gather" not in small.advice
 
 
 def test_collectives_on_virtual_cpu_devices_get_no_interconnect_advice():

@@ -44,6 +44,9 @@ KIND_ADVICE = {"all-gather": "prefetch it a layer ahead (FSDP overlap) or let XL
                "all-reduce": "split it into reduce-scatter + all-gather that overlap compute, or shard the "
                              "operand so it shrinks",
                "all-to-all": "overlap dispatch with expert compute (chunk the all-to-all)"}
+LATENCY_ADVICE = ("its cost on these links is the fixed latency, not its bytes (splitting or sharding it would not "
+                  "help): combine it with neighbouring collectives of its kind (XLA's combiner passes merge those "
+                  "close in the schedule), or take it out of the step (a logged scalar reduced less often)")
 
 
 def exposed_collective(x: FindingInputs) -> list[Finding]:
@@ -56,8 +59,9 @@ def exposed_collective(x: FindingInputs) -> list[Finding]:
     hot = np.flatnonzero(t["exposed_per_step_s"].to_numpy(np.float64) > EXPOSED_SHARE_MIN * x.step_s)[:3]
     out = []
     need = ("hlo_op", "kind", "bytes_out", "group_size", "exposed_per_step_s", "exposed_share",
-            "expected_per_step_s", "link", "arrival_skew_s")
-    values = {c: t[c].to_numpy()[hot].tolist() for c in need} if len(hot) else {}  # not a row Series each
+            "expected_per_step_s", "link", "arrival_skew_s", "bound")
+    values = {c: (t[c].to_numpy() if c in t else np.full(len(t), ""))[hot].tolist() for c in need} \
+        if len(hot) else {}  # not a row Series each (a table without the bound column: none latency-bound)
     for i in range(len(hot)):
         r = SimpleNamespace(**{c: v[i] for c, v in values.items()})
         rows = np.flatnonzero(x.cols.text("hlo_op") == r.hlo_op)
@@ -75,8 +79,9 @@ def exposed_collective(x: FindingInputs) -> list[Finding]:
             exposed = r.exposed_per_step_s
             title = f"{what} is exposed {fmt_s(exposed)} per step ({share(exposed, x.step_s)})"
             flags = ASYNC_FLAGS.get(x.chip.kind if x.chip is not None else "", "")
-            advice = KIND_ADVICE.get(r.kind, "make it asynchronous so compute can overlap it") + (
-                f"; scheduler flags to try: {flags}" if flags else "")
+            advice = (f"a latency-bound {r.kind} of {fmt_bytes(r.bytes_out)}: {LATENCY_ADVICE}" if r.bound == "latency"
+                      else KIND_ADVICE.get(r.kind, "make it asynchronous so compute can overlap it")
+                      + (f"; scheduler flags to try: {flags}" if flags else ""))
         out.append(make(x, "exposed-collective", title, float(r.exposed_per_step_s), advice, COLLECTIVE_SOURCE,
                         evidence, rows, ops=(r.hlo_op,)))
     return out
