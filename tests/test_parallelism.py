@@ -224,8 +224,9 @@ def test_report_section_every_format() -> None:
     assert [w["name"] for w in doc["mesh_what_if"] if w["current"]] == ["fsdp4 x tp2"]
     (axis0,) = [f for f in doc["findings"] if f["code"] == "comm-bound-axis" and "axis0" in f["title"]]
     assert axis0["title"].startswith("mesh axis axis0 (fsdp, 4-way) is communication-bound")
-    assert "raise the per-device batch" in axis0["advice"] and axis0["lost_per_step_s"] == pytest.approx(
-        fsdp["measured_exposed_s"])
+    # measured on virtual CPU devices: their waits are not what a v5p would lose (worth unknown, evidence says so)
+    assert "raise the per-device batch" in axis0["advice"] and axis0["lost_per_step_s"] is None
+    assert fsdp["measured_exposed_s"] > 0 and "threads of one CPU host" in axis0["evidence"][0]
     assert "axis1 (tensor): activations" in render(a, "terminal")
     assert "## Parallelism" in render(a, "markdown")
     assert 'id="parallelism-table"' in render(a, "html")
@@ -370,3 +371,17 @@ def test_a_dump_of_another_program_given_with_hlo_is_left_out_of_every_section()
     assert repr(other.parallelism.rows) == repr(own.parallelism.rows)  # (NaN figures: compared as text)
     assert other.parallelism.sizes == own.parallelism.sizes
     assert other.memory.peak == own.memory.peak and other.summary.flops_per_step == own.summary.flops_per_step
+
+
+def test_a_cpu_profile_judged_on_a_gpu_does_not_count_cpu_waits_as_its_loss() -> None:
+    """A user's 8-CPU-device step analyzed with --chip h100: the top finding said the data axis 'lost ~5.461 ms
+    per step (60.5 %)' on an H100, the virtual devices' waits for each other, while the finding's own H100
+    estimate was 0.146 us per layer. The verdict stays (the book's arithmetic on the target); the measured loss is
+    not the target's, and the collectives are judged as virtual CPU devices'."""
+    from traceroof.analysis import analyze
+
+    a = analyze(FIXTURES / "par_dp8" / "logdir", chip="h100")
+    (axis,) = [f for f in a.findings if f.code == "comm-bound-axis"]
+    assert math.isnan(axis.lost_per_step_s) and "threads of one CPU host" in axis.evidence[0]
+    exposed = [f for f in a.findings if f.code == "exposed-collective"]
+    assert exposed and all("virtual CPU devices" in f.title for f in exposed)

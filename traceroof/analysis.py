@@ -255,7 +255,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
                                         scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None),
                  parallelism=par, row_costs=costs)
-    return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), topo.kind == "host",
+    virtual = topo.kind == "host" or profile.device_kind == "cpu"  # a CPU profile judged on --chip h100 too
+    return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), virtual,
                                           tuple(profile.modules)))
 
 
