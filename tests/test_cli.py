@@ -6,6 +6,7 @@ import csv
 import gzip
 import io
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -199,3 +200,19 @@ def test_output_to_an_object_store_url_is_refused_in_one_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "traceroof.cli", *args], capture_output=True, text=True, cwd=ROOT)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
         assert "reports are written to a local file" in r.stderr
+
+
+def test_a_before_optimizations_dump_is_named_as_such(tmp_path):
+    """A user passed XLA's before_optimizations.txt (it sits beside the after-optimizations dump): the report said
+    the HLO was ignored without saying why. The dump is made by XLA itself (--xla_dump_to) here."""
+    dump = tmp_path / "dump"
+    code = "import jax, jax.numpy as jnp; jax.jit(lambda x: jnp.tanh(x) * 2).lower(jnp.ones(8)).compile()"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT,
+                   env={**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump}", "JAX_PLATFORMS": "cpu"})
+    (before,) = dump.glob("*jit__lambda*before_optimizations.txt")
+    r = CliRunner().invoke(main, ["analyze", str(fixture_xplane("transformer")), "--hlo", str(before), "--chip",
+                                  str(HOST_CHIP), "--format", "json"])
+    assert r.exit_code == 0, r.output
+    (note,) = [n for n in json.loads(r.output)["summary"]["notes"] if "describes none of the profiled programs" in n]
+    assert f"({before.name}: HLO before XLA's optimizations, which is not the program that ran; pass the " \
+           "*after_optimizations* dump)" in note

@@ -374,3 +374,20 @@ def test_a_saved_report_given_to_analyze_points_to_diff():
     report = Path(__file__).resolve().parents[1] / "reports" / "transformer.json"
     with pytest.raises(FormatError, match=r"a traceroof report, not a profile: .*`traceroof diff BASE.json NEW.json`"):
         read_trace_json(report)
+
+
+def test_a_truncated_xplane_points_to_the_trace_json_beside_it(tmp_path):
+    """TensorBoard writes a host's capture both ways; a user whose .xplane.pb was cut short got the error alone."""
+    run = tmp_path / "plugins" / "profile" / "r1"
+    run.mkdir(parents=True)
+    xp = fixture_xplane("sharded_mlp")
+    (run / "vm.xplane.pb").write_bytes(xp.read_bytes()[: xp.stat().st_size // 2])
+    with pytest.raises(FormatError) as alone:
+        load_profile(discover([tmp_path], []))
+    assert "pass an intact .xplane.pb" in str(alone.value) and "trace JSON" not in str(alone.value)
+    (run / "vm.trace.json.gz").write_bytes(fixture_trace_json("sharded_mlp").read_bytes())
+    with pytest.raises(FormatError) as beside:
+        load_profile(discover([tmp_path], []))
+    assert str(beside.value).endswith("; or analyze vm.trace.json.gz beside it, the same capture as a trace JSON "
+                                      "(op times only: it carries no HLO)")
+    assert "\n" not in str(beside.value)

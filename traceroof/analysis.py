@@ -115,10 +115,14 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     if user and not user & (set(join.matched_sources) | profile.dump_sources):
         ran = sorted({f"{m}({p})" if pd.notna(p) else str(m) for m, p in
                       profile.rows[["module", "program_id"]].drop_duplicates().itertuples(index=False)})
+        before = sorted(Path(f).name for f in user if "before_optimizations" in Path(f).name)
+        why = (f" ({', '.join(before[:2])}: HLO before XLA's optimizations, which is not the program that ran; "
+               "pass the *after_optimizations* dump)" if before else "")
         if join.events_joined < join.events_total:
             raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given (the profile "
-                                   f"ran {', '.join(ran[:4])}); pass the after-optimization dumps of the profiled run")
-        notes.append(f"the HLO given (--hlo) describes none of the profiled programs ({', '.join(ran[:4])}): "
+                                   f"ran {', '.join(ran[:4])}){why}; pass the after-optimization dumps of the "
+                                   "profiled run")
+        notes.append(f"the HLO given (--hlo) describes none of the profiled programs ({', '.join(ran[:4])}){why}: "
                      "ignored; the profile carries its own")
         ignored = sum(1 for m in profile.modules if str(m.source) in user)
         hlo_sources["HLO text dumps"] = hlo_sources.get("HLO text dumps", 0) - ignored

@@ -13,14 +13,14 @@ import numpy as np
 import pandas as pd
 
 from parsers import storage
-from parsers.errors import TraceroofError
+from parsers.errors import FormatError, TraceroofError
 from parsers.hlo import HloModule
 from parsers.storage import Location
 from parsers.trace_json import read_trace_json
 from parsers.xspace import read_xspace
 from traceroof.aggregate import Timeline, aggregate_events
 from traceroof.asyncends import _bound_async_ends
-from traceroof.discovery import XPLANE_SUFFIXES
+from traceroof.discovery import RUN_TRACE_JSON_SUFFIXES, XPLANE_SUFFIXES
 from traceroof.events import _host_of, _trace_json_events, _xspace_events
 from traceroof.hlo_source import (check_dumps, embedded_hlo, fingerprint, parse_dumps, profile_hlo, reconcile,
                                   relevant_dumps)
@@ -104,8 +104,11 @@ def read_host(task: HostTask) -> HostEvents:
     counts: dict[str, int] = {}
     read_notes: list[str] = []
     if task.kind == "xplane":
-        xs = read_xspace(task.path)
-        ev, steps, kind, desc, ann, stats, counts = _xspace_events(xs)
+        try:
+            xs = read_xspace(task.path)
+            ev, steps, kind, desc, ann, stats, counts = _xspace_events(xs)
+        except FormatError as e:
+            raise FormatError(str(e) + _sibling_trace_json_hint(task.path)) from None
         embedded = embedded_hlo(xs)
         activity = host_activity(xs, _host_of(str(task.path)))
         try:
@@ -167,6 +170,16 @@ def _sibling_xplane_note(path: Location) -> list[str]:
     return [f"a trace JSON carries no HLO, so the dumps given (--hlo) were matched by op name only, unchecked against "
             f"the program that ran: analyze {storage.name(sibling)} beside it instead, which carries that program's "
             "HLO (a dump of another compilation with the same op names is then dropped)"]
+
+
+def _sibling_trace_json_hint(path: Location) -> str:
+    """For a corrupt ``.xplane.pb``: the hint to analyze the host's trace JSON beside it (TensorBoard writes both
+    into a run directory), which a user with a truncated xplane may not think of; '' when there is none."""
+    folder, host = storage.parent(path), _host_of(storage.name(path))
+    sibling = next((f for f in (storage.join(folder, host + suffix) for suffix in RUN_TRACE_JSON_SUFFIXES)
+                    if storage.is_file(f)), None)
+    return (f"; or analyze {storage.name(sibling)} beside it, the same capture as a trace JSON (op times only: it "
+            "carries no HLO)") if sibling is not None else ""
 
 
 def send_once(analysis_id: str, modules: list[tuple[HloModule, str]]) -> list[tuple[HloModule | ModuleRef, str]]:
