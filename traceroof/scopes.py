@@ -11,7 +11,9 @@ transformers FlaxGPT2, Keras on JAX):
 2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users (in rounds, each
    reading only the previous round's labels, until nothing changes), then from their operands (one round, then
    users again), then from the instruction that calls their computation. An unnamed weight-gradient dot /
-   convolution takes the layer that reads the parameter it differentiates (:func:`_weight_gradients`).
+   convolution takes the layer that reads the parameter it differentiates (:func:`_weight_gradients`). An
+   unnamed dot / convolution takes a collective's label (an all-to-all, the slices XLA CPU cuts for it) only
+   when no other neighbour has one (:func:`_collective_parts`).
 3. **Scopes from stack frames.** Where the named scopes are missing (Flax NNX writes none: its ops are
    ``jit(step)/jvp()/dot_general``) or generic library names (Equinox writes ``eqx.nn.MLP/eqx.nn.Linear``
    for the user's ``Block``), the scope comes from the metadata's ``stack_frame_id`` chain: model class methods
@@ -271,14 +273,17 @@ def _contractions(module: HloModule) -> set[str]:
 
 
 def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]],
-             contractions: set[str] = frozenset(), weight_grads: Mapping[str, ScopeInfo] | None = None) -> bool:
+             contractions: set[str] = frozenset(), weight_grads: Mapping[str, ScopeInfo] | None = None,
+             parts: set[str] = frozenset()) -> bool:
     """Label unlabelled instructions from labelled users until none changes, then from operands (one round, then
     users again); True if any changed. Users come first because an op XLA made without metadata serves its
     users (the argmax ``reduce-window`` of a max pool's ``select_and_scatter`` is that backward op's, though it
     reads the forward activations). An unnamed weight-gradient dot / convolution takes the label of
     ``weight_grads`` (the layer reading the parameter it differentiates, see :func:`_weight_gradients`), else of
     an operand from the backward pass: it computes a gradient (a weight-gradient convolution whose user is the
-    optimizer's gradient clipping is not optimizer). Inherited labels carry no source line (the op has none)."""
+    optimizer's gradient clipping is not optimizer). An unnamed dot / convolution takes the label of a collective
+    (``parts``, see :func:`_collective_parts`) only where no other neighbour has one. Inherited labels carry no
+    source line (the op has none)."""
     changed = False
     wait = True  # contractions wait for all their operands' labels before taking a user's
     operands = False  # whether this round may read operands
@@ -293,20 +298,29 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
             if weight_grads and inst.name in weight_grads:
                 new[inst.name] = weight_grads[inst.name]
                 continue
+            weak = parts if inst.name in contractions else frozenset()  # witnesses of last resort
+            last: tuple[ScopeInfo, str] | None = None  # the first of them, taken when no other neighbour has one
             src = None
             how = "operand"
             if inst.name in contractions:  # an unnamed matmul fed by the backward pass computes a gradient
-                src = next((infos[o] for o in inst.operands if o in infos and infos[o].in_grad
-                            and infos[o].phase == "backward"), None)
+                grads = [o for o in inst.operands if o in infos and infos[o].in_grad and infos[o].phase == "backward"]
+                src = next((infos[o] for o in grads if o not in weak), None)
+                last = (infos[grads[0]], "operand") if grads else None
                 if src is None and wait and any(o not in infos for o in inst.operands):
                     deferred = True
                     continue
             if src is None:
-                src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos), None)
+                near = [u.name for u in users.get(inst.name, ()) if u.name in infos]
+                src = next((infos[u] for u in near if u not in weak), None)
+                last = last or ((infos[near[0]], "user") if near else None)
                 how = "user"
             if src is None and operands:
-                src = next((infos[o] for o in inst.operands if o in infos), None)
+                near = [o for o in inst.operands if o in infos]
+                src = next((infos[o] for o in near if o not in weak), None)
                 how = "operand"
+                last = last or ((infos[near[0]], "operand") if near else None)
+                if src is None and last is not None:
+                    src, how = last
             if src is not None:
                 new[inst.name] = ScopeInfo(src.scope, src.phase, "", how, src.in_grad)
         if new:
@@ -351,27 +365,60 @@ def _fused_forward_reader(module: HloModule, fusion: Instruction, operand: str, 
 
 
 def _forward_feeders(module: HloModule, comp: Computation, infos: dict[str, ScopeInfo],
-                     users_of: Mapping[str, dict[str, list[Instruction]]], skip: Mapping[str, ScopeInfo]) -> None:
+                     users_of: Mapping[str, dict[str, list[Instruction]]], skip: Mapping[str, ScopeInfo],
+                     parts: set[str] = frozenset(), contractions: set[str] = frozenset()) -> None:
     """Label forward every unlabelled instruction whose result reaches a labelled forward op of the
     differentiated function (``jvp(`` in its name) through unlabelled ops only, inside fusions too
     (:func:`_fused_forward_reader`): data flows forward -> backward -> update, never back, so such an op is
     forward whatever else reads it (an input's layout copy is read by the forward convolution and by the
     weight-gradient one; without this rule the first labelled user, often the backward one, won). Its scope is
-    that forward op's. ``users_of``: each computation's users, by name; ``skip``: instructions labelled
-    otherwise (weight gradients)."""
+    that forward op's; for a dot / convolution (``contractions``) whose forward users are all collectives
+    (``parts``, see :func:`_collective_parts`), the scope of a forward operand that is not one, else the
+    collective's.
+    ``users_of``: each computation's users, by name; ``skip``: instructions labelled otherwise (weight
+    gradients)."""
     users = users_of[comp.name]
     found: dict[str, ScopeInfo] = {}
     for inst in reversed(comp.instructions):  # users come after their operands
         if inst.name in infos or inst.name in skip:
             continue
+        weak = parts if inst.name in contractions else frozenset()
+        last = None  # a collective's label
         for u in users.get(inst.name, ()):
             i = infos.get(u.name) or found.get(u.name)
             if not _forward(i) and u.opcode == "fusion":
                 i = _fused_forward_reader(module, u, inst.name, infos, users_of)
-            if _forward(i):
+            if _forward(i) and u.name in weak:
+                last = last or i
+            elif _forward(i):
                 found[inst.name] = ScopeInfo(i.scope, "forward", "", "user", True)
                 break
+        else:
+            if last is not None:
+                i, how = next(((infos[o], "operand") for o in inst.operands
+                               if o not in weak and _forward(infos.get(o))), (last, "user"))
+                found[inst.name] = ScopeInfo(i.scope, "forward", "", how, True)
     infos.update(found)
+
+
+def _collective_parts(module: HloModule) -> set[str]:
+    """Names of the collectives of ``module`` and of the ops that carry a collective's ``op_name`` in its
+    computation (XLA CPU cuts an all-to-all's operand into per-peer slices before it and concatenates the
+    pieces after it, all named after it).
+
+    Why a dot / convolution that lost its metadata does not take their label: a pass that drops metadata
+    rebuilds an op as ops of its own kind (jax 0.10 XLA CPU: an einsum's batched ``dot_general`` becomes a plain
+    dot inside a ``ynn_fusion``, both unnamed), and a collective only moves data, so no matmul was made from
+    one. Where a collective is a neighbour, the matmul sits at a scope boundary, and the
+    neighbour on its other side is the witness: in an MoE block, ``y = h @ w2`` ends ``expert_ffn`` and
+    ``all_to_all(y)`` in ``combine`` follows (the producer ``h`` is ``expert_ffn``'s); ``xin @ w1`` begins
+    ``expert_ffn`` after ``dispatch``'s all-to-all (the user, ``gelu``, is ``expert_ffn``'s); the backward
+    pass meets them in reverse order."""
+    out: set[str] = set()
+    for comp in module.computations.values():
+        names = {i.metadata.op_name for i in comp.instructions if _collective(i.opcode) and _named(i)}
+        out |= {i.name for i in comp.instructions if _collective(i.opcode) or _named(i) and i.metadata.op_name in names}
+    return out
 
 
 def _params_read(entry: Computation, inst: Instruction) -> set[str]:
@@ -580,12 +627,13 @@ def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_
     users = {name: comp.users() for name, comp in module.computations.items()}
     contractions = _contractions(module)
     weight_grads = _weight_gradients(module.entry, infos, contractions)
+    parts = _collective_parts(module)
     for comp in module.computations.values():
-        _forward_feeders(module, comp, infos, users, weight_grads)
+        _forward_feeders(module, comp, infos, users, weight_grads, parts, contractions)
     for _ in range(len(module.computations) + 1):
         changed = False
         for name, comp in module.computations.items():
-            changed |= _inherit(comp, infos, users[name], contractions, weight_grads)
+            changed |= _inherit(comp, infos, users[name], contractions, weight_grads, parts)
             caller = callers.get(name)
             src = infos.get(caller.name) if caller is not None else None
             if src is not None:

@@ -1,0 +1,105 @@
+"""Scope rules on hand-written HLO text: the patterns of a user's dump cut down to the instructions that decide
+the labels (no jax needed)."""
+
+from __future__ import annotations
+
+from parsers.hlo_text import parse_hlo_text
+from traceroof.scopes import assign_scopes
+
+_FWD = 'metadata={op_name="jit(train_step)/jvp(layer0)/moe/shard_map/'
+_BWD = 'metadata={op_name="jit(train_step)/transpose(jvp(layer0))/moe/shard_map/'
+
+# An MoE block as jax 0.10 XLA CPU compiles it (/work/trial_s27 moe.py): dispatch's all-to-all, then in
+# expert_ffn ``h = gelu(x @ w1); y = h @ w2``, then combine's all-to-all, which XLA CPU runs on per-peer slices of
+# ``y`` and concatenates after, all three named combine/all_to_all. The matmuls are ``ynn_fusion``s that lost
+# their metadata, the fused dot too. Backward: combine's all-to-all again, then y's two gradients (w.r.t. h
+# and w2), also unnamed, and the gelu's gradient.
+_MOE = f"""HloModule jit_train_step
+
+%ynn_w1 (p0: f32[32,64], p1: f32[64,128]) -> f32[32,128] {{
+  %p0 = f32[32,64]{{1,0}} parameter(0)
+  %p1 = f32[64,128]{{1,0}} parameter(1)
+  ROOT %dot.1 = f32[32,128]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%ynn_w2 (q0: f32[32,128], q1: f32[128,64]) -> f32[32,64] {{
+  %q0 = f32[32,128]{{1,0}} parameter(0)
+  %q1 = f32[128,64]{{1,0}} parameter(1)
+  ROOT %dot.2 = f32[32,64]{{1,0}} dot(%q0, %q1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+}}
+
+%ynn_dh (r0: f32[32,64], r1: f32[128,64]) -> f32[32,128] {{
+  %r0 = f32[32,64]{{1,0}} parameter(0)
+  %r1 = f32[128,64]{{1,0}} parameter(1)
+  ROOT %dot.3 = f32[32,128]{{1,0}} dot(%r0, %r1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}
+}}
+
+ENTRY %main (x: f32[32,64], w1: f32[64,128], w2: f32[128,64]) -> (f32[32,64], f32[32,128], f32[128,64]) {{
+  %x = f32[32,64]{{1,0}} parameter(0), metadata={{op_name="x"}}
+  %w1 = f32[64,128]{{1,0}} parameter(1), metadata={{op_name="state['w1']"}}
+  %w2 = f32[128,64]{{1,0}} parameter(2), metadata={{op_name="state['w2']"}}
+  %dispatch = f32[32,64]{{1,0}} all-to-all(%x), channel_id=1, replica_groups={{{{0,1}}}}, dimensions={{0}}, \
+{_FWD}dispatch/all_to_all"}}
+  %ynn_fusion.46 = f32[32,128]{{1,0}} fusion(%dispatch, %w1), kind=kCustom, calls=%ynn_w1
+  %gelu = f32[32,128]{{1,0}} tanh(%ynn_fusion.46), {_FWD}expert_ffn/tanh"}}
+  %ynn_fusion.45 = f32[32,64]{{1,0}} fusion(%gelu, %w2), kind=kCustom, calls=%ynn_w2
+  %slice.0 = f32[16,64]{{1,0}} slice(%ynn_fusion.45), slice={{[0:16], [0:64]}}, {_FWD}combine/all_to_all"}}
+  %slice.1 = f32[16,64]{{1,0}} slice(%ynn_fusion.45), slice={{[16:32], [0:64]}}, {_FWD}combine/all_to_all"}}
+  %combine = (f32[16,64]{{1,0}}, f32[16,64]{{1,0}}) all-to-all(%slice.0, %slice.1), channel_id=2, \
+replica_groups={{{{0,1}}}}, {_FWD}combine/all_to_all"}}
+  %c0 = f32[16,64]{{1,0}} get-tuple-element(%combine), index=0, {_FWD}combine/all_to_all"}}
+  %c1 = f32[16,64]{{1,0}} get-tuple-element(%combine), index=1, {_FWD}combine/all_to_all"}}
+  %y = f32[32,64]{{1,0}} concatenate(%c0, %c1), dimensions={{0}}, {_FWD}combine/all_to_all"}}
+  %one = f32[] constant(1)
+  %dy = f32[32,64]{{1,0}} broadcast(%one), dimensions={{}}, {_BWD}mul"}}
+  %dslice.0 = f32[16,64]{{1,0}} slice(%dy), slice={{[0:16], [0:64]}}, {_BWD}combine/all_to_all"}}
+  %dslice.1 = f32[16,64]{{1,0}} slice(%dy), slice={{[16:32], [0:64]}}, {_BWD}combine/all_to_all"}}
+  %dcombine = (f32[16,64]{{1,0}}, f32[16,64]{{1,0}}) all-to-all(%dslice.0, %dslice.1), channel_id=3, \
+replica_groups={{{{0,1}}}}, {_BWD}combine/all_to_all"}}
+  %d0 = f32[16,64]{{1,0}} get-tuple-element(%dcombine), index=0, {_BWD}combine/all_to_all"}}
+  %d1 = f32[16,64]{{1,0}} get-tuple-element(%dcombine), index=1, {_BWD}combine/all_to_all"}}
+  %dcat = f32[32,64]{{1,0}} concatenate(%d0, %d1), dimensions={{0}}, {_BWD}combine/all_to_all"}}
+  %ynn_fusion.17 = f32[32,128]{{1,0}} fusion(%dcat, %w2), kind=kCustom, calls=%ynn_dh
+  %dgelu = f32[32,128]{{1,0}} multiply(%ynn_fusion.17, %ynn_fusion.46), {_BWD}expert_ffn/mul"}}
+  %dot.87 = f32[128,64]{{1,0}} dot(%gelu, %dcat), lhs_contracting_dims={{0}}, rhs_contracting_dims={{0}}
+  %dw2 = f32[128,64]{{1,0}} copy(%dot.87), {_BWD}expert_ffn/ecf,efd->ecd/transpose"}}
+  ROOT %out = (f32[32,64]{{1,0}}, f32[32,128]{{1,0}}, f32[128,64]{{1,0}}) tuple(%y, %dgelu, %dw2)
+}}
+"""
+
+
+def test_unnamed_matmul_next_to_a_collective_takes_the_scope_on_its_other_side():
+    """A user's MoE (/work/trial_s27): the expert w2 matmul (524 k FLOP forward, 1.05 M backward per layer) was
+    put under combine, the all-to-all after it, from its users; its backward under combine, from the gradient
+    the all-to-all delivers. A collective only moves data, so no matmul was made from one: the scope is the
+    other neighbour's, the producer's or the user's, whichever is not the collective (w1's matmul, after
+    dispatch's all-to-all, takes its user's)."""
+    (m,) = parse_hlo_text(_MOE)
+    ms = assign_scopes(m)
+    ffn = "layer0/moe/shard_map/expert_ffn"
+    got = {n: (ms.get(n).scope, ms.get(n).phase) for n in ("ynn_fusion.46", "ynn_fusion.45", "ynn_fusion.17",
+                                                            "dot.87", "slice.0", "dcat")}
+    assert got == {"ynn_fusion.46": (ffn, "forward"), "ynn_fusion.45": (ffn, "forward"),
+                   "ynn_fusion.17": (ffn, "backward"), "dot.87": (ffn, "backward"),
+                   "slice.0": ("layer0/moe/shard_map/combine", "forward"),
+                   "dcat": ("layer0/moe/shard_map/combine", "backward")}, got
+    # the fused dots follow their fusions
+    assert ms.get("dot.2").scope == ms.get("dot.3").scope == ffn
+
+
+def test_unnamed_matmul_between_collectives_only_takes_theirs():
+    """With no other labelled neighbour, the collective's label is still the witness: never no scope."""
+    (m,) = parse_hlo_text(f"""HloModule jit_train_step
+
+ENTRY %main (x: f32[8,8], w: f32[8,8]) -> f32[8,8] {{
+  %x = f32[8,8]{{1,0}} parameter(0), metadata={{op_name="x"}}
+  %w = f32[8,8]{{1,0}} parameter(1), metadata={{op_name="w"}}
+  %a = f32[8,8]{{1,0}} all-to-all(%x), channel_id=1, replica_groups={{{{0,1}}}}, dimensions={{0}}, \
+{_FWD}dispatch/all_to_all"}}
+  %d = f32[8,8]{{1,0}} dot(%a, %w), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}
+  ROOT %b = f32[8,8]{{1,0}} all-to-all(%d), channel_id=2, replica_groups={{{{0,1}}}}, dimensions={{0}}, \
+{_FWD}combine/all_to_all"}}
+}}
+""")
+    d = assign_scopes(m).get("d")
+    assert (d.scope, d.phase) == ("layer0/moe/shard_map/combine", "forward")
