@@ -55,6 +55,7 @@ _SPEC: dict[str, list[tuple]] = {
         ("channel_id", 26, "i", False), ("custom_call_target", 28, "s", False),
         ("dot_dimension_numbers", 30, "M", False, "DotDimensionNumbers"), ("id", 35, "i", False),
         ("operand_ids", 36, "i", True), ("called_computation_ids", 38, "i", True),
+        ("sharding", 40, "M", False, "OpSharding"),
         ("backend_config", 43, "y", False), ("replica_groups", 49, "M", True, "ReplicaGroup"),
         ("feature_group_count", 50, "i", False), ("source_target_pairs", 52, "M", True, "SourceTarget"),
         ("batch_group_count", 58, "i", False), ("comparison_direction", 63, "s", False),
@@ -109,6 +110,11 @@ _SPEC: dict[str, list[tuple]] = {
     "SubAxis": [("pre_size", 1, "i", False), ("size", 2, "i", False)],
     "CollectiveDeviceListProto": [("replica_groups", 1, "M", True, "ReplicaGroup"),
                                   ("iota_replica_group_list", 2, "M", False, "IotaReplicaGroupListProto")],
+    # xla_data.proto OpSharding: an entry parameter's sharding gives its global shape (traceroof.parallelism)
+    "OpSharding": [("type", 1, "i", False), ("tile_assignment_dimensions", 3, "i", True),
+                   ("tile_assignment_devices", 4, "i", True), ("tuple_shardings", 5, "M", True, "OpSharding"),
+                   ("replicate_on_last_tile_dim", 6, "b", False), ("last_tile_dims", 8, "i", True),
+                   ("iota_reshape_dims", 9, "i", True), ("iota_transpose_perm", 10, "i32", True)],
     "StackFrameIndexProto": [("file_names", 1, "s", True), ("function_names", 2, "s", True),
                              ("file_locations", 3, "M", True, "FileLocation"),
                              ("stack_frames", 4, "M", True, "StackFrame")],
@@ -217,6 +223,36 @@ def _replica_groups(p: Any) -> str | None:
     return None
 
 
+SHARDING_TYPES = {0: "replicated", 1: "maximal", 4: "manual", 5: "unknown", 6: "unreduced"}  # OpSharding.Type
+MAX_SHARDING_DEPTH = 8  # tuple shardings nest as deep as tuple shapes; deeper ones are left out
+
+
+def _sharding(s: Any, depth: int = 0) -> str:
+    """An OpSharding as XLA prints it: ``{replicated}``, ``{maximal device=3}``, ``{devices=[4,1,2]<=[8]
+    last_tile_dim_replicate}``, ``{devices=[2,2]0,2,1,3 last_tile_dims={manual}}``, a tuple's ``{{...}, {...}}``."""
+    if s.type == 2:  # TUPLE
+        if depth >= MAX_SHARDING_DEPTH:
+            return "{}"
+        return "{" + ", ".join(_sharding(t, depth + 1) for t in s.tuple_shardings) + "}"
+    if s.type != 3:  # OTHER: tiled; the rest are named
+        name = SHARDING_TYPES.get(s.type, "unknown")
+        if s.type == 1 and s.tile_assignment_devices:
+            name += f" device={s.tile_assignment_devices[0]}"
+        return "{" + name + "}"
+    text = "devices=[" + ",".join(str(d) for d in s.tile_assignment_dimensions) + "]"
+    if s.iota_reshape_dims:
+        text += "<=[" + ",".join(str(d) for d in s.iota_reshape_dims) + "]"
+        if list(s.iota_transpose_perm) != list(range(len(s.iota_transpose_perm))):  # XLA omits the identity
+            text += "T(" + ",".join(str(d) for d in s.iota_transpose_perm) + ")"
+    else:
+        text += ",".join(str(d) for d in s.tile_assignment_devices)
+    if s.replicate_on_last_tile_dim:
+        text += " last_tile_dim_replicate"
+    elif s.last_tile_dims:
+        text += " last_tile_dims={" + ",".join(SHARDING_TYPES.get(t, "unknown") for t in s.last_tile_dims) + "}"
+    return "{" + text + "}"
+
+
 def _mesh_axes_groups(m: Any) -> str | None:
     """A ``MeshAxesReplicaGroupListProto`` as XLA's text ``mesh['a'=4,'b'=2] {'a'}`` (a sub-axis as
     ``'a':(pre)size``; openxla/xla ``xla/hlo/ir/replica_group.cc`` ``MeshAxesReplicaGroupList::ToString``), with
@@ -309,6 +345,8 @@ def _attrs(p: Any, comp_names: dict[int, str]) -> tuple[dict[str, str], tuple[st
         a["use_global_device_ids"] = "true"
     if p.source_target_pairs:
         a["source_target_pairs"] = "{" + ",".join(f"{{{s.source},{s.target}}}" for s in p.source_target_pairs) + "}"
+    if p.HasField("sharding"):
+        a["sharding"] = _sharding(p.sharding)
     if p.backend_config:
         a["backend_config"] = p.backend_config.decode("utf-8", "replace")
     return a, tuple(called)

@@ -385,3 +385,159 @@ def test_a_cpu_profile_judged_on_a_gpu_does_not_count_cpu_waits_as_its_loss() ->
     assert math.isnan(axis.lost_per_step_s) and "threads of one CPU host" in axis.evidence[0]
     exposed = [f for f in a.findings if f.code == "exposed-collective"]
     assert exposed and all("virtual CPU devices" in f.title for f in exposed)
+
+
+def test_activations_of_a_weight_shape_are_read_by_data_flow_and_phase() -> None:
+    """A user's MoE step (2 x 4 mesh, attention tensor-parallel over its 'expert' axis) read as "gradients
+    all-reduced + dynamic-slice" and "weights all-gathered before use" with its dump: the forward attention
+    output all-reduce, the backward input-gradient all-reduce and the token all-gather all have f32[4,32,64],
+    which is its f32[4,128,64] expert weight cut 4 ways on its rows. The same here on 4 devices: the weight
+    f32[1,16,8] tiled [4,1,1] is [4,16,8] globally, and [4,16/4,8] = [4,4,8] is the shape of every activation.
+    The all-gather's operand comes from a matmul (activations, along dimension 0 of 3: tokens), the forward
+    all-reduce feeds the next matmul, the backward one the weight-gradient dot; only the all-reduce of that
+    dot's f32[16,8] (the weight's local shape) feeds the update alone: gradients. 4 x 4 x 8 x 4 B = 512 B per
+    activation collective, 16 x 8 x 4 B = 512 B for the gradient."""
+    m, = parse_hlo_text("""HloModule step, num_partitions=4, input_output_alias={ {0}: (0, {}, may-alias) }
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (w: f32[1,16,8], x: f32[1,4,16]) -> f32[1,16,8] {
+  %w = f32[1,16,8]{2,1,0} parameter(0), sharding={devices=[4,1,1]<=[4]}
+  %x = f32[1,4,16]{2,1,0} parameter(1), sharding={devices=[4,1,1]<=[4]}
+  %w2 = f32[16,8]{1,0} reshape(%w)
+  %h = f32[1,4,8]{2,1,0} dot(%x, %w2), lhs_contracting_dims={2}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp(layer0)/attn/dot_general"}
+  %ag = f32[4,4,8]{2,1,0} all-gather(%h), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jvp(layer0)/attn/dot_general"}
+  %ar = f32[4,4,8]{2,1,0} all-reduce(%ag), channel_id=2, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/jvp(layer0)/attn/dot_general"}
+  %v = f32[4,4,8]{2,1,0} multiply(%ar, %ar), metadata={op_name="jit(step)/jvp(layer0)/attn/mul"}
+  %c = f32[] constant(1)
+  %m = f32[8,8]{1,0} broadcast(%c), dimensions={}
+  %dy = f32[4,4,8]{2,1,0} dot(%v, %m), lhs_contracting_dims={2}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp(layer0))/attn/dot_general"}
+  %dx = f32[4,4,8]{2,1,0} all-reduce(%dy), channel_id=3, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(layer0))/attn/dot_general"}
+  %dxs = f32[1,4,8]{2,1,0} slice(%dx), slice={[0:1], [0:4], [0:8]}
+  %gw = f32[16,8]{1,0} dot(%x, %dxs), lhs_contracting_dims={0,1}, rhs_contracting_dims={0,1}, metadata={op_name="jit(step)/transpose(jvp(layer0))/attn/dot_general"}
+  %gar = f32[16,8]{1,0} all-reduce(%gw), channel_id=4, replica_groups=[1,4]<=[4], use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(layer0))/attn/dot_general"}
+  %g3 = f32[1,16,8]{2,1,0} reshape(%gar)
+  ROOT %new = f32[1,16,8]{2,1,0} subtract(%w, %g3), metadata={op_name="jit(step)/sub"}
+}
+""")
+    mesh = recover_mesh(m)
+    params = state_params(m)
+    assert [(p.global_dims, p.weight) for p in params] == [((4, 16, 8), True)]
+    (ev,) = collect_evidence(m, mesh, params).values()
+    assert ev.ops == {"activations_tokens": ["ag"], "activations": ["ar", "dx"], "grads_all_reduced": ["gar"]}
+    assert ev.bytes == {"activations_tokens": 512, "activations": 1024, "grads_all_reduced": 512}
+    (axis,) = classify_axes(mesh, collect_evidence(m, mesh, params))
+    assert axis.strategy == "tensor" and "weights all-gathered" not in axis.evidence
+
+
+def test_an_embedded_hlo_proto_keeps_parameter_shardings() -> None:
+    """The profile's own HloProto carries each parameter's OpSharding (field 40); read, it prints as the text dump
+    does, so a profile analysed without its dump finds the same global shapes (the user's MoE read 128 tokens
+    per step without the dump, 256 with it: x f32[4,32,64] tiled [2,1,1] over the data axis is B = 4 x 2 = 8
+    sequences of 32 = 256 tokens). Bytes from that profile: the expert weight (tiled 4 ways on dimension 0,
+    replicated over the 2-way data axis, devices as an iota [2,4] transposed) and x (identity iota: no T)."""
+    from parsers.hlo_proto import HloProtoMessage, module_from_proto
+    from traceroof.parallelism import sharding_tiles
+
+    raw = {"w1": ("08031a040401010230014a02020452020100", [1, 64, 128],
+                  "{devices=[4,1,1,2]<=[2,4]T(1,0) last_tile_dim_replicate}", (4, 1, 1)),
+           "x": ("08031a040201010430014a0108520100", [4, 32, 64],
+                 "{devices=[2,1,1,4]<=[8] last_tile_dim_replicate}", (2, 1, 1)),
+           "wr": ("", [64, 4], "{replicated}", (1, 1))}
+    proto = HloProtoMessage()
+    mod = proto.hlo_module
+    mod.name, mod.entry_computation_name, mod.entry_computation_id = "jit_train_step", "main", 1
+    comp = mod.computations.add(name="main", id=1, root_id=3)
+    for k, (name, (hexed, dims, _, _)) in enumerate(raw.items()):
+        p = comp.instructions.add(name=name, opcode="parameter", id=k + 1, parameter_number=k)
+        p.shape.element_type, p.shape.dimensions[:] = 11, dims
+        p.sharding.ParseFromString(bytes.fromhex(hexed))
+        p.sharding.SetInParent()
+    m = module_from_proto(proto.SerializeToString())
+    for name, (_, dims, text, tiles) in raw.items():
+        inst = m.entry.by_name[name]
+        assert inst.attrs["sharding"] == text, name
+        assert sharding_tiles(inst.attrs["sharding"], len(dims)) == tiles, name
+    x_global = [d * t for d, t in zip(raw["x"][1], sharding_tiles(m.entry.by_name["x"].attrs["sharding"], 3))]
+    assert x_global == [8, 32, 64] and math.prod(x_global[:-1]) == 256
+
+
+def test_weights_that_enter_a_loop_are_weights_and_adam_moments_are_not() -> None:
+    """A user's 4-stage pipeline (2 layers of 128 x 128 per stage, the stages' matmuls inside a fori_loop) read
+    "L = 12 MLP layers" with its dump and "L = 3" without: no matmul within reach of the entry parameters, so
+    every state array counted as a weight, Adam's mu and nu with w (3 x 8 matrices / 2), over the local
+    [1, 2, 128, 128] without the dump's sharding (3 x 2 / 2). Here w [1,2,16,16] tiled 4 ways is [4,2,16,16]:
+    8 matrices of 16 x 16, L = 8 / 2 = 4 layers of the book's W_in, W_out; mu is read by the update only."""
+    m, = parse_hlo_text("""HloModule step, num_partitions=4, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%body (s: (s32[], f32[2,16,16], f32[4,16])) -> (s32[], f32[2,16,16], f32[4,16]) {
+  %s = (s32[], f32[2,16,16]{2,1,0}, f32[4,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %w = f32[2,16,16]{2,1,0} get-tuple-element(%s), index=1
+  %h = f32[4,16]{1,0} get-tuple-element(%s), index=2
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  %ws = f32[1,16,16]{2,1,0} slice(%w), slice={[0:1], [0:16], [0:16]}
+  %w0 = f32[16,16]{1,0} reshape(%ws)
+  %y = f32[4,16]{1,0} dot(%h, %w0), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp()/stage/dense0/dot_general"}
+  ROOT %t = (s32[], f32[2,16,16]{2,1,0}, f32[4,16]{1,0}) tuple(%n, %w, %y)
+}
+
+%cond (c: (s32[], f32[2,16,16], f32[4,16])) -> pred[] {
+  %c = (s32[], f32[2,16,16]{2,1,0}, f32[4,16]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %two = s32[] constant(2)
+  ROOT %lt = pred[] compare(%ci, %two), direction=LT
+}
+
+ENTRY %main (w: f32[1,2,16,16], mu: f32[1,2,16,16], x: f32[4,16]) -> (f32[1,2,16,16], f32[1,2,16,16], f32[]) {
+  %w = f32[1,2,16,16]{3,2,1,0} parameter(0), sharding={devices=[4,1,1,1]<=[4]}
+  %mu = f32[1,2,16,16]{3,2,1,0} parameter(1), sharding={devices=[4,1,1,1]<=[4]}
+  %x = f32[4,16]{1,0} parameter(2), sharding={replicated}
+  %w3 = f32[2,16,16]{2,1,0} reshape(%w)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[2,16,16]{2,1,0}, f32[4,16]{1,0}) tuple(%zero, %w3, %x)
+  %loop = (s32[], f32[2,16,16]{2,1,0}, f32[4,16]{1,0}) while(%init), condition=%cond, body=%body
+  %y = f32[4,16]{1,0} get-tuple-element(%loop), index=2
+  %c = f32[] constant(0.1)
+  %gb = f32[1,2,16,16]{3,2,1,0} broadcast(%c), dimensions={}
+  %mu2 = f32[1,2,16,16]{3,2,1,0} add(%mu, %gb)
+  %new = f32[1,2,16,16]{3,2,1,0} subtract(%w, %mu2)
+  %l = f32[] reduce(%y, %c), dimensions={0,1}, to_apply=%add
+  ROOT %out = (f32[1,2,16,16]{3,2,1,0}, f32[1,2,16,16]{3,2,1,0}, f32[]) tuple(%new, %mu2, %l)
+}
+""")
+    from traceroof.mesh_book import model_sizes
+
+    params = state_params(m)
+    assert [(p.name, p.global_dims, p.weight) for p in params] == [("w", (4, 2, 16, 16), True),
+                                                                  ("mu", (4, 2, 16, 16), False)]
+    sizes = model_sizes(m, params)
+    assert (sizes.d_model, sizes.d_ff, sizes.layers, sizes.tokens) == (16, 16, 4, 4)
+
+
+def test_an_expert_axis_that_also_splits_attention_says_so() -> None:
+    """The user's 'expert' axis also carried the attention's tensor parallelism (0.229 MB/step of activations
+    all-reduced inside layers beside 65.5 kB of all-to-all): the strategy stays expert (the book's arithmetic),
+    the evidence opens with the second role; an expert axis with no activation collectives has none."""
+    from traceroof.mesh import Mesh, MeshAxis
+    from traceroof.parallelism import AxisEvidence
+
+    mesh = Mesh((MeshAxis("axis0", 4, 1),), 4, True, ())
+    both, moe = AxisEvidence(), AxisEvidence()
+    for ev in (both, moe):
+        ev.add("all_to_all", 65_536, "all-to-all")
+    both.add("activations", 229_376, "all-reduce")
+    (a,), (b,) = classify_axes(mesh, {"axis0": both}), classify_axes(mesh, {"axis0": moe})
+    assert (a.strategy, b.strategy) == ("expert", "expert")
+    assert a.evidence.startswith("also tensor parallelism") and "also" not in b.evidence

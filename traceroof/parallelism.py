@@ -6,6 +6,9 @@ chapter, §12.4.3):
 
 * ``expert``: tokens exchanged by all-to-all over the axis;
 * ``pipeline``: activations sent by collective-permute between the axis' devices (one hop between stages);
+  an expert or pipeline axis that also carries activations inside layers (an MoE whose attention is
+  tensor-parallel over its expert axis) keeps that strategy for the book's arithmetic, and its evidence starts
+  ``also tensor parallelism`` (or ``sequence``);
 * ``tensor``: activations (arrays that are no weight's shape) all-reduced / all-gathered / reduce-scattered over
   the axis inside a layer (Megatron: ``In[B, D_Y]`` gathered, ``Out`` reduce-scattered or all-reduced);
   ``sequence`` when the activations are gathered along a token dimension rather than the feature dimension;
@@ -16,8 +19,14 @@ chapter, §12.4.3):
 * ``unknown``: anything else (e.g. only scalars reduced), with the evidence.
 
 "Weights" are the step's state: entry parameters that are aliased to outputs (donated) or returned with the same
-shape; a collective carries weights (or their gradients) when one of its arrays has a weight's local, global or
-partially gathered shape (size-1 dimensions dropped). The backward pass is what JAX names ``transpose(...)`` in
+shape; a collective may carry weights (or their gradients) when one of its arrays has a weight's local, global or
+partially gathered shape (size-1 dimensions dropped). A shape can match by coincidence (an MoE step's
+``f32[4,32,64]`` activations are its ``[4,128,64]`` expert weights cut 4 ways on their rows), so the data flow and
+the op's phase (:func:`traceroof.scopes.assign_scopes`) decide: an all-gather of an array computed by a matmul in
+the forward or backward pass gathers activations (a weight, its shard or cast comes straight from the
+parameters; updated weights are gathered in the optimizer phase); an all-reduce or reduce-scatter is of weight
+gradients only outside the forward pass and when its result feeds no matmul (the optimizer is elementwise; an
+activation's gradient flows on into the next matmul). The backward pass is what JAX names ``transpose(...)`` in
 the op metadata.
 """
 
@@ -27,9 +36,11 @@ import itertools
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Callable, Iterable
 
 from parsers.hlo import Computation, HloModule, Instruction, Shape
 from traceroof.mesh import Mesh, PlacedCollective
+from traceroof.scopes import ModuleScopes, assign_scopes
 
 STRATEGIES = ("data", "fsdp", "tensor", "sequence", "pipeline", "expert", "unknown")
 SCALAR_ELEMENTS = 64  # collectives of arrays this small (loss, norms, counters) say nothing about the strategy
@@ -104,7 +115,8 @@ MATMULS = ("dot", "convolution")
 
 def state_params(module: HloModule) -> list[StateParam]:
     """The entry parameters that are state: aliased to an output (``input_output_alias``) or returned with their
-    shape; ``weight`` marks those that reach a matmul within 4 users (the rest: optimizer state)."""
+    shape; ``weight`` marks those that reach a matmul, or a loop (whose body may hold it: a scan's or a pipeline's
+    stages), within 4 users (the rest: optimizer state, which only the update reads)."""
     entry = module.entry
     params = entry.parameters()
     aliased = {int(x) for x in re.findall(r"\}\s*:\s*\(\s*(\d+)\s*,", module.attrs.get("input_output_alias", ""))}
@@ -119,7 +131,7 @@ def state_params(module: HloModule) -> list[StateParam]:
         tiles = sharding_tiles(p.attrs.get("sharding", ""), len(p.shape.dims))
         out.append(StateParam(number, p.metadata.op_name or p.name, p.shape.dims,
                               tuple(d * t for d, t in zip(p.shape.dims, tiles)), p.shape.element_type,
-                              p.shape.byte_size(), _reaches(module, entry, users, p, MATMULS, 4)))
+                              p.shape.byte_size(), _reaches(module, entry, users, p, MATMULS + ("while",), 4)))
     if out and not any(s.weight for s in out):  # no matmul found (e.g. inside loops): all state counts as weights
         out = [StateParam(s.number, s.name, s.local, s.global_dims, s.dtype, s.bytes_local, True) for s in out]
     return out
@@ -188,19 +200,58 @@ def collect_evidence(module: HloModule, mesh: Mesh, params: list[StateParam]) ->
     shapes = weight_shapes(params, mesh.devices)
     out = {a.name: AxisEvidence() for a in mesh.axes}
     users_of: dict[str, dict[str, list[Instruction]]] = {}
+    flow = _Flow(module)
     for pc in mesh.collectives:
         comp = module.computations[pc.computation]
         inst = comp.by_name[pc.name]
         users = users_of.setdefault(comp.name, comp.users())
-        kind = _evidence_kind(module, comp, users, inst, pc, shapes)
+        kind = _evidence_kind(module, comp, users, inst, pc, shapes, flow)
         nbytes = max(pc.collective.bytes_in, pc.collective.bytes_out) * pc.executions
         for axis in pc.axes:
             out[axis].add(kind, nbytes, pc.name)
     return out
 
 
+class _Flow:
+    """The module's phases (computed on first use: only collectives of a weight's shape ask) and which
+    instructions are matmuls or loops (a fusion holding one counts)."""
+
+    def __init__(self, module: HloModule) -> None:
+        self.module = module
+        self._scopes: ModuleScopes | None = None
+        self._matmul: dict[tuple[str, str], bool] = {}
+
+    def phase(self, inst: Instruction) -> str:
+        """``forward``, ``backward``, ``remat``, ``optimizer`` or ``other`` (module docstring of
+        :mod:`traceroof.scopes`)."""
+        if self._scopes is None:
+            self._scopes = assign_scopes(self.module)
+        return self._scopes.get(inst.name).phase
+
+    def matmul_near(self, comp: Computation, start: Instruction, step: Callable[[Instruction], Iterable[Instruction]]
+                    ) -> bool:
+        """A matmul (or a ``while``, whose body may hold one) among the instructions of ``comp`` reached from
+        ``start`` by repeated ``step`` (its operands: upstream; its users: downstream)."""
+        seen, frontier = {start.name}, [start]
+        while frontier:
+            nxt = []
+            for inst in frontier:
+                for n in step(inst):
+                    if n.name in seen:
+                        continue
+                    seen.add(n.name)
+                    key = (comp.name, n.name)
+                    if key not in self._matmul:
+                        self._matmul[key] = _calls_opcode(self.module, n, MATMULS + ("while",))
+                    if self._matmul[key]:
+                        return True
+                    nxt.append(n)
+            frontier = nxt
+        return False
+
+
 def _evidence_kind(module: HloModule, comp: Computation, users: dict[str, list[Instruction]], inst: Instruction,
-                   pc: PlacedCollective, shapes: set[tuple[int, ...]]) -> str:
+                   pc: PlacedCollective, shapes: set[tuple[int, ...]], flow: _Flow) -> str:
     c = pc.collective
     leaves = _leaves(inst) or [s for s in inst.operand_shapes if s is not None]
     arrays = [s for s in leaves if s.elements > SCALAR_ELEMENTS]
@@ -212,6 +263,12 @@ def _evidence_kind(module: HloModule, comp: Computation, users: dict[str, list[I
     if c.kind in ("collective-permute", "send", "recv"):
         return "weights_other" if weightlike else "permute"
     backward = "transpose(" in pc.op_name
+    if weightlike and c.kind == "all-gather" and flow.phase(inst) in ("forward", "backward", "remat"):
+        weightlike = not flow.matmul_near(comp, inst, lambda i: (comp.by_name[o] for o in i.operands
+                                                                 if o in comp.by_name))
+    elif weightlike and c.kind in ("all-reduce", "reduce-scatter"):
+        weightlike = flow.phase(inst) not in ("forward", "remat") and \
+            not flow.matmul_near(comp, inst, lambda i: users.get(i.name, ()))
     if weightlike:
         if c.kind == "all-gather":
             # used by a matmul, or by a loop (the micro-batch scan's weights, gathered once before it); 4 users:
@@ -250,12 +307,14 @@ def classify_axes(mesh: Mesh, evidence: dict[str, AxisEvidence]) -> list[AxisStr
         b = ev.bytes
         grads = sum(b.get(k, 0.0) for k in ("grads_all_reduced", "grads_reduce_scattered", "grads_all_reduce_sliced"))
         acts = b.get("activations", 0.0) + b.get("activations_tokens", 0.0)
-        if b.get("all_to_all"):
-            strategy = "expert"
-        elif b.get("permute"):
-            strategy = "pipeline"
+        inside = "sequence" if b.get("activations_tokens", 0.0) > b.get("activations", 0.0) else "tensor"
+        also = ""
+        if b.get("all_to_all") or b.get("permute"):
+            strategy = "expert" if b.get("all_to_all") else "pipeline"
+            if acts > b.get("weights_gathered", 0.0):  # the axis splits layers too (an MoE's attention heads)
+                also = f"also {inside} parallelism (activations inside layers); "
         elif acts > b.get("weights_gathered", 0.0):
-            strategy = "sequence" if b.get("activations_tokens", 0.0) > b.get("activations", 0.0) else "tensor"
+            strategy = inside
         elif b.get("weights_gathered"):
             strategy = "fsdp"
         elif grads:
@@ -264,7 +323,7 @@ def classify_axes(mesh: Mesh, evidence: dict[str, AxisEvidence]) -> list[AxisStr
             strategy = "unknown"
         parts = [f"{EVIDENCE_TEXT[k]} ({_mb(v)}, {_names(ev.ops[k])})"
                  for k, v in sorted(b.items(), key=lambda kv: -kv[1])]
-        out.append(AxisStrategy(a.name, a.size, strategy, "; ".join(parts) or "no collective runs over it"))
+        out.append(AxisStrategy(a.name, a.size, strategy, also + "; ".join(parts) or "no collective runs over it"))
     return out
 
 
