@@ -212,6 +212,9 @@ def collect_evidence(module: HloModule, mesh: Mesh, params: list[StateParam]) ->
     return out
 
 
+FLOW_HOPS = 8  # how far a collective's data flow is followed to a matmul (fusions, converts, reshapes between)
+
+
 class _Flow:
     """The module's phases (computed on first use: only collectives of a weight's shape ask) and which
     instructions are matmuls or loops (a fusion holding one counts)."""
@@ -231,9 +234,11 @@ class _Flow:
     def matmul_near(self, comp: Computation, start: Instruction, step: Callable[[Instruction], Iterable[Instruction]]
                     ) -> bool:
         """A matmul (or a ``while``, whose body may hold one) among the instructions of ``comp`` reached from
-        ``start`` by repeated ``step`` (its operands: upstream; its users: downstream)."""
+        ``start`` by up to :data:`FLOW_HOPS` repeated ``step`` (its operands: upstream; its users: downstream);
+        bounded, as a gradient's way down through the optimizer would otherwise walk the rest of the step once per
+        collective."""
         seen, frontier = {start.name}, [start]
-        while frontier:
+        for _ in range(FLOW_HOPS):
             nxt = []
             for inst in frontier:
                 for n in step(inst):
