@@ -541,3 +541,45 @@ def test_an_expert_axis_that_also_splits_attention_says_so() -> None:
     (a,), (b,) = classify_axes(mesh, {"axis0": both}), classify_axes(mesh, {"axis0": moe})
     assert (a.strategy, b.strategy) == ("expert", "expert")
     assert a.evidence.startswith("also tensor parallelism") and "also" not in b.evidence
+
+
+def test_a_pipeline_loop_states_its_bubble() -> None:
+    """A user's GPipe step (4 stages over 4 devices, ppermute inside a fori_loop of M + S - 1 = 11 iterations for
+    8 micro-batches) showed the bubble only as a formula while MFU counted the bubble's work: the note now gives
+    (S - 1)/(M + S - 1) = 3/11 = 27 % of the loop (How to Scale Your Model §5) and points to
+    --model-flops-per-step. Hand-written HLO of that loop."""
+    m, = parse_hlo_text("""HloModule step, num_partitions=4
+
+%body (s: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %s = (s32[], f32[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%s), index=0
+  %h = f32[8,16]{1,0} get-tuple-element(%s), index=1
+  %one = s32[] constant(1)
+  %n = s32[] add(%i, %one)
+  %y = f32[8,16]{1,0} multiply(%h, %h), metadata={op_name="jit(step)/jvp()/stage/mul"}
+  %p = f32[8,16]{1,0} collective-permute(%y), channel_id=1, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}, metadata={op_name="jit(step)/jvp()/ppermute"}
+  ROOT %t = (s32[], f32[8,16]{1,0}) tuple(%n, %p)
+}
+
+%cond (c: (s32[], f32[8,16])) -> pred[] {
+  %c = (s32[], f32[8,16]{1,0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  %k = s32[] constant(11)
+  ROOT %lt = pred[] compare(%ci, %k), direction=LT
+}
+
+ENTRY %main (x: f32[8,16]) -> f32[16,8] {
+  %x = f32[8,16]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}) tuple(%zero, %x)
+  %loop = (s32[], f32[8,16]{1,0}) while(%init), condition=%cond, body=%body
+  %y = f32[8,16]{1,0} get-tuple-element(%loop), index=1
+  ROOT %yt = f32[16,8]{1,0} transpose(%y), dimensions={1,0}
+}
+""")
+    v5p = get_chip("v5p")
+    rep = book_on_mesh([m], v5p, parse_topology("2x2x1", v5p))
+    assert [(r.axis, r.size, r.strategy) for r in rep.rows] == [("axis0", 4, "pipeline")]
+    (bubble,) = [n for n in rep.notes if n.startswith("pipeline axis axis0 (4 stages)")]
+    assert "M = 11 − 4 + 1 = 8 micro-batches" in bubble and "= 3/11 = 27% of the loop's time" in bubble
+    assert bubble.endswith("pass --model-flops-per-step for the model's")

@@ -24,7 +24,9 @@ from traceroof.book_math import (Link, axis_link, critical_batch_data, expert_pa
                                  layer_times, optimal_fsdp, tensor_parallel_limit, training_memory)
 from traceroof.chips import Chip
 from traceroof.collectives import Topology, default_topology, expected_time
+from traceroof.cost import trip_count
 from traceroof.mesh import Mesh, axis_group, mesh_size, recover_mesh
+from traceroof.scopes import while_body
 from traceroof.parallelism import (AxisStrategy, StateParam, classify_axes, collect_evidence, sharding_tiles, squeeze,
                                    state_params)
 
@@ -211,6 +213,7 @@ def book_on_mesh(modules: list[HloModule], chip: Chip, topo: Topology, coll_tabl
     links = {s.axis: axis_link(chip, topo, axis_group(mesh, (s.axis,))) for s in strategies}
     if sizes:
         notes += _mesh_notes(sizes, strategies, links, c_flops, mesh.devices)
+    notes += [n for s in strategies if s.strategy == "pipeline" for n in [_pipeline_bubble(module, mesh, s)] if n]
     if not any(links.values()):
         notes.append(f"{chip.name} has no interconnect figures for this topology ({topo.describe()}): strategies "
                      "only; pass --chip (e.g. v5p, h100) and --topology for the book's communication arithmetic")
@@ -283,6 +286,26 @@ def _mesh_notes(sizes: ModelSizes, strategies: list[AxisStrategy], links: dict[s
         out.append("pipeline axes: the book counts their communication negligible (one hop of activations); "
                    "their cost is the bubble, (stages − 1)/(microbatches + stages − 1) of the step (§5 Pipelining)")
     return out
+
+
+def _pipeline_bubble(module: HloModule, mesh: Mesh, axis: AxisStrategy) -> str:
+    """The bubble of a pipeline axis whose transfers (collective-permutes) run in a ``while`` body: a loop of T
+    iterations over S stages is, fill and drain (GPipe), M = T − S + 1 micro-batches, whose bubble is
+    (S − 1)/(M + S − 1) of the loop (How to Scale Your Model §5, pipelining). '' when no such loop is found or it
+    has fewer iterations than stages (another schedule)."""
+    bodies = {pc.computation for pc in mesh.collectives
+              if axis.axis in pc.axes and pc.collective.kind == "collective-permute"}
+    trips = [trip_count(module, w)[0] for c in module.computations.values() for w in c.instructions
+             if (body := while_body(module, w)) is not None and body.name in bodies]
+    stages = axis.size
+    if not trips or max(trips) < stages or stages < 2:
+        return ""
+    t = max(trips)
+    return (f"pipeline axis {axis.axis} ({stages} stages): its transfers run in a loop of {t} iterations, fill and "
+            f"drain of M = {t} − {stages} + 1 = {t - stages + 1} micro-batches, whose bubble is (S − 1)/(M + S − 1) = "
+            f"{stages - 1}/{t} = {(stages - 1) / t:.0%} of the loop's time (How to Scale Your Model §5); where the "
+            "stages compute through it (one jitted loop over every iteration), the executed FLOPs and so MFU count "
+            "that work: pass --model-flops-per-step for the model's")
 
 
 def _layout_links(chip: Chip, topo: Topology, data: int, fsdp: int, tensor: int) -> dict[str, Link | None]:
