@@ -259,7 +259,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
                                         scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None),
                  parallelism=par, row_costs=costs)
-    virtual = topo.kind == "host" or profile.device_kind == "cpu"  # a CPU profile judged on --chip h100 too
+    # devices that are threads of one CPU host, judged on any chip (--chip h100 too); a trace JSON does not say
+    virtual = topo.kind == "host" or (profile.device_kind == "cpu" and profile.inputs.kind == "xplane")
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), virtual,
                                           tuple(profile.modules)))
 
