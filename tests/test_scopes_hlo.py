@@ -103,3 +103,48 @@ ENTRY %main (x: f32[8,8], w: f32[8,8]) -> f32[8,8] {{
 """)
     d = assign_scopes(m).get("d")
     assert (d.scope, d.phase) == ("layer0/moe/shard_map/combine", "forward")
+
+
+# A data-parallel conv net's weight gradient as jax 0.10 XLA CPU compiles it (/work/trial_s27b unet.py over 8
+# devices): the kernel-gradient convolution is a ynn_fusion without metadata; its operands are the layer's input
+# and the gradient of its output, which comes from the next layer's backward (a GroupNorm's, here); its only user is
+# XLA's layout transpose of the result, which keeps the convolution's own op_name; then one all-reduce of every
+# gradient (XLA's combiner), a bf16 cast and the optimizer, too far for the weight-gradient rule to reach the
+# parameter.
+_DP_CONV = """HloModule jit_train_step
+
+%ynn_wgrad (p0: f32[8,16,16,4], p1: f32[8,16,16,32]) -> f32[4,3,3,32] {
+  %p0 = f32[8,16,16,4]{3,2,1,0} parameter(0)
+  %p1 = f32[8,16,16,32]{3,2,1,0} parameter(1)
+  ROOT %conv.1 = f32[4,3,3,32]{3,2,1,0} convolution(%p0, %p1), window={size=16x16 pad=1_1x1_1}, dim_labels=f01b_i01o->01bf
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (x: f32[8,16,16,4], dy: f32[8,16,16,32], g: f32[32]) -> (f32[3,3,4,32], f32[32]) {
+  %x = f32[8,16,16,4]{3,2,1,0} parameter(0), metadata={op_name="x"}
+  %dy = f32[8,16,16,32]{3,2,1,0} parameter(1), metadata={op_name="dy"}
+  %g = f32[32]{0} parameter(2), metadata={op_name="g"}
+  %norm_bwd = f32[8,16,16,32]{3,2,1,0} multiply(%dy, %dy), metadata={op_name="jit(train_step)/transpose(jvp(UNet))/down1/norm1/mul"}
+  %wgrad = f32[4,3,3,32]{3,2,1,0} fusion(%x, %norm_bwd), kind=kCustom, calls=%ynn_wgrad
+  %wgrad_t = f32[3,3,4,32]{3,2,1,0} transpose(%wgrad), dimensions={1,2,0,3}, metadata={op_name="jit(train_step)/transpose(jvp(UNet))/conv_in/conv_general_dilated"}
+  %ar = (f32[3,3,4,32]{3,2,1,0}, f32[32]{0}) all-reduce(%wgrad_t, %g), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="jit(train_step)/transpose(jvp(UNet))/conv_in/conv_general_dilated"}
+  %k = f32[3,3,4,32]{3,2,1,0} get-tuple-element(%ar), index=0
+  %gn = f32[32]{0} get-tuple-element(%ar), index=1
+  ROOT %out = (f32[3,3,4,32]{3,2,1,0}, f32[32]{0}) tuple(%k, %gn)
+}
+"""
+
+
+def test_a_weight_gradient_takes_the_layer_its_own_transpose_names():
+    """The user's 18 kernel gradients read as their next layers' GroupNorm backward rows (conv_in's under
+    down1/norm1, 26 MFLOP of convolution in a norm's backward), from the gradient operand: the transpose XLA made of
+    the result carries the convolution's own name and layer."""
+    (m,) = parse_hlo_text(_DP_CONV)
+    s = assign_scopes(m)
+    assert (s.get("wgrad").scope, s.get("wgrad").phase) == ("UNet/conv_in", "backward")
+    assert s.get("norm_bwd").scope == "UNet/down1/norm1"

@@ -272,6 +272,15 @@ def _contractions(module: HloModule) -> set[str]:
             if i.opcode in ("dot", "convolution") or (i.opcode == "fusion" and holds.intersection(i.called))}
 
 
+_CONTRACTION_PRIMITIVES = ("dot_general", "conv_general_dilated")
+
+
+def _names_contraction(inst: Instruction) -> bool:
+    """Whether ``inst`` carries a JAX contraction's own ``op_name`` (``.../conv_in/conv_general_dilated``): XLA's
+    copy or transpose of an unnamed dot / convolution's result keeps the metadata its producer lost."""
+    return inst.metadata.op_name.rsplit("/", 1)[-1] in _CONTRACTION_PRIMITIVES if inst.metadata.op_name else False
+
+
 def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]],
              contractions: set[str] = frozenset(), weight_grads: Mapping[str, ScopeInfo] | None = None,
              parts: set[str] = frozenset()) -> bool:
@@ -302,7 +311,12 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
             last: tuple[ScopeInfo, str] | None = None  # the first of them, taken when no other neighbour has one
             src = None
             how = "operand"
-            if inst.name in contractions:  # an unnamed matmul fed by the backward pass computes a gradient
+            if inst.name in contractions:  # its own result's layout copy, named after it, knows its layer
+                src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos
+                            and infos[u.name].phase == "backward" and _names_contraction(u)), None)
+                how = "user"
+            if inst.name in contractions and src is None:  # an unnamed matmul fed by the backward pass: a gradient
+                how = "operand"
                 grads = [o for o in inst.operands if o in infos and infos[o].in_grad and infos[o].phase == "backward"]
                 src = next((infos[o] for o in grads if o not in weak), None)
                 last = (infos[grads[0]], "operand") if grads else None
