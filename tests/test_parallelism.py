@@ -583,3 +583,49 @@ ENTRY %main (x: f32[8,16]) -> f32[16,8] {
     (bubble,) = [n for n in rep.notes if n.startswith("pipeline axis axis0 (4 stages)")]
     assert "M = 11 − 4 + 1 = 8 micro-batches" in bubble and "= 3/11 = 27% of the loop's time" in bubble
     assert bubble.endswith("pass --model-flops-per-step for the model's")
+
+
+
+def test_a_conv_net_gets_strategies_without_the_mlp_arithmetic() -> None:
+    """A user's data-parallel UNet (53 convolutions, 35 dots) read "D = 64, F = 64, L = 39 MLP layer(s), 16 tokens
+    per step" and T_math 0.143 ns per layer, 8 ns per step, where the same report's roofline expected 43.5 us: the
+    book's layer In[B, D]·W_in[D, F]·W_out[F, D] leaves out a convolution's positions and taps. The strategies stay;
+    the arithmetic is left out with a note saying why."""
+    m, = parse_hlo_text(_CONV_NET)
+    v5p = get_chip("v5p")
+    rep = book_on_mesh([m], v5p, parse_topology("2x2x2", v5p))
+    assert [(r.axis, r.size, r.strategy) for r in rep.rows] == [("axis0", 8, "data")]
+    assert rep.sizes is None and math.isnan(rep.rows[0].t_math_s) and not rep.what_if
+    assert any(n.startswith("4 convolutions to 2 dots: the book's per-layer arithmetic") for n in rep.notes)
+
+
+_CONV_NET = """HloModule step, num_partitions=8, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias), {2}: (2, {}, may-alias) }
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (w: f32[64,64], k1: f32[3,3,16,16], k2: f32[3,3,16,16], x: f32[32,64], img: f32[4,16,16,16]) -> (f32[64,64], f32[3,3,16,16], f32[3,3,16,16]) {
+  %w = f32[64,64]{1,0} parameter(0)
+  %k1 = f32[3,3,16,16]{3,2,1,0} parameter(1)
+  %k2 = f32[3,3,16,16]{3,2,1,0} parameter(2)
+  %x = f32[32,64]{1,0} parameter(3)
+  %img = f32[4,16,16,16]{3,2,1,0} parameter(4)
+  %h = f32[32,64]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp(Net)/temb/dot_general"}
+  %c1 = f32[4,16,16,16]{3,2,1,0} convolution(%img, %k1), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, metadata={op_name="jit(step)/jvp(Net)/conv1/conv_general_dilated"}
+  %c2 = f32[4,16,16,16]{3,2,1,0} convolution(%c1, %k2), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, metadata={op_name="jit(step)/jvp(Net)/conv2/conv_general_dilated"}
+  %gw = f32[64,64]{1,0} dot(%x, %h), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp(Net))/temb/dot_general"}
+  %g1 = f32[3,3,16,16]{3,2,1,0} convolution(%img, %c2), window={size=16x16 pad=1_1x1_1}, dim_labels=f01b_i01o->01bf, metadata={op_name="jit(step)/transpose(jvp(Net))/conv1/conv_general_dilated"}
+  %g2 = f32[3,3,16,16]{3,2,1,0} convolution(%c1, %c2), window={size=16x16 pad=1_1x1_1}, dim_labels=f01b_i01o->01bf, metadata={op_name="jit(step)/transpose(jvp(Net))/conv2/conv_general_dilated"}
+  %ar = (f32[64,64]{1,0}, f32[3,3,16,16]{3,2,1,0}, f32[3,3,16,16]{3,2,1,0}) all-reduce(%gw, %g1, %g2), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add, metadata={op_name="jit(step)/transpose(jvp(Net))/conv1/conv_general_dilated"}
+  %a0 = f32[64,64]{1,0} get-tuple-element(%ar), index=0
+  %a1 = f32[3,3,16,16]{3,2,1,0} get-tuple-element(%ar), index=1
+  %a2 = f32[3,3,16,16]{3,2,1,0} get-tuple-element(%ar), index=2
+  %n0 = f32[64,64]{1,0} subtract(%w, %a0)
+  %n1 = f32[3,3,16,16]{3,2,1,0} subtract(%k1, %a1)
+  %n2 = f32[3,3,16,16]{3,2,1,0} subtract(%k2, %a2)
+  ROOT %out = (f32[64,64]{1,0}, f32[3,3,16,16]{3,2,1,0}, f32[3,3,16,16]{3,2,1,0}) tuple(%n0, %n1, %n2)
+}
+"""

@@ -82,8 +82,8 @@ def dtype_upcast(x: FindingInputs) -> list[Finding]:
                 f"peaks: f32 {slow:.3g} FLOP/s, {kind} {fast:.3g} FLOP/s" if fast else "", *shapes]
     if cpu:
         advice = (f"XLA:CPU has no {kind} matrix unit and computes {kind} dots in f32 (the converts are its own); "
-                  f"judge {kind} speed on the accelerator you target, and on CPU keep parameters in f32 to drop "
-                  "the converts")
+                  f"judge {kind} speed on the accelerator you target; on CPU, compute in f32 (the module's compute "
+                  f"dtype, e.g. Flax's dtype=jnp.float32, and f32 parameters) to drop the converts")
     else:
         advice = (f"keep the operands in {kind} and ask for an f32 result: jnp.dot(x, w, preferred_element_type="
                   "jnp.float32) (or lax.dot_general(..., preferred_element_type=...)) instead of casting the "
