@@ -208,3 +208,21 @@ def test_a_json_base_keeps_the_device_count(tmp_path, sides):
     subprocess.run([sys.executable, "-m", "traceroof.cli", "analyze", str(FIXTURES / "sharded_mlp"), "--chip",
                     str(HOST_CHIP), "--format", "json", "-o", str(out)], check=True, cwd=ROOT)
     assert load_side(out).devices == 8
+
+
+def test_a_host_side_change_is_named_before_the_layers():
+    """A user's faster data loader (the same program): the headline named three layers' -0.4 ms as the cause of a
+    -24 ms step, while host-bound time fell by 30.5 ms, shown only in the breakdown table."""
+    from traceroof.diff import StepDelta, _contributors
+
+    step = StepDelta(0.0942, 0.0698, -0.0244, -0.259, 0.0039, False)
+    layers = pd.DataFrame({"layer": ["down1/conv1", "up1/conv1"], "phase": ["backward", "forward"],
+                           "time_per_step_s_delta": [-0.000399, 0.0012], "flops_ratio": [1.0, 1.0]})
+    parts = pd.DataFrame({"component": ["step_time_s", "compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s",
+                                        "outside_program_s"],
+                          "delta_s": [-0.0244, 0.001, 0.0, -0.0002, -0.030509, 0.0]})
+    lines = _contributors(step, layers, pd.DataFrame(), parts)
+    assert lines[1] == "host-bound (step breakdown, no op's time): -30.509 ms per step, more than any layer's change"
+    assert lines[2].startswith("down1/conv1 (backward): -0.399 ms")
+    small = parts.assign(delta_s=parts["delta_s"].where(parts["component"] != "host_bound_s", -0.0001))
+    assert not any("host-bound" in line for line in _contributors(step, layers, pd.DataFrame(), small))

@@ -26,7 +26,7 @@ import pandas as pd
 from parsers.errors import FormatError, InputError
 from traceroof.memory_diff import memory_delta, memory_from_json
 from traceroof.analysis import Analysis, analyze
-from traceroof.breakdown import BREAKDOWN_COLUMNS
+from traceroof.breakdown import BREAKDOWN_COLUMNS, LABELS, breakdown_delta
 from traceroof.opstats import OP_KEY
 
 NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
@@ -318,7 +318,8 @@ def diff(base: Side, new: Side) -> DiffResult:
     unmatched = pd.concat([only_b.assign(side="removed"), only_n.assign(side="added")], ignore_index=True)
     layers = _layer_deltas(base.layers, new.layers)
     step = step_delta(base, new)
-    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched)),
+    parts = breakdown_delta(base.step_breakdown, new.step_breakdown)
+    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched, parts)),
                       memory_delta(base.memory, new.memory), _warnings(base, new, both, b, n))
 
 
@@ -360,12 +361,24 @@ def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:
     return m.sort_values("time_per_step_s_delta", ascending=False, key=abs, kind="stable").reset_index(drop=True)
 
 
-def _contributors(step: StepDelta, layers: pd.DataFrame, unmatched: pd.DataFrame) -> list[str]:
+def _contributors(step: StepDelta, layers: pd.DataFrame, unmatched: pd.DataFrame,
+                  parts: pd.DataFrame | None = None) -> list[str]:
+    """Lines explaining the step-time change: the verdict, then, beyond noise, a component of the step breakdown
+    outside the ops (host-bound, launch gaps, outside any program) when it moved more than any layer's op time
+    (a faster data loader is no layer's change), and the layers that moved most with the change."""
     verdict = "within noise" if step.noise else ("slower" if step.delta_s > 0 else "faster")
     out = [f"step time {step.base_s * 1e3:.3f} ms -> {step.new_s * 1e3:.3f} ms ({step.delta_pct:+.1%}, "
            f"+/- {NOISE_SIGMAS * step.standard_error_s * 1e3:.3f} ms at {NOISE_SIGMAS:g} standard errors): {verdict}"]
     if step.noise:
         return out
+    if parts is not None and len(parts):
+        idle = parts[parts["component"].isin(["launch_gap_s", "host_bound_s", "outside_program_s"])]
+        idle = idle[np.sign(idle["delta_s"]) == np.sign(step.delta_s)]
+        top_layer = float(layers["time_per_step_s_delta"].abs().max()) if len(layers) else 0.0
+        if len(idle) and float(idle["delta_s"].abs().max()) > top_layer:
+            r = idle.loc[idle["delta_s"].abs().idxmax()]
+            out.append(f"{LABELS[r['component']]} (step breakdown, no op's time): {r['delta_s'] * 1e3:+.3f} ms per "
+                       f"step, more than any layer's change")
     top = layers[np.sign(layers["time_per_step_s_delta"]) == np.sign(step.delta_s)].head(3)
     for r in top.itertuples(index=False):
         ratio = f", FLOPs x{r.flops_ratio:.2f}" if pd.notna(r.flops_ratio) and abs(r.flops_ratio - 1) > 0.01 else ""
