@@ -226,3 +226,11 @@ def test_a_host_side_change_is_named_before_the_layers():
     assert lines[2].startswith("down1/conv1 (backward): -0.399 ms")
     small = parts.assign(delta_s=parts["delta_s"].where(parts["component"] != "host_bound_s", -0.0001))
     assert not any("host-bound" in line for line in _contributors(step, layers, pd.DataFrame(), small))
+
+
+def test_a_layer_gate_says_it_has_no_noise_estimate(sides):
+    """A user's --layer gate failed CI on a change within the noise of their per-step layer times; the line now
+    says the threshold alone decides, as the README's gate line does."""
+    failed, why = gate(diff(sides["diff_base"], sides["diff_wide"]), 5.0, layer="block_0/mlp")
+    assert failed and why.endswith("(above the +5% limit; a layer's time has no noise estimate, unlike the step's: "
+                                   "the threshold alone decides)")

@@ -213,7 +213,8 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 @click.option("--depth", default=2, show_default=True, type=click.IntRange(1, 32))
 @click.option("--warmup-steps", default=1, show_default=True, type=click.IntRange(0))
 @click.option("--fail-above", "fail_above", type=click.FloatRange(min=0),
-              help="Exit 1 when step time (or --layer) regresses by more than this percent, beyond noise.")
+              help="Exit 1 when step time regresses by more than this percent, beyond noise (--layer: by more than "
+                   "this percent; a layer's time has no noise estimate).")
 @click.option("--layer", help="Gate on this layer's time (all phases) instead of the step time.")
 @click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json", "html")), default="terminal",
               show_default=True)

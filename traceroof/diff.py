@@ -413,7 +413,8 @@ def gate(result: DiffResult, fail_above_pct: float | None, layer: str | None = N
         n = rows["time_per_step_s_new"].fillna(0).sum()
         pct = (n - b) / b * 100 if b else float("inf")
         fail = pct > fail_above_pct
-        return fail, f"layer {layer}: {pct:+.1f}% ({_against(fail, fail_above_pct)})"
+        return fail, (f"layer {layer}: {pct:+.1f}% ({_against(fail, fail_above_pct)}; a layer's time has no noise "
+                      "estimate, unlike the step's: the threshold alone decides)")
     pct = result.step.delta_pct * 100
     fail = pct > fail_above_pct and not result.step.noise
     why = "within noise" if result.step.noise else _against(fail, fail_above_pct)
