@@ -209,6 +209,13 @@ def test_capture_analyzes_a_running_job(job, tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("traceroof: per-layer roofline report") and "op events to HLO" in r.stdout
     assert len(list((tmp_path / "ld" / "plugins" / "profile").glob("*/*.xplane.pb"))) == 1
+    # with the Python tracer on, as jax.profiler.trace has it (its events are the Python calls, named "$file:line
+    # function"): a slow loader is seen as host work, not as an idle device
+    from parsers.xspace import read_xspace
+
+    (pb,) = (tmp_path / "ld" / "plugins" / "profile").glob("*/*.xplane.pb")
+    names = read_xspace(pb).plane("/host:CPU").events()["name"].astype(str)
+    assert names.str.startswith("$").sum() > 10
     # two captures of the same job; the gate is set out of reach: timing on a shared machine is not under test
     r = _cli("capture", f"127.0.0.1:{job}", "--duration", "500ms", "--every", "500ms", "--count", "2",
              "--logdir", str(tmp_path / "ld2"), "--chip", HOST_CHIP, "--fail-above", "1000")

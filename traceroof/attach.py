@@ -426,6 +426,13 @@ def capture(address: str, duration_s: float, logdir: str | Path, retry_for_s: fl
         time.sleep(CAPTURE_RETRY_PAUSE_S)
 
 
+CAPTURE_OPTIONS = {"host_tracer_level": 2, "device_tracer_level": 1, "python_tracer_level": 1, "delay_ms": 0}
+"""The tracers a capture asks the job's profiler server for: XProf's own capture defaults (xprof
+profile_plugin.py, capture_route) with the Python tracer on, as ``jax.profiler.trace`` has it: without Python
+events a slow data loader reads as an idle device 'with no host work in the way' (a user's capture of a loop that
+sleeps 30 ms per batch), where the same loop traced in-process reads host-bound."""
+
+
 def _capture_once(plugin: object, addr: str, address: str, duration_s: float, root: Path
                   ) -> tuple[Path | None, str]:
     """One capture into ``root``: (its new run directory or None, why it has no op events or "")."""
@@ -433,7 +440,8 @@ def _capture_once(plugin: object, addr: str, address: str, duration_s: float, ro
     before = set(profiles.glob("*")) if profiles.exists() else set()
     try:
         with _quiet_native_output():
-            plugin.trace(addr, str(root), "", True, max(int(duration_s * 1000), 1), 1, {})  # type: ignore[attr-defined]
+            plugin.trace(addr, str(root), "", True, max(int(duration_s * 1000), 1), 1,  # type: ignore[attr-defined]
+                         CAPTURE_OPTIONS)
     except Exception as e:  # noqa: BLE001 - the client raises RuntimeError with gRPC status text
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "No trace event was collected" in text or "no responses" in text:
