@@ -372,11 +372,11 @@ def _contributors(step: StepDelta, layers: pd.DataFrame, unmatched: pd.DataFrame
     if step.noise:
         return out
     if parts is not None and len(parts):
-        idle = parts[parts["component"].isin(["launch_gap_s", "host_bound_s", "outside_program_s"])]
-        idle = idle[np.sign(idle["delta_s"]) == np.sign(step.delta_s)]
+        off_ops = parts[parts["component"].isin(["launch_gap_s", "host_bound_s", "outside_program_s"])]
+        off_ops = off_ops[np.sign(off_ops["delta_s"]) == np.sign(step.delta_s)]
         top_layer = float(layers["time_per_step_s_delta"].abs().max()) if len(layers) else 0.0
-        if len(idle) and float(idle["delta_s"].abs().max()) > top_layer:
-            r = idle.loc[idle["delta_s"].abs().idxmax()]
+        if len(off_ops) and float(off_ops["delta_s"].abs().max()) > top_layer:
+            r = off_ops.loc[off_ops["delta_s"].abs().idxmax()]
             out.append(f"{LABELS[r['component']]} (step breakdown, no op's time): {r['delta_s'] * 1e3:+.3f} ms per "
                        f"step, more than any layer's change")
     top = layers[np.sign(layers["time_per_step_s_delta"]) == np.sign(step.delta_s)].head(3)

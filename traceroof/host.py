@@ -7,6 +7,7 @@ is a :class:`HostEvents`: the events aggregated into op rows and their slim time
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -162,9 +163,7 @@ def _sibling_xplane_note(path: Location) -> list[str]:
     carries no HLO, so a dump of another compilation with the same op names (another sequence length or width) is
     taken for the program that ran, unchecked (a user's seq-128 dump for a seq-64 run doubled the FLOPs); the
     xplane carries the HloProto that ran, against which dumps are checked."""
-    folder, host = storage.parent(path), _host_of(storage.name(path))
-    sibling = next((f for f in (storage.join(folder, host + suffix) for suffix in XPLANE_SUFFIXES)
-                    if storage.is_file(f)), None)
+    sibling = _sibling(path, XPLANE_SUFFIXES)
     if sibling is None:
         return []
     return [f"a trace JSON carries no HLO, so the dumps given (--hlo) were matched by op name only, unchecked against "
@@ -172,12 +171,17 @@ def _sibling_xplane_note(path: Location) -> list[str]:
             "HLO (a dump of another compilation with the same op names is then dropped)"]
 
 
+def _sibling(path: Location, suffixes: Sequence[str]) -> Location | None:
+    """The same host's file of another kind beside ``path`` (its host name and the first of ``suffixes`` that
+    exists), or None."""
+    folder, host = storage.parent(path), _host_of(storage.name(path))
+    return next((f for f in (storage.join(folder, host + suffix) for suffix in suffixes) if storage.is_file(f)), None)
+
+
 def _sibling_trace_json_hint(path: Location) -> str:
     """For a corrupt ``.xplane.pb``: the hint to analyze the host's trace JSON beside it (TensorBoard writes both
     into a run directory), which a user with a truncated xplane may not think of; '' when there is none."""
-    folder, host = storage.parent(path), _host_of(storage.name(path))
-    sibling = next((f for f in (storage.join(folder, host + suffix) for suffix in RUN_TRACE_JSON_SUFFIXES)
-                    if storage.is_file(f)), None)
+    sibling = _sibling(path, RUN_TRACE_JSON_SUFFIXES)
     return (f"; or analyze {storage.name(sibling)} beside it, the same capture as a trace JSON (op times only: it "
             "carries no HLO)") if sibling is not None else ""
 

@@ -26,9 +26,9 @@ from traceroof.chips import Chip
 from traceroof.collectives import Topology, default_topology, expected_time
 from traceroof.cost import trip_count
 from traceroof.mesh import Mesh, axis_group, mesh_size, recover_mesh
-from traceroof.scopes import while_body
 from traceroof.parallelism import (AxisStrategy, StateParam, classify_axes, collect_evidence, sharding_tiles, squeeze,
                                    state_params)
+from traceroof.scopes import while_body
 
 BATCH_STRATEGIES = ("data", "fsdp", "sequence", "expert")  # axes that split the batch (In[B_X, ...])
 WEIGHT_STRATEGIES = ("fsdp", "tensor", "pipeline", "expert")  # axes that split the weights

@@ -24,7 +24,7 @@ from parsers.hlo import Instruction, is_retiling
 from parsers.xspace import code_dtype
 from traceroof.aggregate import Timeline
 from traceroof.codes import first_rows, group_codes, group_codes_at, run_starts
-from traceroof.collectives import classify, module_devices
+from traceroof.collectives import KINDS, classify, module_devices
 from traceroof.cost import CONTROL_OPCODES, CostModel, categorize, dot_precision
 from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, LayerNamer, parse_scope, phase_of
 from traceroof.join import JoinReport, match_modules
@@ -41,10 +41,9 @@ class SharedList(list):
         return self
 
 
-COLLECTIVE_NAME = re.compile(  # XLA names an instruction after its opcode; JAX after the primitive that made it
-    r"(all-reduce|all-gather|reduce-scatter|all-to-all|ragged-all-to-all|collective-permute|collective-broadcast"
-    r"|psum|psum_invariant|pmax|pmin|all_gather|psum_scatter|reduce_scatter|all_to_all|ppermute)"
-    r"(-start|-done)?(\.\d+)?$")
+_JAX_COLLECTIVES = ("psum", "psum_invariant", "pmax", "pmin", "all_gather", "psum_scatter", "reduce_scatter",
+                    "all_to_all", "ppermute")  # the primitives JAX names instructions after
+COLLECTIVE_NAME = re.compile("(" + "|".join(map(re.escape, (*KINDS, *_JAX_COLLECTIVES))) + r")(-start|-done)?(\.\d+)?$")
 """An HLO op name that is a collective's (``all-reduce.14``, ``all-gather-start``, ``ppermute.12``): without HLO
 (a trace JSON alone) the op table takes such ops for collectives (category ``collective``), so that exposed
 communication is measured; XLA's instruction names (the opcode, made unique with ``.N``: xla/service/name_uniquer.cc)

@@ -51,6 +51,7 @@ Labels inherited from a neighbour carry no source line: the ``source`` of an op 
 from __future__ import annotations
 
 import re
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -278,7 +279,7 @@ _CONTRACTION_PRIMITIVES = ("dot_general", "conv_general_dilated")
 def _names_contraction(inst: Instruction) -> bool:
     """Whether ``inst`` carries a JAX contraction's own ``op_name`` (``.../conv_in/conv_general_dilated``): XLA's
     copy or transpose of an unnamed dot / convolution's result keeps the metadata its producer lost."""
-    return inst.metadata.op_name.rsplit("/", 1)[-1] in _CONTRACTION_PRIMITIVES if inst.metadata.op_name else False
+    return inst.metadata.op_name.rsplit("/", 1)[-1] in _CONTRACTION_PRIMITIVES
 
 
 def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]],
@@ -311,12 +312,11 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
             last: tuple[ScopeInfo, str] | None = None  # the first of them, taken when no other neighbour has one
             src = None
             how = "operand"
-            if inst.name in contractions:  # its own result's layout copy, named after it, knows its layer
+            if inst.name in contractions:  # its result's layout copy, named after it, knows its layer; else,
                 src = next((infos[u.name] for u in users.get(inst.name, ()) if u.name in infos
                             and infos[u.name].phase == "backward" and _names_contraction(u)), None)
-                how = "user"
+                how = "user" if src is not None else "operand"
             if inst.name in contractions and src is None:  # an unnamed matmul fed by the backward pass: a gradient
-                how = "operand"
                 grads = [o for o in inst.operands if o in infos and infos[o].in_grad and infos[o].phase == "backward"]
                 src = next((infos[o] for o in grads if o not in weak), None)
                 last = (infos[grads[0]], "operand") if grads else None
@@ -611,8 +611,20 @@ def _update_optimizer(module: HloModule, infos: dict[str, ScopeInfo]) -> set[str
     return cand
 
 
+_ASSIGNED: weakref.WeakKeyDictionary[HloModule, dict[str, ModuleScopes]] = weakref.WeakKeyDictionary()
+
+
 def assign_scopes(module: HloModule, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN) -> ModuleScopes:
-    """(scope, phase, source) of every instruction of ``module`` by the rules of this module's docstring."""
+    """(scope, phase, source) of every instruction of ``module`` by the rules of this module's docstring; worked
+    out once per module and pattern (the op table, the memory view and the parallelism evidence all ask, and it
+    walks the whole module several times)."""
+    done = _ASSIGNED.setdefault(module, {})
+    if optimizer_pattern not in done:
+        done[optimizer_pattern] = _assign_scopes(module, optimizer_pattern)
+    return done[optimizer_pattern]
+
+
+def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
     frames = _Frames(module.stack_frames)
     infos: dict[str, ScopeInfo] = {}
     opt_lib: set[str] = set()

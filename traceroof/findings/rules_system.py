@@ -18,8 +18,8 @@ import pandas as pd
 
 from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, fmt_s, make, mean_of,
                                        share, total)
-from traceroof.units import fmt_bytes
 from traceroof.opstats import OUTLIER_RATIO
+from traceroof.units import fmt_bytes
 
 COLLECTIVE_SOURCE = (f"{BOOK} §1 (overlapping communication with compute: T = max(T_math, T_comms)) and §5 "
                      "(FSDP prefetch, reduce-scatter overlap); XLA latency-hiding scheduler flags")
