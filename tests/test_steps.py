@@ -26,7 +26,9 @@ from traceroof import analyze  # noqa: E402
 from traceroof.discovery import discover  # noqa: E402
 from traceroof.profile import load_profile  # noqa: E402
 from traceroof.hlo_source import HloMismatchError  # noqa: E402
-from traceroof.steps import _best_offset, _unwrapped, assign_steps, launch_times, left_out_executions  # noqa: E402
+from parsers.errors import InputError  # noqa: E402
+from traceroof.steps import (_best_offset, _schedule_cut, _unwrapped, assign_steps, entry_schedule,  # noqa: E402
+                             launch_times, left_out_executions)
 
 HOST_CHIP = Path(__file__).resolve().parents[1] / "fixtures" / "fixture_host.toml"
 
@@ -84,29 +86,51 @@ JOB = textwrap.dedent("""
         jax.profiler.stop_trace()
         jax.block_until_ready(w)
     if "cut" in loops:  # the trace stopped while the last step's execution ran, as a remote capture may stop it
-        import time
+        import threading
+        from jax.experimental import io_callback
+
+        held, reached, resume = [False], threading.Event(), threading.Event()
+
+        def pause(x):  # halfway through an execution that is held: wait there until the trace has stopped
+            if held[0]:
+                reached.set()
+                resume.wait(120)
+            return x
 
         @jax.jit
-        def long_step(a):  # launched in a fraction of a millisecond, then runs on XLA:CPU's threads
-            for _ in range(24):
+        def long_step(a):
+            for i in range(24):
                 a = jnp.tanh(a @ a)
+                if i == 8:  # the ops after it use its result: none runs before it returns
+                    a = io_callback(pause, jax.ShapeDtypeStruct(a.shape, a.dtype), a)
             return a
 
+        def held_step(a, step):  # step ``step``, its execution held halfway while the trace stops
+            held[0] = True
+            out = []
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                # XLA:CPU runs a program with a host callback in the calling thread: launched from another one
+                runner = threading.Thread(target=lambda: out.append(long_step(a)))
+                runner.start()
+                reached.wait(120)
+            jax.profiler.stop_trace()
+            resume.set()
+            runner.join()
+            held[0] = False
+            reached.clear()
+            resume.clear()
+            return jax.block_until_ready(out[0])
+
         a = jax.block_until_ready(long_step(jnp.ones((256, 256)) / 256))
-        t = time.perf_counter()
-        a = jax.block_until_ready(long_step(a))
-        whole_s = time.perf_counter() - t
         jax.profiler.start_trace(f"{out}/cut")
-        for i in range(5):
-            with jax.profiler.StepTraceAnnotation("train", step_num=i):
-                a = long_step(a)
-            if i < 4:
-                a = jax.block_until_ready(a)
-        time.sleep(whole_s / 3)
-        jax.profiler.stop_trace()  # step 4's execution about a third through
-        jax.block_until_ready(a)
+        for step in range(4):
+            with jax.profiler.StepTraceAnnotation("train", step_num=step):
+                a = jax.block_until_ready(long_step(a))
+        a = held_step(a, 4)  # step 4's execution stopped after 9 of its 24 matmuls
         cost = long_step.lower(a).compile().cost_analysis()
         json.dump({"flops": (cost[0] if isinstance(cost, list) else cost)["flops"]}, open(f"{out}/cut/facts.json", "w"))
+        jax.profiler.start_trace(f"{out}/cutsole")  # a capture of one execution only, the stop a third through
+        a = held_step(a, 0)
     cost = train_step.lower(w, x).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     json.dump({"flops": cost["flops"]}, open(f"{out}/facts.json", "w"))
@@ -204,6 +228,49 @@ def test_step_whose_execution_the_trace_stop_cut_is_left_out_with_a_note(job):
     assert a.summary.flops_per_step == pytest.approx(flops, rel=1e-9)
     assert any(n.startswith("1 execution(s)") and "still running when the trace stopped" in n
                and "with the 1 step(s) that launched them" in n for n in a.summary.notes), a.summary.notes
+
+
+def test_a_capture_of_one_execution_that_the_stop_cut_holds_no_step(job):
+    """A capture started while a job compiled held its first execution only, cut by the trace's stop (a user's:
+    845 of 1,424 MFLOP per step reported as a whole step). With no other execution to compare it to, its HLO's
+    entry schedule shows it ran only a beginning: no step is left, which the analysis says in one line, and a
+    capture (:func:`op_events_problem`) tries again."""
+    from traceroof.attach import op_events_problem
+
+    (path,) = (job / "run" / "cutsole").rglob("*.xplane.pb")
+    ev = load_profile(discover([path])).events()
+    ev = ev[ev["module"].astype(str) == "jit_long_step"]
+    whole = load_profile(discover([job / "run" / "cut"])).events()
+    whole = whole[(whole["module"].astype(str) == "jit_long_step") & whole["step"].notna()]
+    assert ev["run_id"].nunique() == 1 and 0 < len(ev) < whole.groupby("step").size().min()
+    with pytest.raises(InputError, match="hold no XLA op events of a whole execution"):
+        analyze(path, chip=str(HOST_CHIP))
+    assert op_events_problem(path.parent).startswith("it holds no whole execution")
+    # the same capture, its schedule complete (the ops it missed added back): a whole execution, kept
+    order = entry_schedule(next(m for m in load_profile(discover([path])).modules if m.name == "jit_long_step"))
+    ran = set(ev["hlo_op"].astype(str))
+    assert _schedule_cut(order, ran) == "end" and _schedule_cut(order, ran | set(order)) == ""
+
+
+def test_executions_too_few_to_compare_are_judged_by_their_entry_schedule():
+    """A program with one or two executions in the profile: the first that ran only the end of its entry schedule
+    (or none of it: only a loop body) began before the trace, the last that ran only its beginning was cut by the
+    stop; a whole one, or one with gaps no cut explains, is kept. Without the HLO nothing is left out."""
+    order = ("fusion.1", "dot.2", "fusion.3", "while.4", "copy.5")
+    rows = [(1, 7, op) for op in ("fusion.1", "dot.2", "body.1")]  # program 1: run 7 only, cut after dot.2
+    rows += [(2, 3, op) for op in ("fusion.3", "while.4", "copy.5")]  # program 2: run 3 began before the trace
+    rows += [(2, 4, op) for op in order]  # then ran whole
+    rows += [(3, 1, op) for op in ("fusion.1", "fusion.3", "copy.5")]  # program 3: gaps, no cut explains them
+    rows += [(4, 9, "body.1")]  # program 4: only its loop body ran inside the trace
+    ev = pd.DataFrame(rows, columns=["program_id", "run_id", "hlo_op"]).assign(module="jit_f")
+    ev["run_id"] = ev["run_id"].astype("Int64")
+    schedules = {(p, "jit_f"): order for p in (1, 2, 3, 4)}
+    cut = left_out_executions(ev, np.zeros(len(ev), bool), schedules)
+    assert sorted(set(zip(ev["program_id"][cut.after], ev["run_id"][cut.after]))) == [(1, 7), (4, 9)]
+    assert sorted(set(zip(ev["program_id"][cut.before], ev["run_id"][cut.before]))) == [(2, 3)]
+    assert (cut.executions_before, cut.executions_after) == (1, 2)
+    none = left_out_executions(ev, np.zeros(len(ev), bool))
+    assert not none.before.any() and not none.after.any()
 
 
 def test_unmarked_profile_makes_each_execution_a_step(job):

@@ -356,15 +356,20 @@ CAPTURE_RETRY_PAUSE_S = 0.5  # pause between two captures of a job that ran noth
 
 def op_events_problem(run: Path) -> str:
     """Why the capture in ``run`` cannot be analyzed for want of op events (the profile reader's one-line
-    reason), or ``""`` when it holds op events. Reads the capture as :func:`traceroof.analysis.analyze` does."""
+    reason), or ``""`` when it holds op events of some whole step or execution. Reads the capture as
+    :func:`traceroof.analysis.analyze` does. A capture started while the job compiled may hold one execution, cut
+    short by the trace's stop: no step holds it (:func:`traceroof.steps.left_out_executions`)."""
     from parsers.errors import InputError
     from traceroof.discovery import discover
     from traceroof.profile import load_profile
 
     try:
-        load_profile(discover([run]))
+        profile = load_profile(discover([run]))
     except InputError as e:
         return str(e).splitlines()[0] if str(e) else type(e).__name__
+    step = profile.rows["step"] if "step" in profile.rows else None
+    if step is not None and len(step) and not step.notna().any():
+        return "it holds no whole execution (the trace's start or stop cut the ones it holds)"
     return ""
 
 

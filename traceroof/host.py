@@ -7,7 +7,7 @@ is a :class:`HostEvents`: the events aggregated into op rows and their slim time
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,7 +27,8 @@ from traceroof.hlo_source import (check_dumps, embedded_hlo, fingerprint, parse_
                                   relevant_dumps)
 from traceroof.hostactivity import host_activity
 from traceroof.memory import AllocatorPeak, plane_allocators
-from traceroof.steps import assign_steps, device_step_spans, dominant_program_steps, left_out_executions
+from traceroof.steps import (assign_steps, device_step_spans, dominant_program_steps, entry_schedule,
+                             left_out_executions)
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
 
@@ -152,7 +153,8 @@ def read_host(task: HostTask) -> HostEvents:
     dumps, out.superseded = reconcile(texts, truth, out.hlo_notes)
     dumps = check_dumps(dumps, ev, out.hlo_notes)
     ev = _bound_async_ends(ev, truth + dumps, counts)
-    ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes, counts)
+    schedules = {(m.program_id, m.name): entry_schedule(m) for m in truth + dumps}
+    ev, out.steps, out.step_annotation = _steps_by_execution(ev, steps, ann, out.event_notes, counts, schedules)
     out.rows, out.timeline = aggregate_events(ev)
     out.modules = send_once(task.analysis_id, list(extra) + [(m, "dump") for m in dumps])
     return out
@@ -206,11 +208,14 @@ def send_once(analysis_id: str, modules: list[tuple[HloModule, str]]) -> list[tu
 
 
 def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: str, notes: list[str],
-                        facts: dict[str, int]) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+                        facts: dict[str, int], schedules: Mapping[tuple[int | None, str], Sequence[str]] | None = None
+                        ) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     """Put every op event in the step whose launch produced it (:mod:`traceroof.steps`); without step markers,
     each execution of the dominant program is a step. Steps gain ``device_start_ps`` / ``device_end_ps``. Op
     time not tied to a launch and executions launched outside the marked steps are added to ``facts`` (summed
-    over hosts; :func:`step_notes` states them)."""
+    over hosts; :func:`step_notes` states them). ``schedules``: the programs' entry schedules, which tell an
+    execution cut by the trace's start or stop when its program ran too few times to compare
+    (:func:`~traceroof.steps.left_out_executions`)."""
     if not steps.empty and "device" in steps and steps["device"].notna().all():  # TPU / framework Steps lines
         step = assign_steps(events["start_ps"].to_numpy(np.int64), events["device"], steps, by="device")
         events = events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0))
@@ -220,7 +225,7 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
     start = events["start_ps"].to_numpy(np.int64)
     when = np.where(known, launch, start).astype(np.int64)  # (float64 both, as launch is)
     hosts = pd.Categorical(events["host"])
-    cut = left_out_executions(events, known)
+    cut = left_out_executions(events, known, schedules)
     before, after = cut.before, cut.after
     left_out = before | after
     if steps.empty:
