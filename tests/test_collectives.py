@@ -326,6 +326,34 @@ def test_findings_name_the_straggler_and_the_exposed_collective():
     assert "reduce-scatter + all-gather" not in small.advice
 
 
+def test_a_late_host_is_the_straggler_and_its_loss_is_per_device():
+    """A user's 2-host job, one host 30 ms late at every all-reduce: the last device took turns among that host's
+    4 devices (one named at 60 %), and the loss read was the waits summed over the 4 waiting devices (120 ms of a
+    270 ms step). The host is named, and the loss is the per-device skew (30 ms), with the mean wait (latest less
+    mean arrival) as evidence."""
+    from types import SimpleNamespace
+
+    from traceroof.findings import FindingInputs
+    from traceroof.findings.rules_system import collective_straggler
+
+    rows = []
+    for step in range(3):
+        late = f"host1/cpu:{step % 2}"  # host1's devices take turns arriving last
+        for d in ("host0/cpu:0", "host0/cpu:1", "host1/cpu:0", "host1/cpu:1"):
+            delay = 30_000_000_000 + (1_000_000_000 if d == late else 0) if d.startswith("host1") else 0
+            rows.append((d, 1, "all-reduce", step * 10**12 + delay, 1000, "collective", step))
+    ops, timeline = _ops(rows)
+    skew = arrival_skew(ops, timeline)
+    a = SimpleNamespace(summary=SimpleNamespace(step_time_mean_s=0.1), collectives=pd.DataFrame(), ops=ops,
+                        per_step_divisor=4)
+    (late,) = collective_straggler(FindingInputs(a, pd.DataFrame(columns=["hlo_op", "measured_s"]), get_chip("h100"),
+                                                 skew=skew, steps=3))
+    assert late.title.startswith("host1's devices (2 of them, in turn) arrive last at 100%"), late.title
+    assert late.lost_per_step_s == pytest.approx(0.031)  # latest less earliest arrival, each step
+    mean_wait = (2 * 31e-3 + 1e-3) / 4  # two host0 devices wait 31 ms, host1's early one 1 ms, the last none
+    assert f"{mean_wait * 1e3:.3f} ms per step on average" in late.evidence[0]
+
+
 def test_collectives_on_virtual_cpu_devices_get_no_interconnect_advice():
     from dataclasses import replace
 
