@@ -10,6 +10,7 @@ import re
 from functools import lru_cache
 
 
+import pandas as pd
 import pytest
 from click.testing import CliRunner
 
@@ -271,3 +272,18 @@ def test_summary_ops_give_the_median_time_their_median_lost_time_is_of():
         median_s = r.median_s * r.executions_per_step
         assert line.startswith(f"- {r.hlo_op} (") and f": {fmt_time(median_s)}, " in line
         assert r.median_lost_per_step_s == pytest.approx(median_s - r.expected_per_step_s)
+
+
+def test_host_bound_names_the_host_where_the_host_work_is():
+    """A user's 2-host job, one host's loop 30 ms slower: 'waits on the host 15.5 ms per step' was the mean over
+    both hosts' devices and named neither; the host that holds it is named with its own figure."""
+    from traceroof.findings.rules_system import _one_host
+
+    def table(host_bound_s):
+        return pd.DataFrame({"device": [f"host{h}/cpu:{d}" for h in (0, 1) for d in (0, 1)],
+                             "host_bound_s": host_bound_s})
+
+    assert _one_host(table([0.4e-3, 0.4e-3, 30.7e-3, 30.7e-3])) == (
+        ", mostly on host1 (30.700 ms per step there, at most 400.0 µs on the other 1 host(s))")
+    assert _one_host(table([10e-3, 12e-3, 14e-3, 16e-3])) == ""  # spread over both hosts
+    assert _one_host(table([0.0, 0.0, 30e-3, 30e-3]).assign(device=lambda t: "h/cpu:" + t.index.astype(str))) == ""
