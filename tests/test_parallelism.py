@@ -543,6 +543,33 @@ def test_an_expert_axis_that_also_splits_attention_says_so() -> None:
     assert a.evidence.startswith("also tensor parallelism") and "also" not in b.evidence
 
 
+def test_an_all_to_all_in_the_backward_pass_alone_makes_no_expert_axis() -> None:
+    """A user's FSDP step (no experts) read as an expert axis: XLA resharded 12 LayerNorm gradients by all-to-all in
+    the backward pass. Here: weights gathered before a forward matmul, and one all-to-all of a backward value; the
+    axis is FSDP, the all-to-all in its evidence as what it is. A forward all-to-all (an MoE's dispatch) still
+    makes the axis expert."""
+    hlo = """HloModule step, num_partitions=4, input_output_alias={ {0}: (0, {}, may-alias) }
+
+ENTRY %main (w: f32[4,16], x: f32[8,16]) -> f32[4,16] {
+  %w = f32[4,16]{1,0} parameter(0), sharding={devices=[4,1]<=[4]}
+  %x = f32[8,16]{1,0} parameter(1), sharding={replicated}
+  %wg = f32[16,16]{1,0} all-gather(%w), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jvp(mlp)/dot_general"}
+  %h = f32[8,16]{1,0} dot(%x, %wg), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/jvp(mlp)/dot_general"}
+  %t = f32[8,16]{1,0} PHASE_OP, metadata={op_name="jit(step)/PHASE(mlp)/norm/mul"}
+  %g = f32[16,16]{1,0} dot(%x, %t), lhs_contracting_dims={0}, rhs_contracting_dims={0}, metadata={op_name="jit(step)/transpose(jvp(mlp))/dot_general"}
+  %gs = f32[4,16]{1,0} slice(%g), slice={[0:4], [0:16]}
+  ROOT %new = f32[4,16]{1,0} subtract(%w, %gs), metadata={op_name="jit(step)/sub"}
+}
+"""
+    a2a = "all-to-all(%h), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}"
+    for phase, strategy, evidence in (("transpose(jvp(mlp))", "fsdp", "all-to-all outside the forward pass"),
+                                      ("jvp(mlp)", "expert", "tokens exchanged by all-to-all")):
+        m, = parse_hlo_text(hlo.replace("PHASE_OP", a2a).replace("PHASE(mlp)", phase))
+        mesh = recover_mesh(m)
+        (axis,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
+        assert axis.strategy == strategy and evidence in axis.evidence, (phase, axis)
+
+
 def test_a_pipeline_loop_states_its_bubble() -> None:
     """A user's GPipe step (4 stages over 4 devices, ppermute inside a fori_loop of M + S - 1 = 11 iterations for
     8 micro-batches) showed the bubble only as a formula while MFU counted the bubble's work: the note now gives

@@ -4,7 +4,8 @@ Rules (How to Scale Your Model, "How to Parallelize a Transformer for Training":
 parallelism, FSDP, tensor parallelism and pipelining sections; the MoE all-to-all of "Training LLaMA"'s GPU
 chapter, §12.4.3):
 
-* ``expert``: tokens exchanged by all-to-all over the axis;
+* ``expert``: tokens exchanged by all-to-all over the axis in the forward pass (all-to-alls only in the backward
+  pass or the update are XLA resharding values, which decide no strategy);
 * ``pipeline``: activations sent by collective-permute between the axis' devices (one hop between stages);
   an expert or pipeline axis that also carries activations inside layers (an MoE whose attention is
   tensor-parallel over its expert axis) keeps that strategy for the book's arithmetic, and its evidence starts
@@ -186,6 +187,7 @@ EVIDENCE_TEXT = {
     "activations_tokens": "activations gathered along a token dimension",
     "permute": "activations sent by collective-permute (one hop)",
     "all_to_all": "tokens exchanged by all-to-all",
+    "all_to_all_later": "all-to-all outside the forward pass (an MoE's token gradients, or XLA resharding)",
     "weights_other": "weights communicated otherwise",
     "scalars": "scalars reduced (loss, norms)",
 }
@@ -263,7 +265,10 @@ def _evidence_kind(module: HloModule, comp: Computation, users: dict[str, list[I
     if not arrays:
         return "scalars"
     if c.kind in ("all-to-all", "ragged-all-to-all"):
-        return "all_to_all"
+        # an MoE dispatches tokens in the forward pass (and returns their gradients in the backward); all-to-alls
+        # in the backward or the update alone may be XLA resharding values (a user's FSDP step: 12 of them on
+        # LayerNorm gradients, read as an expert axis): only forward ones make an expert axis
+        return "all_to_all" if flow.phase(inst) in ("forward", "remat") else "all_to_all_later"
     weightlike = any(squeeze(s.dims) in shapes for s in arrays)
     if c.kind in ("collective-permute", "send", "recv"):
         return "weights_other" if weightlike else "permute"
