@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -385,7 +386,8 @@ def test_watch_analyzes_again_a_run_whose_file_was_incomplete(tmp_path):
     (run / "host.xplane.pb").write_bytes(whole[: len(whole) // 3])
     seen: list[str] = []
 
-    def on_report(path, analysis, error):
+    def on_report(path, analysis, error, hosts, hosts_before):
+        assert (hosts, hosts_before) == (1, 0)
         seen.append(error)
         if error:  # the writer finishes
             (path / "host.xplane.pb").write_bytes(whole)
@@ -395,6 +397,42 @@ def test_watch_analyzes_again_a_run_whose_file_was_incomplete(tmp_path):
     assert done == [run]
     assert len(seen) == 2 and seen[0] and seen[1] == ""
     assert (run / "traceroof_report.json").exists()
+
+
+def test_watch_analyzes_a_run_again_when_another_host_file_lands(tmp_path):
+    """The hosts of a multi-host job write their files into one run directory, seconds apart: the run is reported
+    from the first host's file, then analyzed again once the second host's file is there, its reports replaced
+    and the user's files in the run directory left alone."""
+    host_file = ROOT / "fixtures" / "fuzz" / "tiny_sharded.xplane.pb"  # 2 devices: host0/cpu:0 and cpu:1
+    run = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
+    watcher = subprocess.Popen([sys.executable, "-m", "traceroof.cli", "watch", str(tmp_path), "--interval", "50ms",
+                                "--timeout", "60s", "--chip", HOST_CHIP],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=ENV)
+    try:
+        assert watcher.stderr.readline().startswith("traceroof: watching ")
+        run.mkdir(parents=True)
+        (run / "notes.txt").write_text("the user's own file")
+        shutil.copy(host_file, run / "host0.xplane.pb")
+        first = watcher.stdout.readline()
+        assert first.startswith(f"{run}: step "), first
+        assert json.loads((run / "traceroof_report.json").read_text())["summary"]["devices"] == 2
+        first_reports = {ext: (run / f"traceroof_report.{ext}").read_text() for ext in ("txt", "md")}
+        shutil.copy(host_file, run / "host1.xplane.pb")  # the second host finishes later
+        again = watcher.stdout.readline()
+        watcher.send_signal(signal.SIGINT)
+        out, err = watcher.communicate(timeout=60)
+    finally:
+        watcher.kill()
+    assert again.startswith(f"{run}: analyzed again with 2 host(s) now (1 before), reports replaced: step "), again
+    assert watcher.returncode == 0 and out == "" and "not analyzed" not in err, err
+    report = json.loads((run / "traceroof_report.json").read_text())
+    assert report["summary"]["devices"] == 4
+    assert {row["device"].split("/")[0] for row in report["step_breakdown"]} == {"host0", "host1"}
+    assert all((run / f"traceroof_report.{ext}").read_text() != text for ext, text in first_reports.items())
+    assert sorted(p.name for p in run.iterdir()) == ["host0.xplane.pb", "host1.xplane.pb", "notes.txt",
+                                                     "traceroof_report.json", "traceroof_report.md",
+                                                     "traceroof_report.txt"]
+    assert (run / "notes.txt").read_text() == "the user's own file"
 
 
 def test_watch_skips_the_runs_already_there_unless_existing(tmp_path):

@@ -23,7 +23,8 @@
 * It never raises into the training loop: every error is logged and the job goes on.
 * :func:`capture` asks a job that called ``jax.profiler.start_server(PORT)`` for a profile over gRPC (the
   profiler client that tensorboard-plugin-profile ships, ``xprof.convert._pywrap_profiler_plugin.trace``).
-* :func:`watch` analyzes every new run directory that appears under a TensorBoard logdir.
+* :func:`watch` analyzes every new run directory that appears under a TensorBoard logdir, and a reported run
+  again when another host's file lands in it.
 """
 
 from __future__ import annotations
@@ -484,44 +485,54 @@ def _quiet_native_output() -> Iterator[None]:
 
 # -- watched logdir -----------------------------------------------------------------------------------------------
 
-def _complete(run: Path, sizes: dict[Path, int]) -> bool:
-    """A run directory is complete when it holds an .xplane.pb whose size did not change since the last poll."""
-    files = sorted(run.glob("*.xplane.pb"))
-    if not files:
-        return False
-    now = {f: f.stat().st_size for f in files}
-    stable = all(sizes.get(f) == s and s > 0 for f, s in now.items())
-    sizes.update(now)
-    return stable
+def _stable_files(run: Path, sizes: dict[Path, dict[Path, int]]) -> dict[Path, int] | None:
+    """The run's .xplane.pb files (one per host) and their sizes in bytes when the same files with the same
+    non-zero sizes were there at the last poll (``sizes``: each run's files at the last poll, updated here);
+    ``None`` while there is none, or one is empty, new or growing."""
+    now = {f: f.stat().st_size for f in sorted(run.glob("*.xplane.pb"))}
+    before, sizes[run] = sizes.get(run), now
+    return now if now and now == before and all(now.values()) else None
 
 
 def watch(logdir: str | Path, interval_s: float = 2.0, timeout_s: float | None = None, max_reports: int | None = None,
-          chip: str | None = None, on_report: Callable[[Path, object | None, str], None] | None = None,
+          chip: str | None = None, on_report: Callable[[Path, object | None, str, int, int], None] | None = None,
           existing: bool = False, on_start: Callable[[Path, int], None] | None = None) -> list[Path]:
     """Analyze every new run under ``logdir/plugins/profile`` and write ``traceroof_report.*`` beside it.
 
-    Runs present when watching starts are skipped unless ``existing``. Stops after ``timeout_s`` or
-    ``max_reports`` reports. A run that fails to analyze is reported through ``on_report`` with the error and
-    skipped until its files change: a profile still being written (a writer that paused longer than a poll on a
-    busy machine or a slow network disk) is analyzed again once it is whole. ``on_start(profile_dir, skipped)`` is
-    called once the runs already there are listed: a run written after it is a new run. Returns the run directories
-    analyzed.
+    A run is analyzed once its ``.xplane.pb`` files (one per host) were the same, with the same sizes, at two
+    polls ``interval_s`` apart. The hosts of a multi-host job (a TPU pod, a multi-process JAX job) write their
+    files into one run directory and can finish seconds apart, so a reported run stays followed: when a host file
+    appears in it or one changes size, it is analyzed again once stable, and its ``traceroof_report.*`` are
+    replaced (no other file in the run directory is written). ``on_report(run_dir, analysis, error, hosts,
+    hosts_before)`` is called after each analysis: ``analysis`` is ``None`` and ``error`` the one-line message
+    when it failed; ``hosts`` is the number of host files analyzed, ``hosts_before`` the number the run's
+    reports covered before (0: its first report; a failed analysis again leaves those reports in place).
+
+    Runs present when watching starts are skipped unless ``existing``. Stops after ``timeout_s`` or once
+    ``max_reports`` runs are reported: an analysis again does not count as a new report, and a host file that
+    lands after watch returned is not seen (follow multi-host jobs with ``timeout_s``). A run that fails to
+    analyze is skipped until its files change: a profile still being written (a writer that paused longer than
+    a poll on a busy machine or a slow network disk) is analyzed again once it is whole.
+    ``on_start(profile_dir, skipped)`` is called once the runs already there are listed: a run written after it
+    is a new run. Returns the run directories reported, each once, in the order of their first reports.
     """
     root = Path(logdir) / "plugins" / "profile"
-    seen: set[Path] = set() if existing else (set(root.glob("*")) if root.exists() else set())
+    skipped: set[Path] = set() if existing else (set(root.glob("*")) if root.exists() else set())
     if on_start:
-        on_start(root, len(seen))
-    sizes: dict[Path, int] = {}
+        on_start(root, len(skipped))
+    sizes: dict[Path, dict[Path, int]] = {}  # run -> its files' sizes (bytes) at the last poll
+    reported: dict[Path, dict[Path, int]] = {}  # run -> its files' sizes when its reports were written
     failed: dict[Path, dict[Path, int]] = {}  # run -> its files' sizes when it failed
     done: list[Path] = []
     start = time.monotonic()
     while True:
         for run in sorted(root.glob("*")) if root.exists() else []:
-            if run in seen or not run.is_dir() or not _complete(run, sizes):
+            if run in skipped or not run.is_dir():
                 continue
-            files = {f: s for f, s in sizes.items() if f.parent == run}
-            if failed.get(run) == files:
+            files = _stable_files(run, sizes)
+            if files is None or files == reported.get(run) or files == failed.get(run):
                 continue
+            hosts_before = len(reported.get(run, {}))
             try:
                 from traceroof.analysis import analyze
 
@@ -530,12 +541,13 @@ def watch(logdir: str | Path, interval_s: float = 2.0, timeout_s: float | None =
             except TraceroofError as e:
                 failed[run] = files
                 if on_report:
-                    on_report(run, None, str(e))
+                    on_report(run, None, str(e), len(files), hosts_before)
                 continue
-            seen.add(run)
-            done.append(run)
+            if run not in reported:
+                done.append(run)
+            reported[run] = files
             if on_report:
-                on_report(run, a, "")
+                on_report(run, a, "", len(files), hosts_before)
             if max_reports is not None and len(done) >= max_reports:
                 return done
         if timeout_s is not None and time.monotonic() - start > timeout_s:

@@ -361,18 +361,24 @@ def capture(address: str, duration: str, logdir: str | None, every: str | None, 
 @_guarded
 def watch(logdir: str, interval: str, timeout: str | None, max_reports: int | None, existing: bool,
           chip: str | None) -> None:
-    """Analyze every new profile run under LOGDIR and write traceroof_report.* beside it."""
+    """Analyze every new profile run under LOGDIR and write traceroof_report.* beside it.
+
+    A run that gets another host's file (or whose file changes) after its report is analyzed again and its
+    reports are replaced; --max-reports counts runs, not analyses again."""
     from traceroof.attach import one_line, watch as follow
     from traceroof.report.safe import printable
 
     if Path(logdir).exists() and not Path(logdir).is_dir():
         raise TraceroofError(f"{logdir} is not a directory; pass the TensorBoard logdir the job writes to")
 
-    def report(run_dir: Path, analysis: object | None, error: str) -> None:
+    def report(run_dir: Path, analysis: object | None, error: str, hosts: int, hosts_before: int) -> None:
+        again = f" again with {hosts} host(s) now ({hosts_before} before)" if hosts_before else ""
         if analysis is None:
-            click.echo(f"{printable(run_dir)}: not analyzed: {printable(error)}", err=True)
+            kept = f"; its reports still cover the {hosts_before} host(s) analyzed before" if hosts_before else ""
+            click.echo(f"{printable(run_dir)}: not analyzed{again}: {printable(error)}{kept}", err=True)
         else:
-            click.echo(f"{printable(run_dir)}: {one_line(analysis)}")
+            click.echo(f"{printable(run_dir)}: " + (f"analyzed{again}, reports replaced: " if again else "")
+                       + one_line(analysis))
 
     def start(profile_dir: Path, skipped: int) -> None:
         old = f" ({skipped} run(s) already there are skipped; --existing analyzes them)" if skipped else ""
