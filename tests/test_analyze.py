@@ -373,3 +373,75 @@ def test_unknown_opcodes_are_reported_not_fatal(tmp_path):
     a = analyze(fx, chip=HOST_CHIP)
     assert any("my-future-copy" in n for n in a.summary.notes)
     assert a.summary.join.events_joined == a.summary.join.events_total
+
+
+MULTIHOST = FIXTURES / "multihost_dp8" / "logdir"  # a real 2-process JAX job: 2 hosts x 4 CPU devices, gloo
+
+
+@pytest.fixture(scope="module")
+def multihost():
+    return analyze(MULTIHOST, chip=HOST_CHIP)
+
+
+def _multihost_files() -> tuple:
+    (run,) = (MULTIHOST / "plugins" / "profile").iterdir()
+    return run, run / "host0.xplane.pb", run / "host1.xplane.pb"
+
+
+def test_a_two_host_run_says_two_hosts(multihost):
+    """A user's 2-process job (host0.xplane.pb + host1.xplane.pb, an all-reduce over gloo TCP) was reported as '8
+    device(s) on one host' with no host count, its collectives said to 'share one memory'."""
+    import json
+
+    from traceroof.report import render
+
+    s = multihost.summary
+    assert multihost.topology == multihost.parallelism.topology == "8 device(s) on 2 hosts"
+    assert (s.devices, s.hosts) == (8, 2)
+    assert json.loads(render(multihost, "json"))["summary"]["hosts"] == 2
+    assert "8 device(s) with op events on 2 hosts" in render(multihost, "terminal")
+    assert "8 device(s) on 2 hosts;" in render(multihost, "summary")
+    assert not any("share one memory" in n or "profiles are missing" in n for n in s.notes)
+    assert any(n.startswith("collectives between CPU devices on 2 hosts cross processes") for n in s.notes)
+    (coll,) = [f for f in multihost.findings if f.code == "exposed-collective"]
+    assert "across 2 hosts" in coll.advice and "on shared cores" not in coll.advice
+
+
+def test_a_missing_host_is_named(multihost, tmp_path):
+    """One host's file alone, or a run directory that lost a host's file, read as a whole 4-device job: the
+    program's all-reduce spans 8 devices. Per-device figures stay; a note says what is missing."""
+    import shutil
+
+    _, host0, host1 = _multihost_files()
+    run = tmp_path / "logdir" / "plugins" / "profile" / "2026_11_24_08_45_11"
+    run.mkdir(parents=True)
+    shutil.copy(host0, run)
+    for path, host in ((host1, "host1"), (tmp_path / "logdir", "host0")):
+        a = analyze(path, chip=HOST_CHIP)
+        (note,) = [n for n in a.summary.notes if "profiles are missing" in n]
+        assert note.startswith(f"the program runs on 8 devices but the profile holds op events of 4 (host {host})")
+        assert note.endswith("analyze the whole run directory")
+        assert a.topology == "8 device(s) on 2 hosts"
+        assert (a.summary.devices, a.summary.hosts) == (4, 1)
+        assert a.summary.flops_per_step == pytest.approx(multihost.summary.flops_per_step)  # per device
+
+
+def test_a_capture_split_over_two_run_directories_names_the_other(tmp_path):
+    """Hosts that stop their traces in different seconds are written to two run directories; a logdir is read
+    at its latest run only, which held half the devices and said nothing of the run 1 s earlier."""
+    import shutil
+
+    _, host0, host1 = _multihost_files()
+    profile = tmp_path / "plugins" / "profile"
+    early, late, old = (profile / n for n in ("2026_11_24_08_29_47", "2026_11_24_08_29_48", "2026_11_24_08_20_00"))
+    for run, src in ((early, host0), (late, host1), (old, host0)):
+        run.mkdir(parents=True)
+        shutil.copy(src, run)
+    a = analyze(tmp_path, chip=HOST_CHIP)
+    assert a.summary.input == str(late) and a.summary.devices == 4
+    (note,) = [n for n in a.summary.notes if "profiles are missing" in n]
+    assert f"run {early}, written within 10 s" in note and note.endswith("pass both run directories")
+    assert str(old) not in note  # 8 minutes earlier: another capture
+    both = analyze([early, late], chip=HOST_CHIP)
+    assert (both.summary.devices, both.summary.hosts) == (8, 2)
+    assert not any("profiles are missing" in n for n in both.summary.notes)

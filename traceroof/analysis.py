@@ -12,13 +12,14 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
-from parsers.storage import is_url
+from parsers.hlo import HloModule
+from parsers.storage import Location, is_url
 from parsers.hlo_text import is_known_opcode
 from traceroof.breakdown import analysis_breakdown
 from traceroof.chips import Chip, detect_chip, get_chip, host_cache_path, host_chip, per_device_chip
-from traceroof.collectives import expected_time, module_devices, topology_for
+from traceroof.collectives import Collective, expected_time, module_devices, topology_for
 from traceroof.communication import _async_pairs, _latency_bound, collectives_table
-from traceroof.discovery import discover
+from traceroof.discovery import NEARBY_RUN_S, discover
 from traceroof.export_analysis import analyze_export
 from traceroof.findings import FindingInputs, with_findings
 from traceroof.hlo_source import HloMismatchError
@@ -168,16 +169,23 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                      + (f" (ambiguous module names: {', '.join(join.ambiguous_modules)})"
                         if join.ambiguous_modules else "")
                      + "; pass --hlo DIR with those modules' dumps")
-    n_devices = max([module_devices(m) for m in profile.modules] + [int(ops["device"].nunique())])
-    topo, topo_note = topology_for(topology, chip_ici, n_devices)
+    hosts = _hosts_with_ops(profile.rows)
+    profiled = int(ops["device"].nunique())
+    needed = _program_devices(profile.modules, collectives)
+    n_devices = max(needed, profiled)
+    topo, topo_note = topology_for(topology, chip_ici, n_devices, _host_count(len(hosts), profiled, needed))
     notes += [topo_note] * bool(topo_note)
+    notes += _missing_hosts(needed, profiled, hosts, profile.inputs.nearby_runs)
     estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()
     own_collective = [i if c is not None else len(collectives) for i, c in enumerate(collectives)]  # per op
     costs = costs.with_communication(comm[own_collective])
     ops["comm_latency_bound"] = _latency_bound(estimates, len(collectives))[np.where(cid >= 0, cid, len(collectives))]
-    if any(c is not None for c in collectives) and topo.kind == "host":
+    if any(c is not None for c in collectives) and topo.kind == "host" and topo.hosts > 1:
+        notes.append(f"collectives between CPU devices on {topo.hosts} hosts cross processes (over the network, "
+                     "e.g. gloo TCP): no link model for CPU hosts, judged on memory traffic only")
+    elif any(c is not None for c in collectives) and topo.kind == "host":
         notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "
                      "traffic only")
     ops, costs = roofline_rows(ops, costs, target)
@@ -199,7 +207,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         warmup_steps = 0
     used = steps_with_ops(tuple(all_steps[warmup_steps:]), ops["step"], profile.step_annotation,
                           profile.inputs.description, notes)
-    used = steps_on_every_host(used, steps, _hosts_with_ops(profile.rows), notes)
+    used = steps_on_every_host(used, steps, hosts, notes)
     sel = steps[steps["step"].isin(used)]
     durations, host_mean = _step_durations(sel, notes, marked=not profile.step_annotation.startswith("executions"))
     step_col = ops["step"]
@@ -227,7 +235,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     op_time = float(counted["measured_s"].sum()) / per
     exposed_comm = float(counted["comm_exposed_s"].sum()) / per
     peak, peak_key = main_matmul_peak(counted, target, "f32")
-    program_devices = max([module_devices(m) for m in profile.modules] + [n_dev])
+    program_devices = max(needed, n_dev)
     model_flops, model_source, mfu, hfu = flop_utilization(counted, per, step_mean, peak, program_devices,
                                                            model_flops_per_step)
     if not join.events_joined:
@@ -243,7 +251,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         step_time_mean_s=step_mean, step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=hbm,
         expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
         roofline_efficiency=efficiency,
-        devices=n_dev, join=join, exposed_comm_per_step_s=exposed_comm,
+        devices=n_dev, hosts=max(len(hosts), 1), join=join, exposed_comm_per_step_s=exposed_comm,
         step_times_s=tuple(float(x) for x in durations),
         hlo_sources=hlo_sources, notes=tuple(notes), host_step_time_mean_s=host_mean,
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
@@ -272,6 +280,37 @@ def _hosts_with_ops(rows: pd.DataFrame) -> list[str]:
         codes = host.codes[host.codes >= 0]
         return [str(c) for c in host.categories[np.flatnonzero(np.bincount(codes, minlength=len(host.categories)))]]
     return sorted({str(h) for h in pd.unique(host) if pd.notna(h)})
+
+
+def _program_devices(modules: Sequence[HloModule], collectives: Sequence[Collective | None]) -> int:
+    """Devices the programs run on: their headers' ``num_partitions`` x ``replica_count``, or (an HloProto from
+    the profile has no header) one more than the largest device its collectives' groups name."""
+    ids = [d for c in collectives if c is not None for g in c.groups for d in g] + \
+        [d for c in collectives if c is not None for pair in c.source_target_pairs for d in pair]
+    return max([module_devices(m) for m in modules] + [max(ids, default=0) + 1])
+
+
+def _host_count(hosts: int, profiled: int, needed: int) -> int:
+    """CPU hosts the program runs on: the ``hosts`` holding op events, and when the program runs on more devices
+    (``needed``) than they hold (``profiled``), enough more hosts for the rest at as many devices each."""
+    hosts = max(hosts, 1)
+    return max(hosts, -(-needed * hosts // profiled)) if needed > profiled > 0 else hosts
+
+
+def _missing_hosts(needed: int, profiled: int, hosts: Sequence[str], nearby: Sequence[Location]) -> list[str]:
+    """A note when the programs run on more devices than the profile holds op events of: hosts' profiles are
+    missing (one host's file given, a file lost, or a capture split over run directories: ``nearby`` runs)."""
+    if not needed > profiled > 0:
+        return []
+    where = f" (host{'s' * (len(hosts) > 1)} {', '.join(hosts)})" if hosts else ""
+    note = (f"the program runs on {needed:,} devices but the profile holds op events of {profiled:,}{where}: the "
+            "other hosts' profiles are missing (each host writes <its hostname>.xplane.pb: processes sharing a "
+            "hostname overwrite each other's); ")
+    if not nearby:
+        return [note + "analyze the whole run directory"]
+    return [note + f"run {', '.join(map(str, nearby))}, written within {NEARBY_RUN_S} s of the run analyzed, may "
+            "hold them (hosts that stop their traces in different seconds write different run directories): pass "
+            "both run directories"]
 
 
 def _cost_disagreements(ops: pd.DataFrame, costs: RowCosts) -> list[str]:

@@ -220,8 +220,8 @@ class Topology:
     """Where devices sit.
 
     ``kind``: ``tpu`` (``shape`` = slice dims, device ids in slice order with the first dim fastest;
-    ``slices`` slices joined by DCN), ``gpu`` (``shape`` = (GPUs per node, nodes)), ``host`` (virtual devices
-    of one machine). ``wraparound`` per TPU axis.
+    ``slices`` slices joined by DCN), ``gpu`` (``shape`` = (GPUs per node, nodes)), ``host`` (virtual CPU devices
+    on ``hosts`` machines, one process each). ``wraparound`` per TPU axis.
     """
 
     kind: str
@@ -229,6 +229,7 @@ class Topology:
     wraparound: tuple[bool, ...] = ()
     slices: int = 1
     source: str = ""
+    hosts: int = 1
 
     @property
     def devices(self) -> int:
@@ -254,22 +255,22 @@ class Topology:
         if self.kind == "gpu":
             return f"{self.shape[1]} node(s) x {self.shape[0]} GPUs"
         if self.kind == "host":
-            return f"{self.shape[0]} device(s) on one host"
+            return f"{self.shape[0]} device(s) on " + (f"{self.hosts} hosts" if self.hosts > 1 else "one host")
         dims = "x".join(str(d) for d in self.shape)
         wrap = ",".join("wrap" if w else "line" for w in self.wraparound)
         return f"{self.slices} x " * (self.slices > 1) + f"{dims} slice ({wrap})"
 
 
-def topology_for(text: str | None, chip: Chip, devices: int) -> tuple[Topology, str]:
+def topology_for(text: str | None, chip: Chip, devices: int, hosts: int = 1) -> tuple[Topology, str]:
     """The topology collectives are placed on, and a note ('' when none): ``--topology`` (``text``) checked
-    against the ``devices`` the program runs on, else :func:`default_topology`. A topology larger than the
-    program takes its devices as the program's first ones (a note says so); on a CPU-host target it is not
-    used (a note says to pass ``--chip``).
+    against the ``devices`` the program runs on, else :func:`default_topology` (on ``hosts`` CPU hosts). A
+    topology larger than the program takes its devices as the program's first ones (a note says so); on a
+    CPU-host target it is not used (a note says to pass ``--chip``).
 
     :raises InputError: a ``--topology`` that is malformed (:func:`parse_topology`) or holds fewer devices
         than the program runs on (its collectives would reach devices the topology lacks).
     """
-    like = default_topology(chip, devices)
+    like = default_topology(chip, devices, hosts)
     if not text:
         return like, ""
     topo = parse_topology(text, chip)
@@ -297,9 +298,9 @@ def _tpu_wraparound(chip: Chip, shape: tuple[int, ...]) -> tuple[bool, ...]:
     return tuple(d == 16 for d in shape)
 
 
-def default_topology(chip: Chip, devices: int) -> Topology:
+def default_topology(chip: Chip, devices: int, hosts: int = 1) -> Topology:
     """The topology a device count implies on a chip: TPU 2D chips a near-square slice, 3D chips a near-cube;
-    GPUs fill nodes of ``interconnect.gpus_per_node``; CPU hosts are one machine."""
+    GPUs fill nodes of ``interconnect.gpus_per_node``; CPU devices are on ``hosts`` machines (one by default)."""
     if chip.kind == "tpu":
         dims3 = "3d" in str(chip.value("interconnect.ici_topology", "")).lower()
         shape = _factor(devices, 3 if dims3 else 2)
@@ -309,7 +310,8 @@ def default_topology(chip: Chip, devices: int) -> Topology:
         per = int(chip.value("interconnect.gpus_per_node", 8) or 8)
         per = min(per, devices) if devices else per
         return Topology("gpu", (per, max(math.ceil(devices / per), 1)), (), 1, "nodes of gpus_per_node")
-    return Topology("host", (max(devices, 1),), (), 1, "one host")
+    hosts = max(hosts, 1)
+    return Topology("host", (max(devices, 1),), (), 1, "one host" if hosts == 1 else f"{hosts} hosts", hosts)
 
 
 def _factor(n: int, k: int) -> tuple[int, ...]:

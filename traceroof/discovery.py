@@ -4,6 +4,7 @@ dumps) to the profile files of one capture and the HLO files beside them (:class
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
@@ -16,6 +17,8 @@ from traceroof.hlo_source import hlo_files
 XPLANE_SUFFIXES = (".xplane.pb", ".xspace.pb", ".xplane.pb.gz")
 TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz", ".json.gz", ".json")
 RUN_TRACE_JSON_SUFFIXES = (".trace.json.gz", ".trace.json", "perfetto_trace.json.gz")
+RUN_NAME_FORMAT = "%Y_%m_%d_%H_%M_%S"  # JAX's run directory names (the time the trace stopped, to the second)
+NEARBY_RUN_S = 10  # hosts whose traces stopped this many seconds apart land in different run directories
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class Inputs:
     description: str
     hlo_proto_files: tuple[Location, ...] = ()
     user_hlo_files: tuple[Location, ...] = ()
+    nearby_runs: tuple[Location, ...] = ()  # runs of a logdir written within NEARBY_RUN_S of the one chosen
 
 
 def _is_xplane(p: Location) -> bool:
@@ -48,6 +52,24 @@ def _profiles_in_run(files: list[Location]) -> tuple[list[Location], str]:
     if xplanes:
         return xplanes, "xplane"
     return [p for p in files if storage.name(p).endswith(RUN_TRACE_JSON_SUFFIXES)], "trace_json"
+
+
+def _run_time(run: Location) -> datetime | None:
+    try:
+        return datetime.strptime(storage.name(run), RUN_NAME_FORMAT)
+    except ValueError:
+        return None
+
+
+def _nearby_runs(run: Location, runs: list[Location]) -> list[Location]:
+    """The other runs beside ``run`` named (JAX's ``%Y_%m_%d_%H_%M_%S``) within :data:`NEARBY_RUN_S` of it that
+    hold profile files: a capture whose hosts stopped their traces in different seconds is split over them."""
+    at = _run_time(run)
+    if at is None:
+        return []
+    near = [r for r in runs if r != run and storage.parent(r) == storage.parent(run)
+            and (t := _run_time(r)) is not None and abs((t - at).total_seconds()) <= NEARBY_RUN_S]
+    return [r for r in sorted(near, key=storage.name) if _profiles_in_run(storage.listing(r)[0])[0]]
 
 
 def _sidecars(profiles: list[Location], folders: list[Location]) -> list[Location]:
@@ -70,6 +92,7 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
     found_hlo: list[Location] = []
     described: list[Location] = []
     folders: list[Location] = []
+    nearby: list[Location] = []
     if not paths:
         raise InputError("no input given: pass a .xplane.pb, a run directory or a TensorBoard logdir")
     for raw in paths:
@@ -111,6 +134,7 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
                 found, kind = _profiles_in_run(storage.listing(r)[0])
                 if found:
                     run = r
+                    nearby += _nearby_runs(r, runs)
                     break
         if not found:
             raise InputError(f"{p}: no .xplane.pb or trace JSON found (looked in it and in plugins/profile/<run>/); "
@@ -135,4 +159,5 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
     if len(kinds) > 1:
         raise InputError("mixing .xplane.pb and trace JSON inputs is not supported; pass one kind")
     return Inputs(tuple(dict.fromkeys(profiles)), kinds.pop(), tuple(dict.fromkeys(found_hlo)),
-                  ", ".join(map(str, described)), tuple(_sidecars(profiles, folders)), tuple(user_files))
+                  ", ".join(map(str, described)), tuple(_sidecars(profiles, folders)), tuple(user_files),
+                  tuple(r for r in dict.fromkeys(nearby) if r not in described))

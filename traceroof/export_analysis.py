@@ -88,7 +88,7 @@ def analyze_export(inputs: Inputs, chip: str | Chip | None, depth: int, top: int
         step_time_std_s=step_std, flops_per_step=flops, hbm_bytes_per_step=float(counted["hbm_bytes"].sum()) / per,
         expected_per_step_s=expected, op_time_per_step_s=float(counted["measured_s"].sum()) / per,
         mfu=mfu, mfu_peak_key=peak_key,
-        roofline_efficiency=efficiency, devices=cores, join=join,
+        roofline_efficiency=efficiency, devices=cores, hosts=1, join=join,
         step_times_s=tuple(full) if steps else (),
         hlo_sources={"XProf hlo_stats export (instruction text per row)": 1}, notes=tuple(notes),
         exposed_comm_per_step_s=float("nan"),  # an export has no timeline

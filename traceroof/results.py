@@ -56,6 +56,7 @@ class Summary:
     mfu_peak_key: str
     roofline_efficiency: float
     devices: int
+    hosts: int  # hosts holding op events (one profile file each)
     join: JoinReport
     exposed_comm_per_step_s: float = 0.0
     step_times_s: tuple[float, ...] = ()

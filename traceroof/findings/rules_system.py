@@ -73,7 +73,10 @@ def exposed_collective(x: FindingInputs) -> list[Finding]:
         if x.virtual_devices:
             skew = r.arrival_skew_s if np.isfinite(r.arrival_skew_s) else 0.0
             title = f"{what} takes {fmt_s(r.exposed_per_step_s)} per step on virtual CPU devices"
-            advice = (f"mostly devices waiting for each other on shared cores (arrival skew {fmt_s(skew)}), not "
+            hosts = x.analysis.summary.hosts
+            on = "on shared cores" if hosts <= 1 else f"across {hosts} hosts"
+            how = "" if hosts <= 1 else "; threads sharing each host's cores, processes joined over the network"
+            advice = (f"mostly devices waiting for each other {on} (arrival skew {fmt_s(skew)}{how}), not "
                       "data movement: profile on the real accelerators to judge it")
         else:
             exposed = r.exposed_per_step_s

@@ -24,7 +24,8 @@ def render_summary(a: Analysis) -> str:
     busy = s.op_time_per_step_s / step if step > 0 else float("nan")
     comm = s.exposed_comm_per_step_s / step if step > 0 else float("nan")
     out = [f"# traceroof summary: {markdown(s.input)}", "",
-           f"- chip: {markdown(s.chip_name)} [{markdown(s.chip_id)}]; {s.devices} device(s); {markdown(s.device)}",
+           f"- chip: {markdown(s.chip_name)} [{markdown(s.chip_id)}]; {s.devices} device(s)"
+           f"{f' on {s.hosts} hosts' * (s.hosts > 1)}; {markdown(s.device)}",
            f"- step: {fmt_time(step)} ± {fmt_time(s.step_time_std_s)} over {len(s.steps_used)} step(s); op time "
            f"{fmt_pct(busy)} of it{' (op events overlap in time)' if busy > 1 else ''}; exposed communication "
            f"{fmt_pct(comm)}",

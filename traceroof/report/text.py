@@ -47,7 +47,7 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
     lines = [
         ("input", s.input + {"c": " (decoder: C)", "python": " (decoder: pure Python, slower: no C compiler at "
                                 "install, or TRACEROOF_DECODER=python)"}.get(s.decoder, "")),
-        ("device", f"{s.device}; {s.devices} device(s) with op events"),
+        ("device", f"{s.device}; {s.devices} device(s) with op events" + f" on {s.hosts} hosts" * (s.hosts > 1)),
         ("chip", f"{s.chip_name} [{s.chip_id}]: {peaks}; HBM {hbm}"
                  + (f"; calibrated {s.chip_calibrated_at}" if s.chip_calibrated_at else "")),
     ]
