@@ -272,10 +272,9 @@ def left_out_executions(events: pd.DataFrame, tied: np.ndarray,
                 for k in sorted({0, len(mine) - 1}):
                     ran = set(events["hlo_op"].array[rows[at[exe[at] == mine[k]]]].astype(str))
                     cut = _schedule_cut(order, ran)
-                    last = k == len(mine) - 1
-                    if cut == "end" and last or cut == "all" and last:
+                    if k == len(mine) - 1 and cut in ("end", "all"):  # a sole execution that ran none: the stop
                         exe_after[mine[k]] = True
-                    elif cut in ("start", "all") and k == 0:
+                    elif k == 0 and cut in ("start", "all"):
                         exe_before[mine[k]] = True
             continue
         if not len(short):
