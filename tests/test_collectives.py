@@ -312,7 +312,7 @@ def test_findings_name_the_straggler_and_the_exposed_collective():
     table = pd.DataFrame([{"hlo_op": "all-reduce.7", "kind": "all-reduce", "bytes_out": 4e6, "group_size": 8,
                            "exposed_per_step_s": 2e-3, "exposed_share": 0.9, "expected_per_step_s": 1e-3,
                            "link": "nvlink", "arrival_skew_s": 3e-4}])
-    a = SimpleNamespace(summary=SimpleNamespace(step_time_mean_s=10e-3), collectives=table, per_step_divisor=2)
+    a = SimpleNamespace(summary=SimpleNamespace(step_time_mean_s=10e-3, hosts=2), collectives=table, per_step_divisor=2)
     x = FindingInputs(a, pd.DataFrame(columns=["hlo_op", "measured_s"]), get_chip("h100"), skew=skew, steps=2)
     (exposed,) = exposed_collective(x)
     assert exposed.ops == ("all-reduce.7",) and "reduce-scatter + all-gather" in exposed.advice
@@ -344,7 +344,7 @@ def test_a_late_host_is_the_straggler_and_its_loss_is_per_device():
             rows.append((d, 1, "all-reduce", step * 10**12 + delay, 1000, "collective", step))
     ops, timeline = _ops(rows)
     skew = arrival_skew(ops, timeline)
-    a = SimpleNamespace(summary=SimpleNamespace(step_time_mean_s=0.1), collectives=pd.DataFrame(), ops=ops,
+    a = SimpleNamespace(summary=SimpleNamespace(step_time_mean_s=0.1, hosts=2), collectives=pd.DataFrame(),
                         per_step_divisor=4)
     (late,) = collective_straggler(FindingInputs(a, pd.DataFrame(columns=["hlo_op", "measured_s"]), get_chip("h100"),
                                                  skew=skew, steps=3))

@@ -182,12 +182,11 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     own_collective = [i if c is not None else len(collectives) for i, c in enumerate(collectives)]  # per op
     costs = costs.with_communication(comm[own_collective])
     ops["comm_latency_bound"] = _latency_bound(estimates, len(collectives))[np.where(cid >= 0, cid, len(collectives))]
-    if any(c is not None for c in collectives) and topo.kind == "host" and topo.hosts > 1:
+    if any(c is not None for c in collectives) and topo.kind == "host":
         notes.append(f"collectives between CPU devices on {topo.hosts} hosts cross processes (over the network, "
-                     "e.g. gloo TCP): no link model for CPU hosts, judged on memory traffic only")
-    elif any(c is not None for c in collectives) and topo.kind == "host":
-        notes.append("collectives between virtual CPU devices share one memory: no link model, judged on memory "
-                     "traffic only")
+                     "e.g. gloo TCP): no link model for CPU hosts, judged on memory traffic only" if topo.hosts > 1
+                     else "collectives between virtual CPU devices share one memory: no link model, judged on "
+                     "memory traffic only")
     ops, costs = roofline_rows(ops, costs, target)
     notes += precision_notes(ops, target, costs)
     pairs = _async_pairs(profile.modules)  # (program id, -done op) -> -start op, for both timelines below

@@ -368,8 +368,7 @@ def op_events_problem(run: Path) -> str:
         profile = load_profile(discover([run]))
     except InputError as e:
         return str(e).splitlines()[0] if str(e) else type(e).__name__
-    step = profile.rows["step"] if "step" in profile.rows else None
-    if step is not None and len(step) and not step.notna().any():
+    if not profile.rows["step"].notna().any():
         return "it holds no whole execution (the trace's start or stop cut the ones it holds)"
     return ""
 

@@ -67,8 +67,8 @@ def _nearby_runs(run: Location, runs: list[Location]) -> list[Location]:
     at = _run_time(run)
     if at is None:
         return []
-    near = [r for r in runs if r != run and storage.parent(r) == storage.parent(run)
-            and (t := _run_time(r)) is not None and abs((t - at).total_seconds()) <= NEARBY_RUN_S]
+    near = [r for r in runs if r != run and (t := _run_time(r)) is not None
+            and abs((t - at).total_seconds()) <= NEARBY_RUN_S]
     return [r for r in sorted(near, key=storage.name) if _profiles_in_run(storage.listing(r)[0])[0]]
 
 

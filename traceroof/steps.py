@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.errors import InputError
+from parsers.hlo import HloModule
 from traceroof.codes import RunGroups, as_float64, first_rows, group_codes, na_int64, run_starts, sorted_codes
 
 # PjRt execute events (the launch of one execution), jax 0.4.3x-0.10: the multi-device form names the module
@@ -218,7 +219,7 @@ NO_EVENT_OPCODES = frozenset({"parameter", "constant", "tuple", "get-tuple-eleme
                               "add-dependency", "opt-barrier", "domain"})
 
 
-def entry_schedule(module: Any) -> tuple[str, ...]:
+def entry_schedule(module: HloModule) -> tuple[str, ...]:
     """The instructions of ``module``'s entry computation that run as an op event of their own on XLA:CPU, in the
     order the (scheduled, after-optimization) HLO lists them: the order one execution runs them."""
     return tuple(i.name for i in module.entry.instructions if i.opcode not in NO_EVENT_OPCODES)

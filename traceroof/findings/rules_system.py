@@ -103,10 +103,9 @@ def collective_straggler(x: FindingInputs) -> list[Finding]:
     last = skew["last_device"].astype(str)
     wait = float((skew["wait_s"] / skew["devices"]).sum()) / x.steps
     lost = float(skew["skew_s"].sum()) / x.steps
-    host = last.str.split("/", n=1).str[0]
+    host = _host_of(last)
     top_device, top_host = last.value_counts(), host.value_counts()
-    hosts = {d.split("/", 1)[0] for d in _devices(x)}
-    if len(hosts) > 1 and top_host.iloc[0] > top_device.iloc[0]:  # the last device changes, its host does not
+    if x.analysis.summary.hosts > 1 and top_host.iloc[0] > top_device.iloc[0]:  # the last device changes, its host does not
         name, n = str(top_host.index[0]), int(top_host.iloc[0])
         who = f"{name}'s devices ({last[host == name].nunique()} of them, in turn) arrive"
         cause = "its input pipeline or Python work, a busier or slower machine, uneven shards"
@@ -125,12 +124,9 @@ def collective_straggler(x: FindingInputs) -> list[Finding]:
     return [make(x, "collective-straggler", title, lost, advice, STRAGGLER_SOURCE, evidence, None, ops=ops)]
 
 
-def _devices(x: FindingInputs) -> list[str]:
-    """The devices that ran op rows (the op table's ``device`` column), as text."""
-    ops = x.analysis.ops if hasattr(x.analysis, "ops") else None
-    if ops is None or "device" not in ops:
-        return []
-    return [str(d) for d in pd.unique(ops["device"].dropna())]
+def _host_of(devices: pd.Series) -> pd.Series:
+    """The host of each device name (``<host>/<device>``, as :mod:`traceroof.events` names devices)."""
+    return devices.astype(str).str.split("/", n=1).str[0]
 
 
 def host_bound(x: FindingInputs) -> list[Finding]:
@@ -178,8 +174,7 @@ def _one_host(breakdown: pd.DataFrame) -> str:
     user's 2-host job: 15.5 ms per step, 30.7 ms on one host and 0.4 ms on the other); else ''."""
     if "device" not in breakdown or breakdown.empty:
         return ""
-    host = breakdown["device"].astype(str).str.split("/", n=1).str[0]
-    per = breakdown["host_bound_s"].astype(float).groupby(host.to_numpy()).mean()
+    per = breakdown["host_bound_s"].astype(float).groupby(_host_of(breakdown["device"]).to_numpy()).mean()
     if len(per) < 2:
         return ""
     top = per.idxmax()
