@@ -81,6 +81,31 @@ def test_remat_is_its_own_phase():
     assert a.summary.hfu > a.summary.mfu  # MFU leaves the recomputed forward out
 
 
+def test_model_flops_leave_out_the_optimizer_update():
+    """MFU's model FLOPs are the model's work (6·N·T + attention): the adam update is executed (HFU) but left out.
+    Its FLOPs are checked against XLA's cost_analysis of optax.adam's update on as many parameters as the model
+    has (fixtures/generate_frameworks.py: embed and head Dense(D) on D inputs, 4 blocks of LayerNorm, Dense(F),
+    Dense(D))."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    a = run("fw_scan_remat", "readme")
+    layers = a.layers.groupby("phase", observed=True)["flops_per_step"].sum()
+    cfg = facts("fw_scan_remat")["config"]
+    D, F, L = cfg["d_model"], cfg["d_ff"], cfg["layers"]
+    params = jax.numpy.zeros(2 * (D * D + D) + L * (2 * D + D * F + F + F * D + D))
+    tx = optax.adam(cfg["lr"])
+
+    def update(g, state, p):
+        u, state = tx.update(g, state, p)
+        return optax.apply_updates(p, u), state
+
+    xla_adam_flops = jax.jit(update).lower(params, tx.init(params), params).compile().cost_analysis()["flops"]
+    assert layers["optimizer"] == pytest.approx(xla_adam_flops, rel=1e-3)
+    s = a.summary
+    assert s.model_flops_per_step == pytest.approx(s.flops_per_step - layers["remat"] - layers["optimizer"])
+    assert "optimizer update" in s.model_flops_source and s.hfu > s.mfu
+
+
 def test_profile_stopped_mid_step_drops_the_partial_step():
     a = analyze(FIXTURES / "fw_flax_cnn" / "midstep" / "logdir", hlo=[FIXTURES / "fw_flax_cnn" / "hlo"],
                 chip=HOST_CHIP)

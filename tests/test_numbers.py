@@ -303,7 +303,9 @@ def test_model_flops_option_on_a_profile_and_in_reports():
 
     a = analyze(FIXTURES / "scan_mlp", chip=HOST_CHIP)
     s = a.summary
-    assert s.model_flops_per_step == s.flops_per_step and s.hfu == pytest.approx(s.mfu)  # no remat in scan_mlp
+    optimizer = a.layers.loc[a.layers["phase"] == "optimizer", "flops_per_step"].sum()
+    assert optimizer > 0 and s.model_flops_per_step == pytest.approx(s.flops_per_step - optimizer)  # no remat here
+    assert s.hfu == pytest.approx(s.mfu * s.flops_per_step / s.model_flops_per_step)
     n = 3.0e9
     b = analyze(FIXTURES / "scan_mlp", chip=HOST_CHIP, model_flops_per_step=n)
     assert b.summary.model_flops_per_step == n / b.summary.devices
@@ -351,4 +353,6 @@ def test_model_flops_source_uses_the_reports_flop_units():
                         "dtype": ["f32"] * 3})
     _, source, _, _ = flop_utilization(ops, 1, 1.0, 1e12, 1)
     assert source == "counted: executed FLOPs less 2.15 GFLOP of rematerialised forward"
+    ops["phase"] = ["forward", "forward", "backward"]
+    assert flop_utilization(ops, 1, 1.0, 1e12, 1)[1] == "counted: executed FLOPs, none left out"
     assert "e+" not in flop_utilization(ops, 1, 1.0, 1e12, 8, model_flops_per_step=4.8e10)[1]

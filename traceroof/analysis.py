@@ -77,7 +77,7 @@ def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence
     :param topology: ``4x4x4`` (TPU slice) or ``8x2`` (GPUs per node x nodes); default from the chip and the
         device count.
     :param model_flops_per_step: the model's FLOPs of one step over all devices (e.g. 6·N·T) for the MFU;
-        default: executed FLOPs without the rematerialised forward.
+        default: executed FLOPs without the rematerialised forward and the optimizer update.
     :param jobs: hosts (profile files) read in parallel processes (``None``: the cores this process may use).
     :param dask_address: read the hosts on this Dask cluster instead (``tcp://host:8786``; extra ``dask``).
     :raises TraceroofError: bad input (see :mod:`parsers.errors`), unknown chip, HLO that does not match.

@@ -204,7 +204,7 @@ def main() -> None:
                                  "nodes like 8x2; default from the chip and the device count.")
 @click.option("--model-flops-per-step", type=click.FloatRange(min=0, min_open=True),
               help="Model FLOPs of one step over all devices (e.g. 6·params·tokens) for the MFU; default: the "
-                   "executed FLOPs without the rematerialised forward.")
+                   "executed FLOPs without the rematerialised forward and the optimizer update.")
 @click.option("-o", "--output", help="Write the report to this file instead of stdout.")
 @click.option("--wide", is_flag=True, help="Terminal report: every column and cell in full (default: fits 120 "
                                            "columns, wide cells shortened with … and wide tables folded).")

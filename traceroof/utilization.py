@@ -20,20 +20,18 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     """Per-step times (s) of the used steps: the device time (first launch -> last op end, see
     :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
     annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
-    than ``STEP_TIME_DISAGREEMENT``, and which side waits. A step annotated on several hosts is one step: from its
-    earliest start to its latest end over them (a synchronous step ends when its last host does), so the number of
-    hosts changes neither the mean nor the spread. Devices' own ``Steps`` lines (TPU, framework profiles) number
-    their steps per device and stay one sample each."""
+    than ``STEP_TIME_DISAGREEMENT``, and which side waits. A step annotated on several hosts is one step whose
+    duration is the mean of each host's own (annotation, and first launch -> last op end on its devices), so the
+    number of hosts changes neither the mean nor the spread, and the hosts' clock offsets (aligned only to
+    ``profile_start_time``, NTP-close) do not stretch it as a span over hosts would. Devices' own ``Steps`` lines
+    (TPU, framework profiles) number their steps per device and stay one sample each."""
     per_host = "device" not in sel or sel["device"].isna().all()  # host annotations, not devices' Steps lines
     if len(sel) and "step" in sel and per_host and sel["step"].duplicated().any():
-        spans = {c: ("min" if c.endswith("start_ps") else "max") for c in
-                 ("start_ps", "end_ps", "device_start_ps", "device_end_ps") if c in sel}
-        g = sel.groupby("step", sort=True)
-        agg = g.agg(spans)
-        for c in ("device_start_ps", "device_end_ps"):  # a participant without a device span: none for the step
-            if c in sel:
-                agg[c] = agg[c].where(~sel[c].isna().groupby(sel["step"], sort=True).any())
-        sel = agg.reset_index()
+        spans = {"start_ps": 0, "end_ps": sel["end_ps"] - sel["start_ps"]}
+        if "device_start_ps" in sel and "device_end_ps" in sel:
+            spans["device_start_ps"], spans["device_end_ps"] = 0, sel["device_end_ps"] - sel["device_start_ps"]
+        per = pd.DataFrame(spans, index=sel.index).astype("float64").groupby(sel["step"], sort=True)
+        sel = per.mean().where(~per.agg(lambda x: x.isna().any()).astype(bool)).reset_index()  # NaN if any lacks it
     host = _valid_steps((sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12, "step annotations",
                         notes)
     host_mean = float(host.mean()) if len(host) else float("nan")
@@ -88,8 +86,9 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     """(model FLOPs per step per device, where they came from, MFU, HFU).
 
     Model FLOPs: the user's whole-program count per step (e.g. 6·N·T) ÷ ``program_devices``, else the executed
-    FLOPs of ``counted`` rows without the rematerialised forward (phase ``remat``, or XProf's remat flag) and
-    without random-bit generation (:func:`_random_bits`).
+    FLOPs of ``counted`` rows without the rematerialised forward (phase ``remat``, or XProf's remat flag), the
+    optimizer update (phase ``optimizer``: model FLOPs are 6·params·tokens plus attention, How to Scale Your Model
+    §4.2.4, which leaves the parameter update out) and random-bit generation (:func:`_random_bits`).
     MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
     §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
     """
@@ -102,16 +101,18 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
         source = (f"given: {fmt_si(float(model_flops_per_step), 'FLOP')} per step over {program_devices} device(s) "
                   "(--model-flops-per-step)")
     else:
-        remat = as_text(counted["phase"]) == "remat"
+        phase = as_text(counted["phase"])
+        remat = phase == "remat"
         if "remat" in counted:
             remat |= counted["remat"].fillna(False).to_numpy(bool)
-        rng = _random_bits(counted) & ~remat
-        model = float(flops[~remat & ~rng].sum()) / per if per else float("nan")
-        recomputed = float(flops[remat].sum()) / per if per else 0.0
-        source = f"counted: executed FLOPs less {fmt_si(recomputed, 'FLOP')} of rematerialised forward"
-        if rng.any():
-            random = float(flops[rng].sum()) / per if per else 0.0
-            source += f" and {fmt_si(random, 'FLOP')} of random-bit generation (unsigned-integer ops)"
+        optimizer = (phase == "optimizer") & ~remat
+        rng = _random_bits(counted) & ~remat & ~optimizer
+        left_out = [(what, float(flops[rows].sum()) / per if per else 0.0) for what, rows in
+                    (("rematerialised forward", remat), ("optimizer update", optimizer),
+                     ("random-bit generation (unsigned-integer ops)", rng))]
+        model = float(flops[~remat & ~optimizer & ~rng].sum()) / per if per else float("nan")
+        less = [f"{fmt_si(v, 'FLOP')} of {what}" for what, v in left_out if v > 0]
+        source = "counted: executed FLOPs" + (" less " + " and ".join(less) if less else ", none left out")
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
     return model, source, model / step_s / peak, executed / step_s / peak
