@@ -267,6 +267,24 @@ def test_reports_show_memory_and_json_has_the_keys(remat):
     assert "memory-buffers-table" in render_html(a)
 
 
+def test_the_book_counts_the_whole_donated_state():
+    """Keras donates its state: XLA reuses a parameter's buffer once the parameter is dead, so the peak holds
+    fewer parameter bytes than the model has. The book's parameters term was the peak's 2.99 kB beside an adam
+    state of 15.2 kB (2 x parameters); it is the model's parameters: 1,898 f32 (conv 3x3x1x8+8, conv 3x3x8x16+16,
+    dense 64x10+10; fixtures/generate_frameworks.py), 7,592 B (+ 8 B of metric state), the split's shortfall
+    explained."""
+    name = "fw_keras_cnn"
+    a = analyze(FIXTURES / name / "blocking" / "logdir", hlo=[FIXTURES / name / "hlo"])
+    pm = a.memory.peak
+    params_bytes = 4 * ((3 * 3 * 1 * 8 + 8) + (3 * 3 * 8 * 16 + 16) + (2 * 2 * 16 * 10 + 10))
+    metrics_bytes = 2 * 4  # state[3]: the loss metric's f32 total and count, updated in place like a weight
+    assert pm.book.parameters_bytes == pm.book.gradients_bytes == params_bytes + metrics_bytes == 7600
+    assert 2 * params_bytes <= pm.book.optimizer_state_bytes <= 2 * params_bytes + 64  # adam's m, v and counters
+    assert pm.categories["parameters"] < params_bytes
+    assert any("of the donated state's buffers hold other values at the peak" in line
+               for line in pm.book.explanation), pm.book.explanation
+
+
 def test_diff_shows_flops_down_and_memory_up(remat, tmp_path):
     r = diff(side_from_analysis(remat["on"], "on"), side_from_analysis(remat["off"], "off"))
     assert r.new.flops_per_step < r.base.flops_per_step

@@ -526,7 +526,11 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
         largest = sorted((describe(n, s, category_of(n)) for n, s in ours.live), key=lambda b: -b.size_bytes)
         pm = ProgramMemory(module.name, module.program_id, devices, "traceroof_live_ranges", ours.peak_bytes, split,
                            tuple(largest[:TOP_BUFFERS]), BookModel(0, 0, 0, 0), None, ours.peak_bytes, None, ())
-    return replace(pm, book=_book(pm, saved, recomputed, micro))
+    state = dict.fromkeys(("parameters", "optimizer_state"), 0)
+    for n, p in module.entry.parameters().items():
+        if cats.get(n) in state:
+            state[cats[n]] += p.shape.byte_size()
+    return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, micro))
 
 
 def _key(v) -> str:
@@ -581,15 +585,23 @@ def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: 
     return split, held
 
 
-def _book(pm: ProgramMemory, saved_bytes: int, recomputed_bytes: int, micro_batch: bool) -> BookModel:
+def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_bytes: int, recomputed_bytes: int,
+          micro_batch: bool) -> BookModel:
+    """The book's model of ``pm``: the program's whole parameter and optimizer-state inputs (``params_bytes``,
+    ``optimizer_bytes``: its entry parameters of those categories, per device), as many gradient bytes as
+    parameters when it trains, and the ``saved_bytes`` of activations; with the lines explaining its difference
+    from the peak."""
     c = pm.categories
-    params, opt = c["parameters"], c["optimizer_state"]
-    training = opt > 0 or c["gradients"] > 0 or saved_bytes > 0
-    grads = params if training else 0
-    book = BookModel(params, opt, grads, saved_bytes, recomputed_bytes)
+    training = optimizer_bytes > 0 or c["optimizer_state"] > 0 or c["gradients"] > 0 or saved_bytes > 0
+    grads = params_bytes if training else 0
+    book = BookModel(params_bytes, optimizer_bytes, grads, saved_bytes, recomputed_bytes)
     diff = pm.peak_bytes - book.total_bytes
     lines = [f"the book's model gives {_mb(book.total_bytes)} per device, the peak is {_mb(pm.peak_bytes)} "
              f"({'+' if diff >= 0 else '-'}{_mb(abs(diff))})"]
+    reused = params_bytes + optimizer_bytes - c["parameters"] - c["optimizer_state"]
+    if reused > 0.01 * (params_bytes + optimizer_bytes):  # not an optimizer's step counter
+        lines.append(f"{_mb(reused)} of the donated state's buffers hold other values at the peak (XLA reuses a "
+                     "donated parameter's buffer once its last reader ran): the split counts them there")
     if c["inputs"]:
         lines.append(f"the batch (inputs) held on the device: {_mb(c['inputs'])}, outside the model")
     if c["outputs"]:
