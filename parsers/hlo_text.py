@@ -328,6 +328,11 @@ class _Parser:
         return HloModule(name or entry, comps, entry, attrs, frames, source=self.source)
 
     def tables(self) -> dict[int, StackFrame]:
+        """The stack frames of the tables after the module's header (``FileNames`` ... ``StackFrames``), by their
+        1-based id, with the HloProto's parent id (0: none). XLA's text (jaxlib 0.10) writes each frame's parent
+        id plus one, so no frame reads 0 (a root reads 1); checked against the ``StackFrameIndexProto`` of the same
+        program embedded in its profile: every frame of the fw_* fixtures' train steps is one more in the text. A
+        table where some frame's parent is 0 is read as it is."""
         raw: dict[str, dict[int, str]] = {}
         while True:
             self.ws()
@@ -351,13 +356,14 @@ class _Parser:
         files = {k: _unquote(v) for k, v in raw.get("FileNames", {}).items()}
         funcs = {k: _unquote(v) for k, v in raw.get("FunctionNames", {}).items()}
         locs = {k: _kv_ints(v) for k, v in raw.get("FileLocations", {}).items()}
+        table = {fid: _kv_ints(v) for fid, v in raw.get("StackFrames", {}).items()}
+        shift = int(all(kv.get("parent_frame_id", 0) > 0 for kv in table.values()))  # no root written as 0
         frames = {}
-        for fid, v in raw.get("StackFrames", {}).items():
-            kv = _kv_ints(v)
+        for fid, kv in table.items():
             loc = locs.get(kv.get("file_location_id", 0), {})
             frames[fid] = StackFrame(files.get(loc.get("file_name_id", 0), ""),
                                      funcs.get(loc.get("function_name_id", 0), ""),
-                                     loc.get("line", 0), kv.get("parent_frame_id", 0))
+                                     loc.get("line", 0), max(kv.get("parent_frame_id", 0) - shift, 0))
         return frames
 
     def computation(self) -> Computation:

@@ -8,6 +8,7 @@ import json
 import math
 import re
 from functools import lru_cache
+from pathlib import Path
 
 
 import pandas as pd
@@ -165,6 +166,17 @@ def test_host_bound_and_device_idle_from_the_step_breakdown():
     assert "virtual CPU devices" in virtual.title and virtual.severity == "info" and "jax.jit" not in virtual.advice
     assert "host-bound" not in found
     assert "host-bound" not in codes(fixture("transformer")) and "device-idle" not in codes(fixture("transformer"))
+
+
+def test_a_combined_gradient_all_reduce_points_at_the_gradient_call():
+    """XLA's combiner makes one all-reduce of every layer's gradient and keeps the first part's metadata: its
+    "your code" line was that layer's matmul (generate_parallel.py's _block). It is now the innermost line the
+    stacks of all its operands share: the line of the user's code that takes the gradient."""
+    (f,) = codes(fixture("par_dp8"))["exposed-collective"]
+    (line,) = f.source_lines
+    path, number = line.rsplit(":", 1)
+    source = (FIXTURES / Path(path).name).read_text().splitlines()[int(number) - 1]
+    assert "jax.value_and_grad(loss_fn)" in source, source
 
 
 def test_remat_cost():

@@ -227,6 +227,26 @@ def test_embedded_hlo_proto_keeps_the_schedule_and_the_donated_buffers():
     assert _alias_outputs(proto) == _alias_outputs(text) and len(_alias_outputs(text)) > 2
 
 
+@pytest.mark.parametrize("name", ["fw_gpt2", "fw_keras_cnn"])
+def test_dump_stack_frames_equal_the_embedded_hloprotos(name):
+    """XLA's text writes each stack frame's parent id plus one (a root reads its own id or 1): read as written,
+    walks up a stack looped on a frame or went to a sibling, and "your code" lines from dumps were missing or
+    wrong. The dump's frames now equal those of the same program's HloProto in the profile."""
+    import glob
+
+    from parsers.hlo_proto import module_from_proto
+    from parsers.xspace import read_xspace
+    from traceroof.hlo_source import embedded_hlo
+
+    (pb,) = glob.glob(f"fixtures/{name}/blocking/logdir/**/*.xplane.pb", recursive=True)
+    (dump,) = glob.glob(f"fixtures/{name}/hlo/*jit_train_step.cpu_after_optimizations.txt")
+    (text,) = [m for m in parse_hlo_file(dump) if m.name == "jit_train_step"]
+    (proto,) = [module_from_proto(data, "embedded") for _, n, data, _ in embedded_hlo(read_xspace(pb))
+                if n == "jit_train_step"]
+    assert len(text.stack_frames) > 50 and text.stack_frames == proto.stack_frames
+    assert not any(f.parent_frame_id == i for i, f in text.stack_frames.items())
+
+
 def test_an_hloproto_embedded_by_every_host_is_decoded_once(monkeypatch):
     """Every host of a pod embeds its program's HloProto: the same bytes from another host's file give a module
     of that file, decoded once per process."""

@@ -141,6 +141,12 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
     return path, phase
 
 
+def is_combined(op_name: str) -> bool:
+    """Whether ``op_name`` is one XLA's combiner wrote for an op made from several (``prefix/(a:b:c)``)."""
+    segs = _split_path(op_name.split(";")[0]) if op_name else []
+    return len(segs) > 1 and segs[-1].startswith("(") and segs[-1].endswith(")") and ":" in segs[-1]
+
+
 def _combined_scope(segs: list[str], optimizer_pattern: str) -> tuple[str, str]:
     """Scope and phase of an op XLA's combiner made from several (``jit(step)/(a/dot:b/dot:jvp()/reduce_sum)``:
     one tuple all-reduce of many layers' gradients): the scope the parts share (their common leading segments),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 
 from parsers.hlo import Computation, HloModule, Instruction, Shape
+from traceroof.layers import is_combined
 
 NARROW_FLOATS = ("bf16", "f16")  # and every f8* / f4* type: inputs a matrix unit takes natively
 WIDE_FLOATS = ("f32", "f64")
@@ -82,22 +83,40 @@ class ModuleIndex:
         return None
 
     def user_line(self, inst: Instruction) -> str:
-        """``file:line`` of the innermost stack frame of ``inst`` (or, for a fusion without one, of the first
-        fused instruction with one) that lies outside installed packages (the user's code); '' when none."""
+        """``file:line`` of the user's code behind ``inst``: its innermost stack frame outside installed packages
+        (:meth:`user_frames`); for an op XLA's combiner made from several (one all-reduce of every layer's
+        gradient), whose metadata is its first part's, the innermost frame all its operands' stacks share (the
+        line that calls the model, not the first layer's); '' when none."""
+        frames = self.user_frames(inst)
+        if not is_combined(inst.metadata.op_name):
+            return frames[0] if frames else ""
+        comp = self.computation_of(inst.name)
+        chains = [self.user_frames(op) for op in (comp.by_name.get(n) for n in inst.operands) if op is not None]
+        chains = [c for c in chains if c]
+        if not chains:
+            return ""
+        shared = set.intersection(*(set(c) for c in chains))
+        return next((f for f in chains[0] if f in shared), "")
+
+    def user_frames(self, inst: Instruction) -> list[str]:
+        """``file:line`` of the stack frames of ``inst`` outside installed packages, innermost first (a fusion
+        without frames: those of its first fused instruction with some), else its metadata's own source line."""
         carriers = [inst] + (self.fused(inst) if inst.opcode == "fusion" else [])
         for c in carriers:
-            fid, seen = c.metadata.stack_frame_id, set()
+            fid, seen, out = c.metadata.stack_frame_id, set(), []
             while fid and fid not in seen:
                 seen.add(fid)
                 frame = self.module.stack_frames.get(fid)
                 if frame is None:
                     break
                 if not LIBRARY_PATH.search(frame.file_name):
-                    return f"{frame.file_name}:{frame.line}"
+                    out.append(f"{frame.file_name}:{frame.line}")
                 fid = frame.parent_frame_id
+            if out:
+                return out
             if c.metadata.source_file and not LIBRARY_PATH.search(c.metadata.source_file):
-                return f"{c.metadata.source_file}:{c.metadata.source_line}"
-        return ""
+                return [f"{c.metadata.source_file}:{c.metadata.source_line}"]
+        return []
 
     def operand_shape(self, inst: Instruction, i: int) -> Shape | None:
         if i < len(inst.operand_shapes) and inst.operand_shapes[i] is not None:
