@@ -49,6 +49,11 @@ COLLECTIVE_NAME = re.compile("(" + "|".join(map(re.escape, (*KINDS, *_JAX_COLLEC
 communication is measured; XLA's instruction names (the opcode, made unique with ``.N``: xla/service/name_uniquer.cc)
 and JAX's (the primitive's name, as in the par_* fixtures: ``ppermute.12``, ``psum_invariant.49``)."""
 
+CONTROL_NAME = re.compile(r"(while|conditional|call)(\.\d+)?$")
+"""An HLO op name that is a control op's (``while.5``, ``conditional``): without HLO its event is taken for the
+container of its body's op events, which are events of their own (XLA:CPU and GPU trace each), and not counted
+again when the module has other op events."""
+
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
                  "source", "flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
                  "cost_note", "called", "retiling", "collective", "dot_precision"]
@@ -158,6 +163,10 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
     # control ops (while/call/conditional): not counted when their bodies' ops show up as events
     counted_u = np.array([not any((mi, c) in comps_with_events for c in called)
                           for mi, called in zip(u_mod, table["called"])] or [True])
+    control = [a is None and bool(CONTROL_NAME.match(op_names[oc])) for a, oc in zip(attrs, u_op)]
+    if any(control):  # without HLO: a control op's event holds its body's, when its module has others
+        busy = {mi for mi, c in zip(u_mod, control) if not c}
+        counted_u &= ~np.array([c and mi in busy for mi, c in zip(u_mod, control)])
     kernel_codes = rows["kernel"].cat.codes.to_numpy() if "kernel" in rows else np.zeros(len(rows), np.int64)
     executions = _executions_per_op(keys, kernel_codes, n_events, len(u_mod))
     events_u = np.bincount(keys, weights=n_events, minlength=len(u_mod)).astype(np.float64)
