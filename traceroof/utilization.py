@@ -14,6 +14,8 @@ from traceroof.units import fmt_si
 
 STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
 FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
+ABOVE_PEAK_RATIO = 1.2  # an op's FLOP/s over this x the peak: the peak is wrong, not the op (timer noise, rounding)
+SIGNIFICANT_OP_SHARE = 0.01  # ops with less of the op time are too short to judge a FLOP rate from
 
 
 def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) -> tuple[np.ndarray, float]:
@@ -129,6 +131,31 @@ def _random_bits(counted: pd.DataFrame) -> np.ndarray:
         unsigned = {t for t in set(dtypes) if isinstance(t, str) and re.fullmatch(r"u\d+", t)}
         rng |= np.array([t in unsigned for t in dtypes], bool)
     return rng
+
+
+def peak_below_achieved(counted: pd.DataFrame, peak: float | None, peak_key: str, chip_kind: str = "") -> list[str]:
+    """A note when a compute-bound op against the ``peak_key`` peak ran at more than ``ABOVE_PEAK_RATIO`` x
+    ``peak`` FLOP/s (its FLOPs over its measured time, summed over its executions; ops with at least
+    ``SIGNIFICANT_OP_SHARE`` of the op time): no op outruns a true peak, so the peak is low and MFU, HFU and the
+    compute roofline overstate utilization by up to that factor. ``counted``: per-op rows with ``flops``,
+    ``measured_s``, ``bound``, ``peak_key`` and ``hlo_op``."""
+    if not peak or not len(counted) or "bound" not in counted:
+        return []
+    measured = counted["measured_s"].to_numpy(np.float64)
+    flops = counted["flops"].to_numpy(np.float64)
+    ok = ((as_text(counted["bound"]) == "compute") & (as_text(counted["peak_key"]) == peak_key)
+          & (measured >= SIGNIFICANT_OP_SHARE * np.nansum(measured)) & (measured > 0) & (flops > 0))
+    if not ok.any():
+        return []
+    rate = np.where(ok, flops / np.where(measured > 0, measured, 1.0), 0.0)
+    best = int(np.argmax(rate))
+    if rate[best] <= ABOVE_PEAK_RATIO * peak:
+        return []
+    fix = ("re-measure it with `traceroof calibrate` on an idle machine" if chip_kind == "cpu" else
+           "check the chip's figures (--chip) and the op's FLOP count")
+    return [f"{as_text(counted['hlo_op'])[best]} ran at {fmt_si(float(rate[best]), 'FLOP/s')}, {rate[best] / peak:.2g}x "
+            f"the {peak_key} peak of {fmt_si(peak, 'FLOP/s')}: the peak is below what this machine reached, so MFU, "
+            f"HFU and the compute roofline overstate utilization (by up to {rate[best] / peak:.2g}x); {fix}"]
 
 
 def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,

@@ -217,7 +217,8 @@ def faster_than_roofline(x: FindingInputs) -> list[Finding]:
                   if x.chip.load_note else " (`traceroof calibrate` on an idle machine re-measures it)"))
     elif x.chip is not None and x.chip.kind == "cpu":
         why = (f"their bytes per run (median {fmt_bytes(float(per_exec.median()))}) come from CPU caches, "
-               "faster than the calibrated DRAM roof")
+               "faster than the calibrated DRAM roof"
+               + (f"; {compute} compute-bound one(s) ran above the calibrated FLOP/s peak" if compute else ""))
     else:
         why = "the cost model or the chip figures overstate these ops' work"
     title = f"{len(fast)} op(s) ran more than {FASTER_THAN_ROOF_RATIO:g}x faster than their roofline: {why}"
