@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import re
 import subprocess
 import sys
 import textwrap
@@ -61,6 +62,23 @@ JOB = textwrap.dedent("""
         for i in range(5):
             with jax.profiler.StepTraceAnnotation("train", step_num=i):
                 w = jax.block_until_ready(train_step(w, x))
+        jax.profiler.stop_trace()
+    if "generate" in loops:  # a generation: one prefill, then one decode execution per token; no step markers
+        @jax.jit
+        def prefill(a):
+            return jnp.tanh(jnp.tanh(jnp.tanh(a @ a) @ a) @ a)
+
+        @jax.jit
+        def decode(a, t):
+            return jnp.tanh(t @ a)
+
+        a, t = jnp.ones((384, 384)) / 384, jnp.ones((1, 384))
+        jax.block_until_ready((prefill(a), decode(a, t)))  # compiled before the trace
+        jax.profiler.start_trace(f"{out}/generate")
+        a = prefill(a)
+        for i in range(6):
+            t = decode(a, t)
+        jax.block_until_ready(t)
         jax.profiler.stop_trace()
     if "unmarked" in loops:
         jax.profiler.start_trace(f"{out}/unmarked")
@@ -147,7 +165,7 @@ def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("job")
-    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut")
+    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut,generate")
     _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
     return root
 
@@ -182,6 +200,19 @@ def test_readme_loop_equals_blocking_loop(job):
              for a in (readme, blocking)]
     assert train[0]["flops"].sum() / 4 == pytest.approx(train[1]["flops"].sum() / 4, rel=0.01)
     assert blocking.summary.flops_per_step == pytest.approx(_flops(job), rel=1e-6)
+
+
+def test_a_generation_without_markers_steps_on_its_decode_executions(job):
+    """One prefill with the most op time, then a decode execution per token, no step markers: the prefill's one
+    execution was the only step and the six decodes ran inside it ("1 used of 1", trial s29 P6). Now each decode
+    execution is a step, and the prefill, launched before the first, is left out with a note."""
+    s = analyze(job / "run" / "generate", chip=str(HOST_CHIP), warmup_steps=0).summary
+    assert s.step_annotation == "executions of jit_decode"
+    assert s.steps_total == 6 and len(s.steps_used) == 6
+    assert any("of those run more than once, is a step" in n for n in s.notes), s.notes
+    (outside,) = [n for n in s.notes if "launched outside the steps" in n]
+    share = re.match(r"1 execution\(s\) \(([0-9.]+)% of op time\)", outside)
+    assert share and float(share.group(1)) > 50, outside  # the prefill: most of the op time
 
 
 def test_loop_that_never_blocks_gets_no_empty_steps(job):

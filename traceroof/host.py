@@ -233,14 +233,16 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
                          dominant_program_steps(events, when))
         if module:
             annotation = f"executions of {module}"
+            runs = events.loc[events["module"] == module, "run_id"].nunique() if "run_id" in events else 0
             notes.append(f"no steps marked (jax.profiler.StepTraceAnnotation): each execution of {module}, the "
-                         "program with the most op time, is a step")
+                         f"program with the most op time{' of those run more than once' if runs > 1 else ''}, is a "
+                         "step")
     step = assign_steps(when, hosts, steps)
     has_run = events["run_id"].notna().to_numpy() if "run_id" in events else np.zeros(len(events), bool)
     duration = events["duration_ps"].to_numpy(np.int64)
-    outside = (step < 0) & known & ~left_out
+    outside = (step < 0) & (known | has_run) & ~left_out
     marked = bool(annotation) and not annotation.startswith("executions of")
-    runs = len(events.loc[outside, ["program_id", "run_id"]].drop_duplicates()) if outside.any() and marked else 0
+    runs = len(events.loc[outside, ["program_id", "run_id"]].drop_duplicates()) if outside.any() else 0
     untied = has_run & ~known & ~left_out
     cut_steps = np.unique(step[after & (step >= 0)]) if marked else step[:0]
     for k, v in (("steps_op_ps", int(duration.sum())), ("steps_untied_ps", int(duration[untied].sum())),
@@ -280,6 +282,6 @@ def step_notes(facts: dict[str, int]) -> list[str]:
                                                                if steps else ""))
     if facts.get("steps_outside_runs", 0):
         out.append(f"{facts['steps_outside_runs']} execution(s) ({facts['steps_outside_ps'] / total:.1%} of op time) "
-                   "were launched outside the marked steps (work between steps, or a step still open when the "
-                   "trace stopped): left out of per-step figures")
+                   "were launched outside the steps (before the first, between marked steps, or in a step still "
+                   "open when the trace stopped): left out of per-step figures")
     return out

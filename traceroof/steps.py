@@ -364,14 +364,21 @@ def assign_steps(when_ps: np.ndarray, keys: pd.Series | pd.Categorical, steps: p
 
 
 def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.DataFrame, str]:
-    """Steps when the profile marks none: each execution of the dominant program (most op time) is a step,
-    spanning from its launch (or first op) to the next one's; the last ends at the host's last op end.
+    """Steps when the profile marks none: each execution of the dominant program (most op time; of the programs
+    executed more than once, when one is: a generation's one prefill does not make the whole run one step of its
+    own, its decode executions do) is a step, spanning from its launch (or first op) to the next one's; the last
+    ends at the host's last op end.
 
     Returns the steps table (``host``, ``step``, ``start_ps``, ``end_ps``) and the program's module name; an
     empty table when the program's executions carry no run ids to tell them apart."""
-    dur = ops.groupby(["module", "program_id"], observed=True, dropna=False)["duration_ps"].sum()
+    g = ops.groupby(["module", "program_id"], observed=True, dropna=False)
+    dur = g["duration_ps"].sum()
     if dur.empty:
         return pd.DataFrame(columns=["host", "step", "start_ps", "end_ps"]), ""
+    if "run_id" in ops:  # a program run once (a prefill) is no step beside one run again and again (its decode)
+        repeated = g["run_id"].nunique() > 1
+        if repeated.any() and not repeated[dur.idxmax()]:
+            dur = dur[repeated]
     module, pid = dur.idxmax()
     mask = (ops["module"] == module).to_numpy(dtype=bool, na_value=False)
     if not pd.isna(pid):
