@@ -153,9 +153,10 @@ def peak_below_achieved(counted: pd.DataFrame, peak: float | None, peak_key: str
         return []
     fix = ("re-measure it with `traceroof calibrate` on an idle machine" if chip_kind == "cpu" else
            "check the chip's figures (--chip) and the op's FLOP count")
-    return [f"{as_text(counted['hlo_op'])[best]} ran at {fmt_si(float(rate[best]), 'FLOP/s')}, {rate[best] / peak:.2g}x "
-            f"the {peak_key} peak of {fmt_si(peak, 'FLOP/s')}: the peak is below what this machine reached, so MFU, "
-            f"HFU and the compute roofline overstate utilization (by up to {rate[best] / peak:.2g}x); {fix}"]
+    over = rate[best] / peak
+    return [f"{as_text(counted['hlo_op'])[best]} ran at {fmt_si(float(rate[best]), 'FLOP/s')}, {over:.2g}x the "
+            f"{peak_key} peak of {fmt_si(peak, 'FLOP/s')}: the peak is below what this machine reached, so MFU, HFU "
+            f"and the compute roofline overstate utilization (by up to {over:.2g}x); {fix}"]
 
 
 def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,
