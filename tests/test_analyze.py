@@ -410,6 +410,20 @@ def test_a_step_on_two_hosts_lasts_what_each_host_measures(multihost):
     s = multihost.summary
     assert s.steps_used == alone[0].steps_used == alone[1].steps_used
     assert s.host_step_time_mean_s == pytest.approx(sum(a.host_step_time_mean_s for a in alone) / 2)
+    from parsers.xspace import SCHEMA  # the annotations as protobuf decodes them, not traceroof's reader
+
+    def annotation_ps(path, step: int) -> int:
+        xs = SCHEMA["XSpace"]()
+        xs.ParseFromString(path.read_bytes())
+        (plane,) = [p for p in xs.planes if p.name == "/host:CPU"]
+        num = next(k for k, m in plane.stat_metadata.items() if m.name == "step_num")
+        (d,) = [e.duration_ps for line in plane.lines for e in line.events
+                if plane.event_metadata[e.metadata_id].name == "train"
+                and any(x.metadata_id == num and x.int64_value == step for x in e.stats)]
+        return d
+
+    raw = [annotation_ps(f, k) for f in (host0, host1) for k in s.steps_used]
+    assert s.host_step_time_mean_s == pytest.approx(sum(raw) / len(raw) * 1e-12)
     (note,) = [n for n in s.notes if n.startswith("device step time")]
     assert f"{s.step_time_mean_s * 1e3:.3f} ms differs" in note
 

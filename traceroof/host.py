@@ -233,9 +233,9 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
                          dominant_program_steps(events, when))
         if module:
             annotation = f"executions of {module}"
-            runs = events.loc[events["module"] == module, "run_id"].nunique() if "run_id" in events else 0
+            repeated = len(steps) > steps["host"].nunique()  # a step per execution: it ran more than once
             notes.append(f"no steps marked (jax.profiler.StepTraceAnnotation): each execution of {module}, the "
-                         f"program with the most op time{' of those run more than once' if runs > 1 else ''}, is a "
+                         f"program with the most op time{' of those run more than once' if repeated else ''}, is a "
                          "step")
     step = assign_steps(when, hosts, steps)
     has_run = events["run_id"].notna().to_numpy() if "run_id" in events else np.zeros(len(events), bool)

@@ -49,7 +49,7 @@ COLLECTIVE_NAME = re.compile("(" + "|".join(map(re.escape, (*KINDS, *_JAX_COLLEC
 communication is measured; XLA's instruction names (the opcode, made unique with ``.N``: xla/service/name_uniquer.cc)
 and JAX's (the primitive's name, as in the par_* fixtures: ``ppermute.12``, ``psum_invariant.49``)."""
 
-CONTROL_NAME = re.compile(r"(while|conditional|call)(\.\d+)?$")
+CONTROL_NAME = re.compile("(" + "|".join(sorted(CONTROL_OPCODES)) + r")(\.\d+)?$")
 """An HLO op name that is a control op's (``while.5``, ``conditional``): without HLO its event is taken for the
 container of its body's op events, which are events of their own (XLA:CPU and GPU trace each), and not counted
 again when the module has other op events."""

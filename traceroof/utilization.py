@@ -27,20 +27,19 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     number of hosts changes neither the mean nor the spread, and the hosts' clock offsets (aligned only to
     ``profile_start_time``, NTP-close) do not stretch it as a span over hosts would. Devices' own ``Steps`` lines
     (TPU, framework profiles) number their steps per device and stay one sample each."""
+    host_ps = (sel["end_ps"] - sel["start_ps"]).astype("float64")
+    spans = "device_start_ps" in sel and "device_end_ps" in sel
+    device_ps = (sel["device_end_ps"] - sel["device_start_ps"]).astype("float64") if spans else None
     per_host = "device" not in sel or sel["device"].isna().all()  # host annotations, not devices' Steps lines
     if len(sel) and "step" in sel and per_host and sel["step"].duplicated().any():
-        spans = {"start_ps": 0, "end_ps": sel["end_ps"] - sel["start_ps"]}
-        if "device_start_ps" in sel and "device_end_ps" in sel:
-            spans["device_start_ps"], spans["device_end_ps"] = 0, sel["device_end_ps"] - sel["device_start_ps"]
-        per = pd.DataFrame(spans, index=sel.index).astype("float64").groupby(sel["step"], sort=True)
-        sel = per.mean().where(~per.agg(lambda x: x.isna().any()).astype(bool)).reset_index()  # NaN if any lacks it
-    host = _valid_steps((sel["end_ps"] - sel["start_ps"]).to_numpy(np.float64) * 1e-12, "step annotations",
-                        notes)
+        host_ps = host_ps.groupby(sel["step"], sort=True).mean()
+        if device_ps is not None:  # NaN for a step where a host has no device span (numpy's mean keeps NaN)
+            device_ps = device_ps.groupby(sel["step"], sort=True).agg(lambda x: float(np.mean(x.to_numpy())))
+    host = _valid_steps(host_ps.to_numpy(np.float64) * 1e-12, "step annotations", notes)
     host_mean = float(host.mean()) if len(host) else float("nan")
-    if not len(sel) or "device_end_ps" not in sel or sel["device_end_ps"].isna().any():
+    if not len(sel) or device_ps is None or device_ps.isna().any():
         return host, host_mean
-    device = _valid_steps((sel["device_end_ps"] - sel["device_start_ps"]).to_numpy(np.float64) * 1e-12,
-                          "device steps (first launch -> last op end)", notes)
+    device = _valid_steps(device_ps.to_numpy(np.float64) * 1e-12, "device steps (first launch -> last op end)", notes)
     if not len(device):
         return host, host_mean
     dev_mean = float(device.mean())

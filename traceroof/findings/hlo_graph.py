@@ -88,9 +88,9 @@ class ModuleIndex:
         gradient), whose metadata is its first part's, the innermost frame all its operands' stacks share (the
         line that calls the model, not the first layer's); '' when none."""
         frames = self.user_frames(inst)
-        if not is_combined(inst.metadata.op_name):
+        comp = self.computation_of(inst.name) if is_combined(inst.metadata.op_name) else None
+        if comp is None:
             return frames[0] if frames else ""
-        comp = self.computation_of(inst.name)
         chains = [self.user_frames(op) for op in (comp.by_name.get(n) for n in inst.operands) if op is not None]
         chains = [c for c in chains if c]
         if not chains:
