@@ -5,8 +5,10 @@ Usage::
 
     python benchmarks/bench_vs_xprof.py [--events 0.5,2,5,20] [--repeat 3] [--hosts 4,8] [--host-events 500000]
                                         [--json results.json] [--data benchmarks/data] [--quick]
+                                        [--one-line-per-thread]
 
-Inputs are built with ``benchmarks/replicate.py`` (the transformer fixture's op events replicated) into
+Inputs are built with ``benchmarks/replicate.py`` (the transformer fixture's op events replicated; with
+``--one-line-per-thread`` the copies are appended to the original lines, ``events_<n>_threads``) into
 ``--data`` (default ``benchmarks/data/``, git-ignored), and reused when present:
 ``vs_xprof/events_<n>/host.xplane.pb`` per size (``--events`` in millions), and
 ``run_<N>hosts/plugins/profile/run/host<i>.xplane.pb``: N hard links to (or copies of) the ``--host-events``
@@ -128,13 +130,16 @@ def clear_xprof_cache(xplane: Path) -> None:
             p.unlink()
 
 
-def build_profile(data: Path, events: int) -> Path:
-    """The replicated profile of ``events`` op events under ``data`` (built when missing)."""
-    path = data / "vs_xprof" / f"events_{events}" / "host.xplane.pb"
+def build_profile(data: Path, events: int, one_line_per_thread: bool = False) -> Path:
+    """The replicated profile of ``events`` op events under ``data`` (built when missing); with
+    ``one_line_per_thread`` its copies are appended to the original lines (``replicate.py --one-line-per-thread``)."""
+    suffix = "_threads" if one_line_per_thread else ""
+    path = data / "vs_xprof" / f"events_{events}{suffix}" / "host.xplane.pb"
     if not path.exists():
         print(f"building {path} ...", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, str(ROOT / "benchmarks" / "replicate.py"), "--events", str(events),
-                        "-o", str(path)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+                        "-o", str(path)] + ["--one-line-per-thread"] * one_line_per_thread,
+                       check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return path
 
 
@@ -278,9 +283,9 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def bench_size(data: Path, events: int, repeat: int, tmp: Path) -> dict:
+def bench_size(data: Path, events: int, repeat: int, tmp: Path, one_line_per_thread: bool = False) -> dict:
     """Build (or reuse) the profile of ``events`` op events and time both tools on it, alternating."""
-    path = build_profile(data, events)
+    path = build_profile(data, events, one_line_per_thread)
     total, size = count_events(path), path.stat().st_size
     tr, xp = [], []
     for i in range(repeat):
@@ -295,9 +300,10 @@ def bench_size(data: Path, events: int, repeat: int, tmp: Path) -> dict:
     return summarize_size(events, total, size, tr, xp)
 
 
-def bench_hosts(data: Path, hosts: int, host_events: int, repeat: int, tmp: Path) -> dict:
+def bench_hosts(data: Path, hosts: int, host_events: int, repeat: int, tmp: Path,
+                one_line_per_thread: bool = False) -> dict:
     """Time ``--jobs 1`` and ``--jobs 2`` on a run directory of ``hosts`` copies of one host profile."""
-    logdir = build_run_dir(data, hosts, build_profile(data, host_events))
+    logdir = build_run_dir(data, hosts, build_profile(data, host_events, one_line_per_thread))
     by_jobs: dict[int, list[Run]] = {1: [], 2: []}
     for i in range(repeat):
         for jobs in (1, 2):
@@ -336,6 +342,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--data", type=Path, default=ROOT / "benchmarks" / "data")
     ap.add_argument("--json", type=Path, help="write the raw results here")
     ap.add_argument("--quick", action="store_true", help="20,000 events, one repeat (tests)")
+    ap.add_argument("--one-line-per-thread", action="store_true",
+                    help="profiles whose copies are appended to the original lines (a few lines of millions of "
+                         "events, as a long capture has) instead of lines of their own")
     args = ap.parse_args(argv)
     sizes = [int(round(float(x) * 1e6)) for x in args.events.split(",") if x.strip()]
     hosts = [int(x) for x in args.hosts.split(",") if x.strip()]
@@ -343,14 +352,18 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         sizes, repeat, host_events = [QUICK_EVENTS], 1, QUICK_EVENTS
     results = {"commit": _commit(), "python": sys.version.split()[0], "machine": platform.machine(),
-               "cpus": os.cpu_count(), "repeat": repeat, "sizes": [], "run_dirs": []}
+               "cpus": os.cpu_count(), "repeat": repeat, "one_line_per_thread": args.one_line_per_thread,
+               "sizes": [], "run_dirs": []}
     compile_bytecode()
     with tempfile.TemporaryDirectory() as tmp:
         for events in sizes:
-            results["sizes"].append(bench_size(args.data, events, repeat, Path(tmp)))
+            results["sizes"].append(bench_size(args.data, events, repeat, Path(tmp), args.one_line_per_thread))
         for n in hosts:
-            results["run_dirs"].append(bench_hosts(args.data, n, host_events, repeat, Path(tmp)))
-    print(f"traceroof {results['commit']} vs XProf hlo_stats; medians of {repeat} run(s); {os.cpu_count()} CPUs\n")
+            results["run_dirs"].append(bench_hosts(args.data, n, host_events, repeat, Path(tmp),
+                                                   args.one_line_per_thread))
+    layout = "copies appended to each thread's line" if args.one_line_per_thread else "each copy on lines of its own"
+    print(f"traceroof {results['commit']} vs XProf hlo_stats; medians of {repeat} run(s); {os.cpu_count()} CPUs; "
+          f"profiles replicated with {layout}\n")
     print(size_table(results["sizes"]))
     for s in results["sizes"]:
         for e in s["errors"]:

@@ -2,13 +2,16 @@
 
 Usage::
 
-    python benchmarks/replicate.py [--events 5000000] [--fixture transformer] [-o benchmarks/data/big.xplane.pb]
+    python benchmarks/replicate.py [--events 5000000] [--fixture transformer] [--one-line-per-thread]
+                                   [-o benchmarks/data/big.xplane.pb]
 
 Every line of ``/host:CPU`` (runtime threads with the op events, async ``end:`` events and launches; the
 ``python`` line's step annotations) is copied K times, each copy on its own line id with its ``timestamp_ns``
 shifted past the previous copy, ``step_num`` renumbered and the execution and flow ids (``run_id``, ``_p``,
 ``_c``) offset so each copy is executions of its own, so the result is a valid profile of K x the original
-steps that ``traceroof analyze`` reads like any other. The HLO dumps of the fixture still apply (same
+steps that ``traceroof analyze`` reads like any other. With ``--one-line-per-thread`` the copies' events are appended
+to the original lines instead (their offsets shifted), as a long capture records them: a few threads with millions of
+events each, where the default gives thousands of small lines. The HLO dumps of the fixture still apply (same
 program ids). Output goes to ``benchmarks/data/`` (git-ignored): regenerate it, never commit it.
 """
 
@@ -38,8 +41,9 @@ def _field(num: int, payload: bytes) -> bytes:
     return _varint((num << 3) | 2) + _varint(len(payload)) + payload
 
 
-def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
-    """Write the replicated profile; returns (op events written, copies)."""
+def replicate(src: Path, dst: Path, target_events: int, one_line_per_thread: bool = False) -> tuple[int, int]:
+    """Write the replicated profile; returns (op events written, copies). ``one_line_per_thread``: each line's
+    copies go on the line itself (offsets shifted by the copy's time shift), not on lines of their own."""
     from parsers.xspace import SCHEMA, scanner
 
     _wirescan = scanner()[1]
@@ -86,23 +90,40 @@ def replicate(src: Path, dst: Path, target_events: int) -> tuple[int, int]:
                         values[st.metadata_id].append(int(st.int64_value or st.uint64_value))
         # run ids are a launch counter (consecutive per program): copy k continues it
         id_span = {i: 1 + max(v) - min(v) if v else 0 for i, v in values.items()}
-        for k in range(copies):
+        def renumber(events: object, k: int) -> None:
+            for ev in events:
+                for st in ev.stats:
+                    if st.metadata_id == stat_id.get("step_num"):
+                        st.int64_value = int(st.int64_value or st.uint64_value) + k * steps_per_copy
+                    elif st.metadata_id in ids:
+                        value = int(st.int64_value or st.uint64_value) + k * id_span[st.metadata_id]
+                        if st.HasField("uint64_value"):
+                            st.uint64_value = value
+                        else:
+                            st.int64_value = value
+
+        if one_line_per_thread:
+            for xl, _, _, _ in op_lines + other:
+                merged = XL()
+                merged.CopyFrom(xl)
+                for k in range(1, copies):
+                    shifted = XL()
+                    shifted.events.extend(xl.events)
+                    for ev in shifted.events:
+                        ev.offset_ps += k * shift_ns * 1000
+                    renumber(shifted.events, k)
+                    merged.events.extend(shifted.events)
+                plane += _field(3, merged.SerializeToString())
+                if xl.name != "python":
+                    written += len(merged.events)
+        for k in range(0 if one_line_per_thread else copies):
             for xl, _, _, _ in op_lines + other:
                 copy = XL()
                 copy.CopyFrom(xl)
                 copy.id = xl.id + k * 1_000_003 if k else xl.id
                 copy.timestamp_ns = xl.timestamp_ns + k * shift_ns
                 if k:
-                    for ev in copy.events:
-                        for st in ev.stats:
-                            if st.metadata_id == stat_id.get("step_num"):
-                                st.int64_value = int(st.int64_value or st.uint64_value) + k * steps_per_copy
-                            elif st.metadata_id in ids:
-                                value = int(st.int64_value or st.uint64_value) + k * id_span[st.metadata_id]
-                                if st.HasField("uint64_value"):
-                                    st.uint64_value = value
-                                else:
-                                    st.int64_value = value
+                    renumber(copy.events, k)
                 plane += _field(3, copy.SerializeToString())
                 if xl.name != "python":
                     written += len(xl.events)
@@ -117,12 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--events", type=int, default=5_000_000)
     ap.add_argument("--fixture", default="transformer")
+    ap.add_argument("--one-line-per-thread", action="store_true",
+                    help="append the copies to the original lines (a few lines of millions of events)")
     ap.add_argument("-o", "--output", default=None)
     args = ap.parse_args(argv)
     src = next((ROOT / "fixtures" / args.fixture / "logdir").rglob("*.xplane.pb"))
     dst = Path(args.output or ROOT / "benchmarks" / "data" / f"{args.fixture}_x{args.events}" /
                "plugins" / "profile" / "run" / "host.xplane.pb")
-    written, copies = replicate(src, dst, args.events)
+    written, copies = replicate(src, dst, args.events, args.one_line_per_thread)
     print(f"{dst}: {written:,} op-line events ({copies} copies), {dst.stat().st_size:,} bytes")
 
 

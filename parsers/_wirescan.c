@@ -15,7 +15,7 @@
 
 typedef struct { const uint8_t *p; const uint8_t *end; int err; } Cur;
 
-enum { E_CORRUPT = 1, E_ROWS = 2, E_LONG_STR = 3, E_KEY = 4 };
+enum { E_CORRUPT = 1, E_LONG_STR = 3, E_KEY = 4 };
 #define MAX_FIELD (((uint64_t)1 << 29) - 1) /* protobuf's largest field number */
 
 static inline __attribute__((always_inline)) uint64_t rd_varint(Cur *c) {
@@ -66,7 +66,6 @@ static inline __attribute__((always_inline)) int skip_value(Cur *c, int wt, cons
 static void set_wire_error(int err, Py_ssize_t at) {
     if (err == E_KEY)
         PyErr_Format(PyExc_ValueError, "field key with field number 0 or an impossible wire type at byte %zd", at);
-    else if (err == E_ROWS) PyErr_SetString(PyExc_ValueError, "decode_events: more events than counted");
     else if (err == E_LONG_STR)
         PyErr_Format(PyExc_ValueError, "an event stat string longer than 16 MiB at byte %zd", at);
     else PyErr_Format(PyExc_ValueError, "wire format is corrupt or truncated at byte %zd", at);
@@ -136,11 +135,14 @@ enum { K_ABSENT = 0, K_INT = 1, K_UINT = 2, K_DOUBLE = 3, K_REF = 4, K_STR = 5, 
 #define KEEP_TABLE 4096                    /* metadata ids below this find whether they are kept by a table */
 
 /* decode_events(buf, start, end, line_timestamp_ns, stat_ids, first, metadata_id, start_ps, duration_ps, values,
- *               kinds[, keep_ids, keep_columns]) -> (events written, events with impossible times)
+ *               kinds[, keep_ids, keep_columns]) -> (events written, events with impossible times, stop)
  *
  * Decodes the XEvents (XLine field 4) of the line whose payload is buf[start:end] into rows first.. of the
- * output arrays: metadata_id/start_ps/duration_ps int64[n]; values int64[ncol*n] and kinds int8[ncol*n], laid out
- * column-major (column j at j*n). stat_ids int64[ncol] are the XStatMetadata ids wanted; other stats are skipped.
+ * output arrays, until they are full: `stop` is the byte where decoding stopped, `end` once the whole line is
+ * decoded, else the first event that found no row (call again from there, with rows free), so that a line of
+ * millions of events is decoded a batch of rows at a time. Output arrays: metadata_id/start_ps/duration_ps
+ * int64[n]; values int64[ncol*n] and kinds int8[ncol*n], laid out column-major (column j at j*n). stat_ids
+ * int64[ncol] are the XStatMetadata ids wanted; other stats are skipped.
  * start_ps = line_timestamp_ns * 1000 + offset_ps (checked arithmetic), or INT64_MIN for aggregated events
  * (num_occurrences; then duration_ps holds the duration and the value is not a time). An event whose start
  * overflows or lies outside +-2^62 ps, or whose duration is negative or above 2^60 ps, gets start_ps
@@ -201,6 +203,7 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
         Cur c = {base + start, base + end, 0};
         const uint8_t *err_at = c.p;
         Py_ssize_t row = first, bad = 0;
+        const uint8_t *stop = c.end;
         while (c.p < c.end) {
             uint64_t key_f; int key_wt;
             err_at = c.p;
@@ -211,7 +214,7 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
                 continue;
             }
             if (!skip_value(&c, 2, &es, &ee)) { c.err = E_CORRUPT; break; }
-            if (row >= n) { c.err = E_ROWS; break; }
+            if (row >= n) { stop = err_at; break; }  /* no row left: the caller goes on from this event */
             int64_t e_mid = 0, e_off = 0, e_dur = 0; int aggregate = 0;
             for (Py_ssize_t j = 0; j < ncol; j++) o_kin[j * n + row] = K_ABSENT;
             Cur e = {es, ee, 0};
@@ -299,7 +302,7 @@ static PyObject *decode_events(PyObject *self, PyObject *args) {
             row += keep;
         }
         if (c.err) set_wire_error(c.err, (Py_ssize_t)(err_at - base));
-        else ret = Py_BuildValue("(nn)", row - first, bad);
+        else ret = Py_BuildValue("(nnn)", row - first, bad, (Py_ssize_t)(stop - base));
     }
 done:
     PyBuffer_Release(&buf); PyBuffer_Release(&ids); PyBuffer_Release(&mid); PyBuffer_Release(&st);

@@ -35,7 +35,7 @@ AGGREGATE_START = _INT64_MIN
 BAD_START, BAD_NEGATIVE_DURATION, BAD_LONG_DURATION = _INT64_MIN + 1, _INT64_MIN + 2, _INT64_MIN + 3
 _STR_LEN_BITS = 24
 _K_ABSENT, _K_INT, _K_UINT, _K_DOUBLE, _K_REF, _K_STR, _K_BYTES, _K_ZSTR = range(8)
-_E_CORRUPT, _E_ROWS, _E_LONG_STR, _E_KEY = 1, 2, 3, 4
+_E_CORRUPT, _E_LONG_STR, _E_KEY = 1, 3, 4
 _MAX_SSIZE = (1 << 63) - 1
 
 
@@ -57,8 +57,6 @@ class _WireError(Exception):
         """The C module's ValueError for this error."""
         if self.code == _E_KEY:
             return ValueError(f"field key with field number 0 or an impossible wire type at byte {self.at}")
-        if self.code == _E_ROWS:
-            return ValueError("decode_events: more events than counted")
         if self.code == _E_LONG_STR:
             return ValueError(f"an event stat string longer than 16 MiB at byte {self.at}")
         return ValueError(f"wire format is corrupt or truncated at byte {self.at}")
@@ -279,10 +277,11 @@ def _line_ps(line_ns: int) -> tuple[int, bool]:
     return line_ps, not _INT64_MIN <= line_ps <= _INT64_MAX
 
 
-def _decode_exact(b: Any, start: int, end: int, line_ns: int, first: int, out: _Out) -> tuple[int, int]:
+def _decode_exact(b: Any, start: int, end: int, line_ns: int, first: int, out: _Out) -> tuple[int, int, int]:
     """``decode_events`` byte by byte, as the C code. :raises _WireError:"""
     line_ps, line_bad = _line_ps(line_ns)
     p, row, bad = start, first, 0
+    stop = end
     while p < end:
         at = p
         f, wt, p, err = _key(b, p, end)
@@ -294,14 +293,15 @@ def _decode_exact(b: Any, start: int, end: int, line_ns: int, first: int, out: _
         p = ee
         if f != 4 or wt != 2:
             continue
-        if row >= out.n:
-            raise _WireError(_E_ROWS, at)
+        if row >= out.n:  # no row left: the caller goes on from this event
+            stop = at
+            break
         e_mid, e_off, e_dur, aggregate, sets = _event(b, es, ee, out.want)
         t = _event_start(line_ps, line_bad, e_off, e_dur, aggregate)
         bad += impossible_times(t)
         out.put(row, e_mid, t, e_dur, sets)
         row += out.kept(row, e_mid, t)
-    return row - first, bad
+    return row - first, bad, stop
 
 
 # -- the protobuf fast path ------------------------------------------------------------------------------------
@@ -416,9 +416,11 @@ def _fields_ok(b: Any, p: int, end: int, stop_at_event: bool) -> int | None:
     return end
 
 
-def _decode_fast(b: memoryview, start: int, end: int, line_ns: int, first: int, out: _Out) -> tuple[int, int] | None:
+def _decode_fast(b: memoryview, start: int, end: int, line_ns: int, first: int, out: _Out
+                 ) -> tuple[int, int, int] | None:
     """``decode_events`` through protobuf when the line's event fields are protobuf's canonical encoding, one run
-    between well-formed other fields; ``None`` when not (then :func:`_decode_exact` decides)."""
+    between well-formed other fields, and every event has a row; ``None`` when not (then :func:`_decode_exact`
+    decides)."""
     a = _fields_ok(b, start, end, True)
     if a is None:
         return None
@@ -465,7 +467,7 @@ def _decode_fast(b: memoryview, start: int, end: int, line_ns: int, first: int, 
     if out.ncol:
         _write_stats(b, a, evs, first, out)
     bad = int(np.count_nonzero(impossible_times(t)))
-    return out.compact(first, nev, t), bad
+    return out.compact(first, nev, t), bad, end
 
 
 def _write_stats(b: memoryview, a: int, evs: list, first: int, out: _Out) -> None:
@@ -603,9 +605,10 @@ def split_fields(buf: Any, start: int, end: int, field: int) -> tuple[bytes, int
 
 def decode_events(buf: Any, start: int, end: int, line_timestamp_ns: int, stat_ids: Any, first: int, metadata_id: Any,
                   start_ps: Any, duration_ps: Any, values: Any, kinds: Any, keep_ids: Any = None,
-                  keep_columns: Any = None) -> tuple[int, int]:
-    """Decode the XEvents of the line whose payload is buf[start:end] into rows ``first``.. of the output arrays;
-    returns (events written, events with impossible times). Arguments, layout and codes as ``_wirescan.c``'s
+                  keep_columns: Any = None) -> tuple[int, int, int]:
+    """Decode the XEvents of the line whose payload is buf[start:end] into rows ``first``.. of the output arrays,
+    until they are full; returns (events written, events with impossible times, the byte decoding stopped at:
+    ``end``, or the first event that found no row). Arguments, layout and codes as ``_wirescan.c``'s
     ``decode_events``; with ``keep_ids`` only the events it keeps are written. :raises ValueError: malformed input
     (the byte named) or output arrays of the wrong size."""
     with _bytes_view(buf) as b:

@@ -270,9 +270,13 @@ class Plane:
         # Lines are decoded one after another into scratch arrays of a batch of rows (reused, so they stay in
         # cache); each batch's rows (the kept events) are copied once into the output arrays, sized for every event
         # but written (and so made resident) only as far as rows are kept. Each stat has its own value and kind
-        # arrays, which become its column (or are freed once it is resolved), so no stat is copied whole.
+        # arrays, which become its column (or are freed once it is resolved), so no stat is copied whole. A line
+        # longer than a batch (a thread of a long capture holds millions of events) is decoded a batch at a time;
+        # the pure-Python scanner decodes a line whole (protobuf parses it at once), so its batch holds the longest.
         total = sum(line.event_count for line in chosen)
-        size = max(max((line.event_count for line in chosen), default=0), min(total, _BATCH_ROWS))
+        size = max(min(total, _BATCH_ROWS), 1)
+        if self._scan is _wirescan_py:
+            size = max(size, max((line.event_count for line in chosen), default=0))
         out = [np.empty(total, np.int64) for _ in range(4)]  # metadata_id, start_ps, duration_ps, line_id
         lcode, codes = np.empty(total, code_dtype(len(line_names))), np.empty(total, meta_dtype)
         vals, kinds = [np.empty(total, np.int64) for _ in col_of], [np.empty(total, np.int8) for _ in col_of]
@@ -283,11 +287,15 @@ class Plane:
         sources, targets = [s_mid, s_start, s_dur, s_line, s_lcode], [*out, lcode]
         n = row = 0
         batch: list[tuple[Line, int, int, int]] = []  # (line, first row, end row, events with impossible times)
+        dropped_now: dict[int, dict[int, int]] = {}  # line index -> {code: count}, summed over the line's batches
 
         def flush() -> int:
             """Copy the rows of the batch (``row`` rows) to the output from row ``n``, less the events with impossible
             times (counted in ``_dropped``); how many were copied."""
             rows = slice(0, row)
+            if n + row > total:
+                raise FormatError(f"{self.source}: plane {self.name!r} has more events than it had when counted: "
+                                  "the file changed while it was read - analyze a finished copy")
             s_code = meta_code(s_mid[rows])
             if not any(bad for *_, bad in batch):
                 for src, dst in zip([*sources, s_code], [*targets, codes]):
@@ -299,7 +307,9 @@ class Plane:
                 if bad:
                     t = s_start[a:b]
                     found, counts = np.unique(t[impossible_times(t)], return_counts=True)
-                    self._dropped[self.lines.index(line)] = dict(zip(found.tolist(), counts.tolist()))
+                    dropped = dropped_now.setdefault(self.lines.index(line), {})
+                    for code, count in zip(found.tolist(), counts.tolist()):
+                        dropped[code] = dropped.get(code, 0) + count
             t = s_start[rows]
             at = np.flatnonzero(~impossible_times(t))
             k = len(at)
@@ -312,25 +322,36 @@ class Plane:
 
         read = _Releaser(self._buf)
         for line in chosen:
-            if row + line.event_count > size:
+            if row and row + line.event_count > size:
                 n += flush()
                 row, batch = 0, []
             first, bad = row, 0
             for s, e in line._ranges:
-                try:
-                    done, nbad = self._scan.decode_events(self._buf, s, e, line.timestamp_ns, stat_ids, row,
-                                                         s_mid, s_start, s_dur, s_vals, s_kinds, *keep)
-                except ValueError as err:
-                    raise FormatError(f"{self.source}: plane {self.name!r} line {line.name!r}: {err}; "
-                                      "the file is corrupt or truncated - capture the profile again") from None
-                row += done
-                bad += nbad
-                read.add(s, e)
+                pos = s
+                while True:
+                    piece = pos
+                    try:
+                        done, nbad, pos = self._scan.decode_events(self._buf, pos, e, line.timestamp_ns, stat_ids,
+                                                                     row, s_mid, s_start, s_dur, s_vals, s_kinds, *keep)
+                    except ValueError as err:
+                        raise FormatError(f"{self.source}: plane {self.name!r} line {line.name!r}: {err}; "
+                                          "the file is corrupt or truncated - capture the profile again") from None
+                    row += done
+                    bad += nbad
+                    read.add(piece, min(pos, e))  # the bytes decoded so far: a long line is let go as it goes
+                    if pos >= e:
+                        break
+                    # the batch is full (a long line): its rows go out, and the line goes on from byte ``pos``
+                    s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
+                    batch.append((line, first, row, bad))
+                    n += flush()
+                    row, batch, first, bad = 0, [], 0, 0
             s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
             batch.append((line, first, row, bad))
         read.done()
         if row:
             n += flush()
+        self._dropped.update(dropped_now)  # (a line decoded again is counted once)
         mid, start, dur, line_id = (x[:n] for x in out)
         codes = codes[:n]  # display_name's codes (from_codes keeps them), read by _resolve
         columns: dict[str, object] = {

@@ -13,15 +13,21 @@ from traceroof import analyze
 from tests.conftest import FIXTURES, HOST_CHIP, ROOT, fixture_xplane
 
 
-def test_replicated_profile_is_valid_and_joins(tmp_path):
+@pytest.mark.parametrize("one_line_per_thread", [False, True])
+def test_replicated_profile_is_valid_and_joins(tmp_path, one_line_per_thread):
+    """Copies on lines of their own, or appended to the original lines (as a long capture records them): either
+    way a profile of 3x the steps that analyzes like the original."""
     spec = importlib.util.spec_from_file_location("replicate", ROOT / "benchmarks" / "replicate.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "plugins" / "profile" / "run" / "host.xplane.pb"
     src = fixture_xplane("scan_mlp")
-    per_copy = sum(l.event_count for l in read_xspace(src).plane("/host:CPU").lines if l.name != "python")
-    written, copies = mod.replicate(src, out, 3 * per_copy)
+    lines = read_xspace(src).plane("/host:CPU").lines
+    per_copy = sum(l.event_count for l in lines if l.name != "python")
+    written, copies = mod.replicate(src, out, 3 * per_copy, one_line_per_thread)
     assert copies == 3 and written == 3 * per_copy
+    got = read_xspace(out).plane("/host:CPU").lines
+    assert len(got) == (len(lines) if one_line_per_thread else 3 * len(lines))
     a = analyze(tmp_path, hlo=[FIXTURES / "scan_mlp" / "hlo"], chip=HOST_CHIP, warmup_steps=0)
     base = analyze(FIXTURES / "scan_mlp", chip=HOST_CHIP, warmup_steps=0)
     assert a.summary.steps_total == 3 * base.summary.steps_total

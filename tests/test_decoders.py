@@ -155,7 +155,7 @@ def _kept_by_hand(every, ncol, keep_ids, keep_columns):
         keep |= (kinds[keep_columns] != 0).any(axis=0)
     values = np.where(kinds != 0, values, 0)
     rows = [mid[keep], start[keep], dur[keep], values[:, keep], kinds[:, keep]]
-    return (int(keep.sum()), every[0][1]), [np.ascontiguousarray(a).tobytes() for a in rows]
+    return (int(keep.sum()), *every[0][1:]), [np.ascontiguousarray(a).tobytes() for a in rows]
 
 
 def test_kept_events_decode_alike(monkeypatch):
@@ -277,8 +277,9 @@ def test_random_corruptions_fail_or_decode_alike():
         for fn in (lambda m: m.scan_fields(b, fs, end), lambda m: m.scan_fields(b, fs, end, 4, 3),
                    lambda m: m.split_fields(b, fs, end, 4)):
             assert _call(lambda: fn(P)) == _call(lambda: fn(C))
-        outcomes.add(got[0][1].split(" at byte")[0] if isinstance(got[0][0], type) else "decoded")
-    assert len(outcomes) >= 4, outcomes  # the corruptions reach several different errors, and some decode
+        outcomes.add(got[0][1].split(" at byte")[0] if isinstance(got[0][0], type) else
+                     "decoded" if got[0][2] == end else "stopped: no row left")
+    assert len(outcomes) >= 4, outcomes  # the corruptions reach several different errors, some decode, some stop
 
 
 # -- whole files through read_xspace and Plane.events ------------------------------------------------------------
@@ -325,6 +326,27 @@ def test_corrupt_files_fail_or_drop_alike(tmp_path, case):
         assert "events dropped for impossible times" in got[4][0]
     else:
         assert got[0] is xspace.FormatError and str(f) in got[1], got
+
+
+@pytest.mark.parametrize("case", ["scan_mlp", "impossible-times"])
+def test_long_lines_decode_a_batch_at_a_time(tmp_path, monkeypatch, case):
+    """A line longer than a batch of rows (a thread of a long capture: millions of events) is decoded a batch at a
+    time by the C scanner, going on from where the full batch stopped: the same events, columns and notes (events
+    dropped for impossible times counted over the pieces of a line) as the Python scanner, which decodes it whole."""
+    f = tmp_path / "vm.xplane.pb"
+    f.write_bytes(SRC.read_bytes() if case == "scan_mlp" else FILES[case]())
+    monkeypatch.setattr(xspace, "_BATCH_ROWS", 5)
+    decode, stops = C.decode_events, []
+
+    def counted(buf, start, end, *args):
+        got = decode(buf, start, end, *args)
+        stops.append(got[2] < end)
+        return got
+    monkeypatch.setattr(C, "decode_events", counted)
+    got = _assert_same(f)
+    assert sum(stops) > 10 and not all(stops)  # lines were cut into batches, and each went on to its end
+    if case == "impossible-times":
+        assert "141 events dropped for impossible times" in got[4][0], got[4]  # line 0 (138) and 3 of line 1
 
 
 # -- choosing the decoder ------------------------------------------------------------------------------------
