@@ -4,6 +4,7 @@ decodes to the same events, column for column, and every corrupt input fails wit
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -406,3 +407,12 @@ def test_the_report_header_says_which_decoder_ran(monkeypatch):
     assert "(decoder: pure Python, slower" in " ".join(terminal.split())  # the header wraps after long paths
     monkeypatch.setenv("TRACEROOF_DECODER", "c")
     assert "(decoder: C)" in render(analyze(SRC.parents[4], chip=HOST_CHIP), "markdown")
+
+
+def test_more_events_than_counted_is_a_format_error(monkeypatch):
+    """Events are counted when the file is opened and decoded later: a line holding more events by then (the file
+    was rewritten in place meanwhile) is a FormatError, not an array overflow."""
+    plane = read_xspace(SRC, "c").plane("/host:CPU")
+    plane.lines = [dataclasses.replace(line, event_count=line.event_count // 2) for line in plane.lines]
+    with pytest.raises(xspace.FormatError, match="more events than it had when counted"):
+        plane.columns(stats=("hlo_op",))
