@@ -113,8 +113,10 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         launch_rows = _take(both, _name_mask(both["name"], HOST_EVENT_NAMES) & ~ends & no_op,
                             ("line_id", "name", "start_ps", "duration_ps"))
         op_rows = ~no_op & (both["start_ps"] != AGGREGATE_START_PS)
-        ev = _take_out({k: both.pop(k) for k in ("line_id", "start_ps", "duration_ps", "hlo_op", "hlo_module",
-                                                  "program_id", "device_ordinal", "run_id", "_p")}, op_rows)
+        keep = ("line_id", "start_ps", "duration_ps", "hlo_op", "hlo_module", "program_id", "device_ordinal",
+                "run_id", "_p")
+        both = {k: both[k] for k in keep}  # the other columns let go before the ops' are copied (20 M events: 170 MB)
+        ev = _take_out(both, op_rows)
         del both, no_op, ends, op_rows
         ev["async_end_ps"] = _async_thunk_ends(ev, end_events)
         launches = launch_events(launch_rows)
