@@ -41,7 +41,7 @@ from traceroof.utilization import (_step_durations, flop_utilization, peak_below
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
 
 
-def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
+def resolve_chip(profile: Profile, chip: str | Path | Chip | None) -> tuple[Chip, str]:
     """The target chip and a note saying why it was chosen.
 
     :raises ChipError: no chip given for a device profile (detection needs a known device), or unknown name.
@@ -59,7 +59,7 @@ def resolve_chip(profile: Profile, chip: str | Chip | None) -> tuple[Chip, str]:
 
 
 def analyze(paths: str | Path | Sequence[str | Path], hlo: str | Path | Sequence[str | Path] = (),
-            chip: str | Chip | None = None, depth: int = 2, warmup_steps: int = 1, top: int = 10,
+            chip: str | Path | Chip | None = None, depth: int = 2, warmup_steps: int = 1, top: int = 10,
             optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN, topology: str | None = None,
             model_flops_per_step: float | None = None, expand: bool = False, jobs: int | None = 1,
             dask_address: str | None = None) -> Analysis:

@@ -315,11 +315,12 @@ def _norm(s: str) -> str:
     return "".join(ch for ch in s.lower() if ch.isalnum())
 
 
-def get_chip(name_or_path: str) -> Chip:
-    """A chip by id, name or alias (case and punctuation ignored), or a path to a chip file.
+def get_chip(name_or_path: str | os.PathLike[str]) -> Chip:
+    """A chip by id, name or alias (case and punctuation ignored), or a path (``str`` or ``Path``) to a chip file.
 
     :raises ChipError: no such chip (an empty name too); the message lists the closest known ids.
     """
+    name_or_path = os.fspath(name_or_path)
     if not name_or_path.strip():
         raise ChipError("an empty chip name; pass a chip id (see `traceroof chips`) or a chip .toml file, or leave "
                         "--chip out to detect it")

@@ -184,7 +184,44 @@ def remat_cost(x: FindingInputs) -> list[Finding]:
                 f"keeping them instead: about {fmt_bytes(held)} more activations per device (the recomputed values "
                 "the backward reads; XLA may keep more where it fuses less)" if held else ""]
     title = f"recomputing the forward pass (remat) takes {fmt_s(t)} per step"
-    advice = ("if HBM has room, save more and recompute less: jax.checkpoint(f, policy=jax.checkpoint_policies."
-              "dots_with_no_batch_dims_saveable) keeps the matmul outputs, save_only_these_names keeps what you "
-              "tag with checkpoint_name; or remat fewer layers (nn.remat / nn.scan policy)")
-    return [make(x, "remat-cost", title, t, advice, REMAT_SOURCE, evidence, rows)]
+    return [make(x, "remat-cost", title, t, _remat_advice(_recomputed_dots(x, rows)), REMAT_SOURCE, evidence, rows)]
+
+
+def _recomputed_dots(x: FindingInputs, rows: np.ndarray) -> tuple[int, int] | None:
+    """(with batch dimensions, without): the distinct dot instructions the recomputed op rows ``rows`` run, alone
+    or inside their fusions; ``None`` when none of those ops is in the HLO (an XProf export)."""
+    c = x.cols
+    module, program, op = c.value("module"), c.value("program_id"), c.value("hlo_op")
+    batched, unbatched, found = set(), set(), False
+    for i in rows:
+        got = x.programs.instruction(module[i], program[i], op[i])
+        if got is None:
+            continue
+        found = True
+        ix, inst = got
+        for d in [inst] + (ix.fused(inst) if inst.opcode == "fusion" else []):
+            if d.opcode == "dot":
+                (batched if d.attr_ints("lhs_batch_dims") else unbatched).add((module[i], program[i], d.name))
+    return (len(batched), len(unbatched)) if found else None
+
+
+def _remat_advice(dots: tuple[int, int] | None) -> str:
+    """What to save instead of recomputing, given the recomputed dots (:func:`_recomputed_dots`): a policy that
+    keeps what the one in use recomputes. JAX's policies: ``dots_with_no_batch_dims_saveable`` keeps the outputs
+    of dots without batch dimensions, ``checkpoint_dots`` those of every dot (jax/_src/ad_checkpoint.py)."""
+    rest = "save_only_these_names keeps what you tag with checkpoint_name; or remat fewer layers (nn.remat / nn.scan)"
+    if dots is None:
+        return ("if HBM has room, save more and recompute less: jax.checkpoint(f, policy=jax.checkpoint_policies."
+                f"dots_with_no_batch_dims_saveable) keeps the matmul outputs, {rest}")
+    batched, unbatched = dots
+    if batched:
+        return (f"if HBM has room, save more and recompute less: {batched} of the {batched + unbatched} recomputed "
+                "matmuls have batch dimensions (attention scores and context, per-head or per-expert products), "
+                "which dots_with_no_batch_dims_saveable does not keep: jax.checkpoint(f, policy=jax."
+                f"checkpoint_policies.checkpoint_dots) keeps every matmul output; {rest}")
+    if unbatched:
+        return (f"if HBM has room, save more and recompute less: jax.checkpoint(f, policy=jax.checkpoint_policies."
+                f"dots_with_no_batch_dims_saveable) keeps the output of the {unbatched} recomputed matmul(s) (none "
+                f"has batch dimensions); {rest}")
+    return ("no matmul is recomputed (the policy in use keeps them): a dot-saving policy changes nothing here; the "
+            f"recomputed ops are element-wise work and reductions: {rest}")
