@@ -35,8 +35,8 @@ from traceroof.rowcosts import RowCosts
 from traceroof.results import Analysis, Summary  # noqa: F401 (the API: traceroof.analysis.Analysis)
 from traceroof.roofline import main_matmul_peak, precision_notes, roofline_rows
 from traceroof.steps import steps_on_every_host, steps_with_ops
-from traceroof.utilization import (_step_durations, flop_utilization, peak_below_achieved, step_periods,
-                                   utilization_notes)
+from traceroof.utilization import (_step_durations, flop_utilization, overlapping_ops_note, peak_below_achieved,
+                                   step_periods, utilization_notes)
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
 
@@ -244,6 +244,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     efficiency = expected / step_mean if step_mean > 0 and expected > 0 and join.events_joined else float("nan")
     notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     notes += peak_below_achieved(counted, peak, peak_key, target.kind)
+    notes += overlapping_ops_note(op_time, step_mean)
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
         chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,

@@ -9,12 +9,13 @@ import numpy as np
 import pandas as pd
 
 from traceroof.codes import as_text
-from traceroof.units import fmt_si
+from traceroof.units import fmt_si, fmt_time
 
 
 STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
 FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
 ABOVE_PEAK_RATIO = 1.2  # an op's FLOP/s over this x the peak: the peak is wrong, not the op (timer noise, rounding)
+OVERLAP_RATIO = 1.05  # op time per step above this multiple of the step time: ops overlapped (a note)
 SIGNIFICANT_OP_SHARE = 0.01  # ops with less of the op time are too short to judge a FLOP rate from
 
 
@@ -156,6 +157,19 @@ def peak_below_achieved(counted: pd.DataFrame, peak: float | None, peak_key: str
     return [f"{as_text(counted['hlo_op'])[best]} ran at {fmt_si(float(rate[best]), 'FLOP/s')}, {over:.2g}x the "
             f"{peak_key} peak of {fmt_si(peak, 'FLOP/s')}: the peak is below what this machine reached, so MFU, HFU "
             f"and the compute roofline overstate utilization (by up to {over:.2g}x); {fix}"]
+
+
+def overlapping_ops_note(op_time_s: float, step_time_s: float) -> list[str]:
+    """A note when the op time per step (summed over ops, per device) exceeds the step time by more than
+    ``OVERLAP_RATIO``: ops ran at the same time (XLA:CPU's async thunks on several threads, GPU streams), so each
+    layer's and op's share of the step is its op time over the step time and the shares add up to more than
+    100 %: a share is not the wall time the step would save without it."""
+    if not (step_time_s > 0 and op_time_s > OVERLAP_RATIO * step_time_s):
+        return []
+    return [f"op time per step ({fmt_time(op_time_s)}) is {op_time_s / step_time_s:.0%} of the step time "
+            f"({fmt_time(step_time_s)}): ops overlapped (run at the same time on several threads or streams), so "
+            "the layers' and ops' shares of the step add up to more than 100 %, and removing an op saves less wall "
+            "time than its share"]
 
 
 def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,
