@@ -24,8 +24,8 @@ def scan():
 def test_every_op_event_joins(transformer, scan):
     for a in (transformer, scan):
         assert a.summary.join.events_joined == a.summary.join.events_total > 500
-        # nothing missing or odd; XLA:CPU async thunks (op time running to their `end:` events) are stated
-        assert all("asynchronous thunks" in n for n in a.summary.notes), a.summary.notes
+        # nothing missing or odd; XLA:CPU async thunks (op time running to their `end:` events, ops overlapping)
+        assert all("asynchronous thunks" in n or "ops overlapped" in n for n in a.summary.notes), a.summary.notes
 
 
 def test_steps_from_step_trace_annotations(transformer):
@@ -363,6 +363,8 @@ def test_several_hosts_in_one_run_are_all_read(tmp_path):
 
 
 def test_logdir_reads_the_latest_run(tmp_path):
+    """The latest run of a logdir is read, from the logdir or from its plugins/profile folder (which exited 2), and
+    a note names the runs left out (a user's MoE run was skipped for a later UNet run in silence: s30 trial)."""
     import shutil
 
     old = tmp_path / "plugins" / "profile" / "2026_01_01_00_00_00"
@@ -373,6 +375,12 @@ def test_logdir_reads_the_latest_run(tmp_path):
     shutil.copy(fixture_xplane("scan_mlp"), new / "h.xplane.pb")
     a = analyze(tmp_path, chip=HOST_CHIP)
     assert a.summary.input.endswith("2026_02_01_00_00_00")
+    shutil.copy(fixture_xplane("scan_mlp"), old / "h.xplane.pb")
+    for given in (tmp_path, tmp_path / "plugins" / "profile"):  # the logdir, or the folder of its runs
+        b = analyze(given, chip=HOST_CHIP)
+        assert b.summary.input.endswith("2026_02_01_00_00_00")
+        (note,) = [n for n in b.summary.notes if "other run" in n]
+        assert "1 other run(s) with profiles (2026_01_01_00_00_00): only the latest was analyzed" in note
 
 
 def test_unknown_opcodes_are_reported_not_fatal(tmp_path):

@@ -13,6 +13,7 @@ import numpy as np
 import pandas as pd
 
 from parsers.hlo import HloModule
+from parsers import storage
 from parsers.storage import Location, is_url
 from parsers.hlo_text import is_known_opcode
 from traceroof.breakdown import analysis_breakdown
@@ -177,6 +178,12 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     topo, topo_note = topology_for(topology, chip_ici, n_devices, _host_count(len(hosts), profiled, needed))
     notes += [topo_note] * bool(topo_note)
     notes += _missing_hosts(needed, profiled, hosts, profile.inputs.nearby_runs)
+    other_runs = profile.inputs.other_runs
+    if other_runs:
+        names = ", ".join(storage.name(r) for r in other_runs[-3:])
+        notes.append(f"the logdir holds {len(other_runs)} other run(s) with profiles ({'..., ' * (len(other_runs) > 3)}"
+                     f"{names}): only the latest was analyzed; pass a run directory (plugins/profile/<run>) to "
+                     "analyze another")
     estimates = {i: expected_time(c, chip_ici, topo) for i, c in enumerate(collectives) if c is not None}
     comm = np.array([estimates[i].time_s if estimates.get(i) else 0.0 for i in range(len(collectives))] + [0.0])
     cid = ops["collective_id"].to_numpy()

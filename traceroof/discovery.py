@@ -33,6 +33,7 @@ class Inputs:
     hlo_proto_files: tuple[Location, ...] = ()
     user_hlo_files: tuple[Location, ...] = ()
     nearby_runs: tuple[Location, ...] = ()  # runs of a logdir written within NEARBY_RUN_S of the one chosen
+    other_runs: tuple[Location, ...] = ()  # the logdir's other runs holding profiles, not analyzed
 
 
 def _is_xplane(p: Location) -> bool:
@@ -93,6 +94,7 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
     described: list[Location] = []
     folders: list[Location] = []
     nearby: list[Location] = []
+    others: list[Location] = []
     if not paths:
         raise InputError("no input given: pass a .xplane.pb, a run directory or a TensorBoard logdir")
     for raw in paths:
@@ -129,12 +131,17 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
             if stats:
                 found, kind = stats[:1], "xprof_hlo_stats"
         if not found:
-            runs = [r for root in (p, *subdirs) for r in _run_dirs(root)]
+            # a logdir's runs (<logdir>/plugins/profile/<run>), else the folder's own subfolders (the folder given is
+            # plugins/profile itself); the latest that holds profiles is read
+            runs = [r for root in (p, *subdirs) for r in _run_dirs(root)] or list(subdirs)
             for r in sorted(runs, key=storage.name, reverse=True):
                 found, kind = _profiles_in_run(storage.listing(r)[0])
                 if found:
                     run = r
-                    nearby += _nearby_runs(r, runs)
+                    near = _nearby_runs(r, runs)
+                    nearby += near
+                    others += [o for o in sorted(runs, key=storage.name) if o != r and o not in near
+                               and _profiles_in_run(storage.listing(o)[0])[0]]
                     break
         if not found:
             raise InputError(f"{p}: no .xplane.pb or trace JSON found (looked in it and in plugins/profile/<run>/); "
@@ -160,4 +167,5 @@ def discover(paths: Sequence[str | Path], hlo: Sequence[str | Path] = ()) -> Inp
         raise InputError("mixing .xplane.pb and trace JSON inputs is not supported; pass one kind")
     return Inputs(tuple(dict.fromkeys(profiles)), kinds.pop(), tuple(dict.fromkeys(found_hlo)),
                   ", ".join(map(str, described)), tuple(_sidecars(profiles, folders)), tuple(user_files),
-                  tuple(r for r in dict.fromkeys(nearby) if r not in described))
+                  tuple(r for r in dict.fromkeys(nearby) if r not in described),
+                  tuple(r for r in dict.fromkeys(others) if r not in described))
