@@ -401,3 +401,17 @@ def test_overlapping_ops_say_their_shares_exceed_the_step():
     b = analyze(FIXTURES / "scan_mlp", chip=HOST_CHIP)
     assert b.summary.op_time_per_step_s <= 1.05 * b.summary.step_time_mean_s
     assert not any("ops overlapped" in n for n in b.summary.notes)
+
+
+def test_virtual_devices_sharing_a_host_get_host_wide_utilization():
+    """8 virtual CPU devices share one host whose calibrated peak is the whole host's: a user's MoE job read MFU
+    2.9 % where the host as a whole ran at 23 % (s30 trial). The note's host-wide HFU is XLA's cost_analysis FLOPs
+    of the 8 device programs over the step time and the host's f32 peak; judged against a real chip, no note."""
+    a = analyze(FIXTURES / "par_dp8", chip=HOST_CHIP)
+    (note,) = [n for n in a.summary.notes if "devices share this host" in n]
+    flops = json.loads((FIXTURES / "par_dp8" / "facts.json").read_text())["xla_cost_analysis"]["flops"]
+    peak = get_chip(HOST_CHIP).peak_for("f32")[0]
+    hfu = 8 * flops / (a.summary.step_time_mean_s * peak)
+    assert a.summary.devices == 8 and f"HFU {hfu:.1%}" in note and f"MFU {8 * a.summary.mfu:.1%}" in note
+    assert not any("devices share this host" in n for n in analyze(FIXTURES / "par_dp8", chip="h100").summary.notes)
+    assert not any("devices share this host" in n for n in analyze(FIXTURES / "scan_mlp", chip=HOST_CHIP).summary.notes)

@@ -37,7 +37,7 @@ from traceroof.results import Analysis, Summary  # noqa: F401 (the API: traceroo
 from traceroof.roofline import main_matmul_peak, precision_notes, roofline_rows
 from traceroof.steps import steps_on_every_host, steps_with_ops
 from traceroof.utilization import (_step_durations, flop_utilization, overlapping_ops_note, peak_below_achieved,
-                                   step_periods, utilization_notes)
+                                   shared_host_note, step_periods, utilization_notes)
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
 
@@ -252,6 +252,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     notes += utilization_notes(mfu, hfu, peak, peak_key, efficiency)
     notes += peak_below_achieved(counted, peak, peak_key, target.kind)
     notes += overlapping_ops_note(op_time, step_mean)
+    notes += shared_host_note(mfu, hfu, efficiency, n_dev // max(len(hosts), 1), target.kind)
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
         chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,

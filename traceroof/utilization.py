@@ -172,6 +172,23 @@ def overlapping_ops_note(op_time_s: float, step_time_s: float) -> list[str]:
             "time than its share"]
 
 
+def shared_host_note(mfu: float, hfu: float, efficiency: float, devices_per_host: int, chip_kind: str) -> list[str]:
+    """A note when several devices of one CPU host (``--xla_force_host_platform_device_count``) are judged against
+    the host's calibration: its peak is the whole host's (every core), which the devices share, so per-device MFU,
+    HFU and roofline efficiency judge each device against the whole host; the host as a whole ran at
+    ``devices_per_host`` times each (the devices' FLOPs and expected times add up on the one host)."""
+    if chip_kind != "cpu" or devices_per_host <= 1:
+        return []
+    k = devices_per_host
+    figures = [f"{name} {k * v:.1%}" for name, v in (("MFU", mfu), ("HFU", hfu), ("roofline efficiency", efficiency))
+               if v == v]  # (NaN: not computed)
+    if not figures:
+        return []
+    return [f"{k} devices share this host and its calibrated peak (the whole host's cores): MFU, HFU and the "
+            f"roofline efficiency above judge each device against the whole host; the host as a whole ran at "
+            f"{', '.join(figures)}"]
+
+
 def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,
                       roofline_efficiency: float = float("nan")) -> list[str]:
     """Notes on whole-step figures that cannot be right, shown as computed: MFU or HFU outside [0, 1] (more FLOPs
