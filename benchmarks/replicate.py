@@ -90,7 +90,9 @@ def replicate(src: Path, dst: Path, target_events: int, one_line_per_thread: boo
                         values[st.metadata_id].append(int(st.int64_value or st.uint64_value))
         # run ids are a launch counter (consecutive per program): copy k continues it
         id_span = {i: 1 + max(v) - min(v) if v else 0 for i, v in values.items()}
+
         def renumber(events: object, k: int) -> None:
+            """Copy ``k``'s step numbers and execution / flow ids (in place)."""
             for ev in events:
                 for st in ev.stats:
                     if st.metadata_id == stat_id.get("step_num"):
@@ -116,17 +118,18 @@ def replicate(src: Path, dst: Path, target_events: int, one_line_per_thread: boo
                 plane += _field(3, merged.SerializeToString())
                 if xl.name != "python":
                     written += len(merged.events)
-        for k in range(0 if one_line_per_thread else copies):
-            for xl, _, _, _ in op_lines + other:
-                copy = XL()
-                copy.CopyFrom(xl)
-                copy.id = xl.id + k * 1_000_003 if k else xl.id
-                copy.timestamp_ns = xl.timestamp_ns + k * shift_ns
-                if k:
-                    renumber(copy.events, k)
-                plane += _field(3, copy.SerializeToString())
-                if xl.name != "python":
-                    written += len(xl.events)
+        else:
+            for k in range(copies):
+                for xl, _, _, _ in op_lines + other:
+                    copy = XL()
+                    copy.CopyFrom(xl)
+                    copy.id = xl.id + k * 1_000_003 if k else xl.id
+                    copy.timestamp_ns = xl.timestamp_ns + k * shift_ns
+                    if k:
+                        renumber(copy.events, k)
+                    plane += _field(3, copy.SerializeToString())
+                    if xl.name != "python":
+                        written += len(xl.events)
         out += _field(1, bytes(plane))
     dst.parent.mkdir(parents=True, exist_ok=True)
     dst.write_bytes(bytes(out))

@@ -320,6 +320,11 @@ class Plane:
                 np.take(s_kinds2[j], at, out=kinds[j][n:n + k], mode="clip")
             return k
 
+        def close(line: Line, first: int, bad: int) -> None:
+            """End the batch's rows of ``line`` (from ``first`` to ``row``): their line id and code, and the piece."""
+            s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
+            batch.append((line, first, row, bad))
+
         read = _Releaser(self._buf)
         for line in chosen:
             if row and row + line.event_count > size:
@@ -342,12 +347,10 @@ class Plane:
                     if pos >= e:
                         break
                     # the batch is full (a long line): its rows go out, and the line goes on from byte ``pos``
-                    s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
-                    batch.append((line, first, row, bad))
+                    close(line, first, bad)
                     n += flush()
                     row, batch, first, bad = 0, [], 0, 0
-            s_line[first:row], s_lcode[first:row] = line.id, code_of[line.name]
-            batch.append((line, first, row, bad))
+            close(line, first, bad)
         read.done()
         if row:
             n += flush()

@@ -115,7 +115,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         op_rows = ~no_op & (both["start_ps"] != AGGREGATE_START_PS)
         keep = ("line_id", "start_ps", "duration_ps", "hlo_op", "hlo_module", "program_id", "device_ordinal",
                 "run_id", "_p")
-        both = {k: both[k] for k in keep}  # the other columns let go before the ops' are copied (20 M events: 170 MB)
+        both = {k: both[k] for k in keep}  # the others let go before the ops' are copied (20 M: 950 -> 738 MB peak)
         ev = _take_out(both, op_rows)
         del both, no_op, ends, op_rows
         ev["async_end_ps"] = _async_thunk_ends(ev, end_events)

@@ -193,15 +193,15 @@ def _recomputed_dots(x: FindingInputs, rows: np.ndarray) -> tuple[int, int] | No
     c = x.cols
     module, program, op = c.value("module"), c.value("program_id"), c.value("hlo_op")
     batched, unbatched, found = set(), set(), False
-    for i in rows:
-        got = x.programs.instruction(module[i], program[i], op[i])
+    for key in dict.fromkeys((module[i], program[i], op[i]) for i in rows):  # each op once, not once per step
+        got = x.programs.instruction(*key)
         if got is None:
             continue
         found = True
         ix, inst = got
         for d in [inst] + (ix.fused(inst) if inst.opcode == "fusion" else []):
             if d.opcode == "dot":
-                (batched if d.attr_ints("lhs_batch_dims") else unbatched).add((module[i], program[i], d.name))
+                (batched if d.attr_ints("lhs_batch_dims") else unbatched).add((*key[:2], d.name))
     return (len(batched), len(unbatched)) if found else None
 
 
