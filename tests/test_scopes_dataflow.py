@@ -421,3 +421,35 @@ def test_checkpointed_named_scopes_are_one_scope_and_collapse():
     assert {s for s, _ in dots} == {"embed", "block_0", "block_1", "block_2"}, dots
     assert {p for _, p in dots} >= {"forward", "backward"}
     assert ms.repeats == {f"block_{i}": "block_*" for i in range(3)}
+
+
+def test_unnamed_transpose_of_a_resized_input_is_the_backward_convolution_it_feeds():
+    """XLA CPU transposes an upsampled activation for the weight gradient of the conv that reads it: an unnamed
+    ``transpose_copy_fusion`` whose only named instruction is a bitcast of its operand, carrying that operand's
+    name (the forward resize's gather). It is its user's: the conv's backward (before: the forward, by the
+    bitcast's name; the s30 trial's UNet counted 1.45 ms/step of backward transposes as forward)."""
+    nn = pytest.importorskip("flax.linen")
+
+    class Up(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.Conv(16, (3, 3), name="conv_in")(x)
+            b, h, w, c = x.shape
+            return nn.Conv(8, (3, 3), name="upsample")(jax.image.resize(x, (b, 2 * h, 2 * w, c), "nearest"))
+
+    model, x = Up(), jnp.ones((4, 8, 8, 3))
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    step = jax.jit(jax.grad(lambda p, x: jnp.mean(model.apply(p, x) ** 2)))
+    m, ms = _module(step.lower(params, x).compile().as_text())
+    views = []
+    for comp, i in _executed(m):
+        inner = [x for n in i.called for x in m.computations[n].instructions]
+        if i.opcode != "fusion" or i.metadata.op_name or not any(x.opcode == "transpose" for x in inner):
+            continue
+        named = [x for x in inner if x.metadata.op_name]
+        if named and all(x.opcode == "bitcast" and "jvp(" in x.metadata.op_name for x in named):
+            users = comp.users()[i.name]
+            assert users and all(_holds(m, u, "convolution") for u in users)  # weight-gradient convolutions
+            views.append(i.name)
+            assert (ms.get(i.name).scope, ms.get(i.name).phase) == ("Up/upsample", "backward"), ms.get(i.name)
+    assert views  # the pattern is in the program

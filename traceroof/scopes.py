@@ -7,7 +7,8 @@ transformers FlaxGPT2, Keras on JAX):
 1. **Names from the fusion body.** A fusion without ``op_name`` (XLA CPU's ``transpose_copy_fusion`` feeding a
    weight-gradient convolution) takes the name of a named instruction in its fused computation: a dot /
    convolution / custom-call first, else the named instruction nearest the root. A bare compiler name
-   (``op_name="reduce_sum"``, a parameter's ``"st.step"``) counts as no name.
+   (``op_name="reduce_sum"``, a parameter's ``"st.step"``) counts as no name, and so does a bitcast / reshape of
+   a fused parameter named after the fusion's operand (the producer's name, which XLA copies onto its views).
 2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users (in rounds, each
    reading only the previous round's labels, until nothing changes), then from their operands (one round, then
    users again), then from the instruction that calls their computation. An unnamed weight-gradient dot /
@@ -114,9 +115,16 @@ def _named(inst: Instruction) -> bool:
     return "/" in name and "/" in name.partition(";")[0]
 
 
-def _fused_carrier(module: HloModule, comp_name: str, depth: int = 0) -> Instruction | None:
+def _fused_carrier(module: HloModule, comp_name: str, inherited: frozenset[str] = frozenset(),
+                   depth: int = 0) -> Instruction | None:
     """The instruction of a fused computation whose metadata names the fusion: a named dot / convolution /
-    custom-call first, else the named instruction nearest the root (breadth first over operands)."""
+    custom-call first, else the named instruction nearest the root (breadth first over operands).
+
+    ``inherited``: the ``op_name`` of the fusion's operands. A bitcast or reshape of a fused parameter bearing
+    one of them carries its producer's name, not this fusion's: XLA copies an operand's metadata onto the view it
+    makes of it. Such a view does not name the fusion (XLA CPU's unnamed ``transpose_copy_fusion`` feeding a
+    backward convolution has only a bitcast named after the forward op that made its operand; it is the
+    backward's, by its users)."""
     comp = module.computations.get(comp_name)
     if comp is None or comp.root is None or depth > 8:
         return None
@@ -127,11 +135,13 @@ def _fused_carrier(module: HloModule, comp_name: str, depth: int = 0) -> Instruc
     seen, queue = {comp.root.name}, [comp.root]
     while queue:
         inst = queue.pop(0)
-        if _named(inst):
+        if _named(inst) and not (inst.metadata.op_name in inherited and inst.opcode in ("bitcast", "reshape")
+                                 and all(getattr(comp.by_name.get(o), "opcode", "") == "parameter"
+                                         for o in inst.operands)):
             return inst
         if inst.opcode == "fusion":
             for c in inst.called:
-                found = _fused_carrier(module, c, depth + 1)
+                found = _fused_carrier(module, c, depth=depth + 1)
                 if found is not None:
                     return found
         for op in inst.operands:
@@ -633,7 +643,10 @@ def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
         for inst in comp.instructions:
             carrier, how = (inst, "op_name") if _named(inst) else (None, "")
             if carrier is None and inst.opcode == "fusion":
-                carrier = next((c for c in (_fused_carrier(module, n) for n in inst.called) if c is not None), None)
+                inherited = frozenset(src.metadata.op_name for src in map(comp.by_name.get, inst.operands)
+                                      if src is not None)
+                carrier = next((c for c in (_fused_carrier(module, n, inherited) for n in inst.called)
+                                if c is not None), None)
                 how = "fused"
             if carrier is None:
                 continue
