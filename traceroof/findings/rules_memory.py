@@ -94,14 +94,36 @@ def layout_copy(x: FindingInputs) -> list[Finding]:
         return []
     retiling = int(c.flag("retiling")[rows].sum()) if "retiling" in c else 0
     names = {n for n in c.text("hlo_op")[rows] if n is not None}
+    conv = np.array([_feeds_convolution(x.programs.instruction(module[i], program[i], op[i])) for i in rows], bool)
+    conv_s = total(measured[rows[conv]]) / x.per
+    conv_names = {n for n in c.text("hlo_op")[rows[conv]] if n is not None}
     title = (f"{len(names)} transpose/copy op(s) only change layouts"
-             + (f" ({retiling} retiling copies)" if retiling else ""))
+             + (f" ({retiling} retiling copies)" if retiling else "")
+             + (f"; {len(conv_names)} of them ({fmt_s(conv_s)} per step) feed convolutions" if conv_names else ""))
     operands, shape = c.value("operand_shapes"), c.value("shape")
     evidence = [f"{op[i]}: {operands[i]} -> {shape[i]}" for i in rows[descending(measured[rows])[:3]]]
-    advice = ("order einsum/reshape dims the way the next op reads them (e.g. keep the heads axis where the "
+    einsum = ("order einsum/reshape dims the way the next op reads them (e.g. keep the heads axis where the "
               "attention matmul wants it instead of transposing q/k/v), and let jit pick argument layouts "
               "(jax.jit(..., in_shardings/out_shardings with Layout AUTO)) so XLA can drop the copies")
+    convolutions = ("the copies that feed convolutions are the backend's convolution lowering (XLA CPU transposes "
+                    "activations to batch-minor for weight gradients), not dims your code ordered: einsum order "
+                    "does not drop them; keep the layout the backend's convolutions read (NHWC, the flax/keras "
+                    "default, not NCHW dimension_numbers) and count them in the convolutions' cost")
+    advice = (convolutions + ("; for the others, " + einsum if conv_s < lost else "") if conv_s >= lost / 2
+              else einsum + ("; " + convolutions if conv_names else ""))
     return [make(x, "layout-copy", title, lost, advice, LAYOUT_SOURCE, evidence, rows)]
+
+
+def _feeds_convolution(got: tuple[ModuleIndex, Instruction] | None) -> bool:
+    """True when every user of the op is a convolution or a fusion holding one (a backend's convolution
+    lowering moves the operands it reads: XLA CPU's ``transpose_copy_fusion`` before a backward-filter conv)."""
+    if got is None:
+        return False
+    ix, inst = got
+    comp = ix.computation_of(inst.name)
+    users = ix.users(comp).get(inst.name, []) if comp is not None else []
+    return bool(users) and all(u.opcode == "convolution" or (u.opcode == "fusion" and any(
+        i.opcode == "convolution" for i in ix.fused(u))) for u in users)
 
 
 def memory_bound_chain(x: FindingInputs) -> list[Finding]:
