@@ -26,6 +26,7 @@ from parsers.hlo import HloModule  # noqa: E402
 from parsers.hlo_text import parse_hlo_text  # noqa: E402
 from traceroof import analyze  # noqa: E402
 from traceroof.hlo_source import HloMismatchError, check_dumps  # noqa: E402
+from traceroof.report import render  # noqa: E402
 
 from tests.conftest import HOST_CHIP  # noqa: E402
 
@@ -206,9 +207,14 @@ def test_a_trace_json_with_dumps_points_to_the_xplane_beside_it():
     a = analyze(str(trace), hlo=[str(FIXTURES / "diff_wide" / "hlo")], chip=HOST_CHIP)
     assert any("unchecked against the program that ran: analyze vm.xplane.pb beside it instead" in n
                for n in a.summary.notes), a.summary.notes
+    # and in the report's header, beside the FLOPs it drives (the s30 trial saw only a note at the bottom)
+    assert list(a.summary.hlo_sources) == ["HLO text dumps matched by op name only, unchecked (a trace JSON carries "
+                                           "no HLO: analyze the .xplane.pb)"]
+    assert "matched by op name only, unchecked" in render(a, "terminal").split("Top findings")[0]
     b = analyze(str(trace.parent / "vm.xplane.pb"), hlo=[str(FIXTURES / "diff_wide" / "hlo")], chip=HOST_CHIP)
     xla = json.loads((FIXTURES / "diff_base" / "facts.json").read_text())["xla_cost_analysis"]["flops"]
     assert b.summary.flops_per_step == xla == 747_311_104  # XLA's cost_analysis of the program that ran
     assert any("is not the HLO that ran" in n and "dropped" in n for n in b.summary.notes)
     alone = analyze(str(trace), chip=HOST_CHIP)  # no dumps given: nothing to check, no note
     assert not any("unchecked" in n for n in alone.summary.notes)
+    assert list(b.summary.hlo_sources)[0] == "HloProtos embedded in the profile"

@@ -238,7 +238,9 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
     modules = [m for m, _ in seen.values()]
     hows = [how for _, how in seen.values()]
     superseded = frozenset().union(*(h.superseded for h in hosts))
-    sources = {"HLO text dumps": hows.count("dump"), "HloProtos embedded in the profile": hows.count("embedded"),
+    dumps = ("HLO text dumps" if inputs.kind == "xplane" else  # nothing to check a trace JSON's dumps against
+             "HLO text dumps matched by op name only, unchecked (a trace JSON carries no HLO: analyze the .xplane.pb)")
+    sources = {dumps: hows.count("dump"), "HloProtos embedded in the profile": hows.count("embedded"),
                "HloProto files beside the profile": hows.count("sidecar"),
                "HLO text dumps of the same programs (not needed)": len(superseded)}
     last = [h for h in hosts if len(h.rows)][-1]
