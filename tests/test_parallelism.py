@@ -656,3 +656,40 @@ ENTRY %main (w: f32[64,64], k1: f32[3,3,16,16], k2: f32[3,3,16,16], x: f32[32,64
   ROOT %out = (f32[64,64]{1,0}, f32[3,3,16,16]{3,2,1,0}, f32[3,3,16,16]{3,2,1,0}) tuple(%n0, %n1, %n2)
 }
 """
+
+
+def test_stacked_expert_weights_count_their_layers() -> None:
+    """A lax.scan over MoE layers stacks each expert weight as [L, E, D, F]: L layers, E experts (the s30 trial's
+    3 scanned MoE blocks read "L = 1", so its what-if T_comm/step equalled the 1-layer program's). Unstacked
+    [E, D, F] weights are one layer; a dense scan's [L, D, F] stays L."""
+    from traceroof.mesh_book import model_sizes
+    from traceroof.parallelism import StateParam
+
+    m, = parse_hlo_text("""HloModule step
+
+ENTRY %main (x: f32[64,16]) -> f32[64,16] {
+  ROOT %x = f32[64,16]{1,0} parameter(0)
+}
+""")
+
+    def weights(*dims: tuple[int, ...]) -> list[StateParam]:
+        return [StateParam(10 + i, f"w{i}", d, d, "f32", 4 * math.prod(d), True) for i, d in enumerate(dims)]
+
+    stacked = model_sizes(m, weights((3, 8, 16, 32), (3, 8, 32, 16)), experts=True)
+    assert (stacked.d_model, stacked.d_ff, stacked.layers) == (16, 32, 3)
+    assert model_sizes(m, weights((8, 16, 32), (8, 32, 16)), experts=True).layers == 1
+    assert model_sizes(m, weights((3, 16, 32), (3, 32, 16))).layers == 3
+
+
+def test_a_collective_over_two_axes_is_said_to_be_in_both_rows() -> None:
+    """dp4 x fsdp2's gradient all-reduce runs over both axes: its time is in both rows' measured comm/step, which
+    then add up to more than the collective took (the s30 trial's MoE: 4.3 + 9.3 ms of 10.4 ms). A note says so."""
+    from traceroof.analysis import analyze
+
+    a = analyze(FIXTURES / "par_dp4_fsdp2", chip=FIXTURES / "fixture_host.toml")
+    p = a.parallelism
+    (note,) = [n for n in p.notes if "more than one axis" in n]
+    assert note.startswith("1 collective(s) run over more than one axis (all-reduce.8)")
+    coll = a.collectives.set_index("hlo_op")["time_per_step_s"]
+    assert sum(r.measured_comm_s for r in p.rows) > coll.sum()  # all-reduce.8 counted in both rows
+    assert sum(r.measured_comm_s for r in p.rows) == pytest.approx(coll.sum() + coll["all-reduce.8"])

@@ -54,8 +54,9 @@ class ModelSizes:
 
 
 def model_sizes(module: HloModule, params: list[StateParam], experts: bool = False) -> ModelSizes | None:
-    """The model sizes (module docstring), or ``None`` without a weight matrix. With ``experts`` a weight's
-    leading dimensions are experts (one layer), else stacked layers (a scan's ``[L, D, F]``)."""
+    """The model sizes (module docstring), or ``None`` without a weight matrix. A weight's leading dimensions are
+    stacked layers (a scan's ``[L, D, F]``); with ``experts`` the innermost of them is the experts (``[E, D, F]``
+    one layer, a scan of MoE layers' ``[L, E, D, F]`` L layers)."""
     weights = [p for p in params if p.weight and len(squeeze(p.global_dims)) >= 2]
     if not weights:
         return None
@@ -64,7 +65,7 @@ def model_sizes(module: HloModule, params: list[StateParam], experts: bool = Fal
         g = squeeze(p.global_dims)
         pairs[(min(g[-2:]), max(g[-2:]))] += math.prod(g)
     (d, f), _ = pairs.most_common(1)[0]
-    matrices = sum(1 if experts else math.prod(squeeze(p.global_dims)[:-2]) for p in weights
+    matrices = sum(math.prod(squeeze(p.global_dims)[:-3 if experts else -2]) for p in weights
                    if (min(squeeze(p.global_dims)[-2:]), max(squeeze(p.global_dims)[-2:])) == (d, f))
     state = {p.number for p in params}
     tokens, local = math.nan, math.nan
@@ -220,6 +221,11 @@ def book_on_mesh(modules: list[HloModule], chip: Chip, topo: Topology, coll_tabl
     if sizes:
         notes += _mesh_notes(sizes, strategies, links, c_flops, mesh.devices)
     notes += [n for s in strategies if s.strategy == "pipeline" for n in [_pipeline_bubble(module, mesh, s)] if n]
+    shared = sorted({pc.name for pc in mesh.collectives if len(set(pc.axes) & {s.axis for s in strategies}) > 1})
+    if shared and len(coll_table):
+        notes.append(f"{len(shared)} collective(s) run over more than one axis ({', '.join(shared[:3])}"
+                     f"{' ...' if len(shared) > 3 else ''}): each is in every one of its axes' rows (expected and "
+                     "measured comm/step), so the rows add up to more than the step's communication")
     if not any(links.values()):
         notes.append(f"{chip.name} has no interconnect figures for this topology ({topo.describe()}): strategies "
                      "only; pass --chip (e.g. v5p, h100) and --topology for the book's communication arithmetic")
