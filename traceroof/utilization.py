@@ -13,6 +13,7 @@ from traceroof.units import fmt_si, fmt_time
 
 
 STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
+DEVICE_SPAN = "from the later of its first launch and the previous step's last op end, to its last op end"
 FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
 ABOVE_PEAK_RATIO = 1.2  # an op's FLOP/s over this x the peak: the peak is wrong, not the op (timer noise, rounding)
 OVERLAP_RATIO = 1.05  # op time per step above this multiple of the step time: ops overlapped (a note)
@@ -20,11 +21,11 @@ SIGNIFICANT_OP_SHARE = 0.01  # ops with less of the op time are too short to jud
 
 
 def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) -> tuple[np.ndarray, float]:
-    """Per-step times (s) of the used steps: the device time (first launch -> last op end, see
+    """Per-step times (s) of the used steps: the device time (:data:`DEVICE_SPAN`, see
     :func:`traceroof.steps.device_step_spans`) where every step has one, else the annotation's; and the
     annotations' mean. For ``marked`` steps (annotations, not executions) a note says when the two differ by more
     than ``STEP_TIME_DISAGREEMENT``, and which side waits. A step annotated on several hosts is one step whose
-    duration is the mean of each host's own (annotation, and first launch -> last op end on its devices), so the
+    duration is the mean of each host's own (annotation, and :data:`DEVICE_SPAN` on its devices), so the
     number of hosts changes neither the mean nor the spread, and the hosts' clock offsets (aligned only to
     ``profile_start_time``, NTP-close) do not stretch it as a span over hosts would. Devices' own ``Steps`` lines
     (TPU, framework profiles) number their steps per device and stay one sample each."""
@@ -40,14 +41,14 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     host_mean = float(host.mean()) if len(host) else float("nan")
     if not len(sel) or device_ps is None or device_ps.isna().any():
         return host, host_mean
-    device = _valid_steps(device_ps.to_numpy(np.float64) * 1e-12, "device steps (first launch -> last op end)", notes)
+    device = _valid_steps(device_ps.to_numpy(np.float64) * 1e-12, f"device steps ({DEVICE_SPAN})", notes)
     if not len(device):
         return host, host_mean
     dev_mean = float(device.mean())
     if marked and abs(dev_mean - host_mean) > STEP_TIME_DISAGREEMENT * max(dev_mean, 1e-30):
         why = ("asynchronous dispatch: the host runs ahead of the device" if dev_mean > host_mean else
                "the host spends longer per step than the device: Python, dispatch or input work")
-        notes.append(f"device step time (first launch -> last op end) {dev_mean * 1e3:.3f} ms differs from the "
+        notes.append(f"device step time ({DEVICE_SPAN}) {dev_mean * 1e3:.3f} ms differs from the "
                      f"step annotations' {host_mean * 1e3:.3f} ms ({why})")
     return device, host_mean
 
@@ -65,7 +66,7 @@ def step_periods(breakdown: pd.DataFrame, used: tuple[int, ...] | list[int], fal
     covered = per_step.index.isin(list(used))
     if len(per_step) != len(used) or not covered.all():
         notes.append(f"the step breakdown covers {int(covered.sum())} of the {len(used)} steps used: step time is "
-                     "each step's own span (first launch to last op end, or its annotation), not its period from the "
+                     f"each step's own span ({DEVICE_SPAN}, or its annotation), not its period from the "
                      "previous step's end: time between steps is left out of it, and MFU is higher")
         return fallback_s
     return per_step.to_numpy(np.float64)
