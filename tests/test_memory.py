@@ -360,3 +360,15 @@ def test_a_corrupt_report_in_the_dump_falls_back_with_a_note(tmp_path):
     a = analyze(tmp_path / "run")
     assert a.memory.peak.source == "traceroof_live_ranges"
     assert any("buffer-assignment.txt:" in n and "estimated from live ranges" in n for n in a.memory.notes)
+
+
+def test_diff_of_two_live_range_estimates_says_so(remat, tmp_path):
+    """Neither side has its dumps: both peaks are traceroof's live-range estimate, and the diff's headline says
+    so (the s30 trial's diff printed "peak memory 1.99 MB -> 1.99 MB" where XLA says 2.43 MB, unqualified)."""
+    shutil.copytree(FIXTURES / "mem_remat_on" / "logdir", tmp_path / "logdir")
+    alone = analyze(tmp_path / "logdir")
+    r = diff(side_from_analysis(alone, "a"), side_from_analysis(alone, "b"))
+    assert ("; an estimate from traceroof's live ranges on both (pass --hlo-base / --hlo-new dumps for XLA's buffer "
+            "assignment)") in render_diff_text(r)
+    assert "estimate" not in render_diff_text(diff(side_from_analysis(remat["on"], "a"),
+                                                   side_from_analysis(remat["on"], "b")))

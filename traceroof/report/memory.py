@@ -109,5 +109,8 @@ def memory_delta_line(delta: Mapping | None) -> str:
     differ = (f"; not one measure: base from {SOURCES.get(base_src, base_src)}, new from "
               f"{SOURCES.get(new_src, new_src)} (pass --hlo-base / --hlo-new dumps for XLA's figure on both)"
               if base_src and new_src and base_src != new_src else "")
+    if base_src == new_src == "traceroof_live_ranges":
+        differ = ("; an estimate from traceroof's live ranges on both (pass --hlo-base / --hlo-new dumps for XLA's "
+                  "buffer assignment)")
     return (f"peak memory per device {fmt_bytes(p['base_bytes'])} -> {fmt_bytes(p['new_bytes'])}{pct}"
             + (f": {', '.join(parts)}" if parts else "") + differ)
