@@ -413,5 +413,9 @@ def test_virtual_devices_sharing_a_host_get_host_wide_utilization():
     peak = get_chip(HOST_CHIP).peak_for("f32")[0]
     hfu = 8 * flops / (a.summary.step_time_mean_s * peak)
     assert a.summary.devices == 8 and f"HFU {hfu:.1%}" in note and f"MFU {8 * a.summary.mfu:.1%}" in note
+    from traceroof.report import render  # and --format summary prints it under its MFU line (before: a count)
+    lines = render(a, "summary").splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("- MFU "))
+    assert lines[at + 1] == f"  - {note}"
     assert not any("devices share this host" in n for n in analyze(FIXTURES / "par_dp8", chip="h100").summary.notes)
     assert not any("devices share this host" in n for n in analyze(FIXTURES / "scan_mlp", chip=HOST_CHIP).summary.notes)

@@ -14,6 +14,9 @@ from traceroof.units import fmt_si, fmt_time
 
 STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by more than this get a note
 DEVICE_SPAN = "from the later of its first launch and the previous step's last op end, to its last op end"
+SHARED_HOST = "devices share this host and its calibrated peak"  # the notes that qualify MFU, HFU and efficiency
+IMPOSSIBLE = "outside 0-100 % of the"
+MFU_CAVEATS = (SHARED_HOST, IMPOSSIBLE)  # --format summary prints these under its MFU line
 FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
 ABOVE_PEAK_RATIO = 1.2  # an op's FLOP/s over this x the peak: the peak is wrong, not the op (timer noise, rounding)
 OVERLAP_RATIO = 1.05  # op time per step above this multiple of the step time: ops overlapped (a note)
@@ -185,7 +188,7 @@ def shared_host_note(mfu: float, hfu: float, efficiency: float, devices_per_host
                if v == v]  # (NaN: not computed)
     if not figures:
         return []
-    return [f"{k} devices share this host and its calibrated peak (the whole host's cores): MFU, HFU and the "
+    return [f"{k} {SHARED_HOST} (the whole host's cores): MFU, HFU and the "
             f"roofline efficiency above judge each device against the whole host; the host as a whole ran at "
             f"{', '.join(figures)}"]
 
@@ -198,7 +201,7 @@ def utilization_notes(mfu: float, hfu: float, peak: float | None, peak_key: str,
     out = []
     odd = [f"{name} {v:.3g}" for name, v in (("MFU", mfu), ("HFU", hfu)) if not np.isnan(v) and not 0 <= v <= 1]
     if odd:
-        out.append(f"{' and '.join(odd)} outside 0-100 % of the {peak_key} peak ({peak or float('nan'):.3g} "
+        out.append(f"{' and '.join(odd)} {IMPOSSIBLE} {peak_key} peak ({peak or float('nan'):.3g} "
                    "FLOP/s): impossible, so the FLOP count, the step time or the chip's peak is wrong; check "
                    "--model-flops-per-step, the chip file and the profile's times")
     if roofline_efficiency > FASTER_THAN_ROOF_RATIO:

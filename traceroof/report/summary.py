@@ -11,6 +11,7 @@ from traceroof.findings.record import step_time_s
 from traceroof.report.findings import TOP, lost_text
 from traceroof.report.safe import markdown
 from traceroof.report.text import fmt_pct, fmt_si, fmt_time
+from traceroof.utilization import MFU_CAVEATS
 
 MAX_LINES = 60
 TOP_FINDINGS = TOP
@@ -32,6 +33,7 @@ def render_summary(a: Analysis) -> str:
            f"- work per step and device: {fmt_si(s.flops_per_step, 'FLOP')}, {fmt_si(s.hbm_bytes_per_step, 'B')} HBM",
            f"- MFU {fmt_pct(s.mfu)}, HFU {fmt_pct(s.hfu)} ({markdown(s.mfu_peak_key or '-')} peak); roofline "
            f"efficiency {fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)})"]
+    out += [f"  - {markdown(n)}" for n in s.notes if any(c in n for c in MFU_CAVEATS)]
     if len(a.layers):
         worst = a.layers.sort_values("lost_per_step_s", ascending=False, na_position="last").iloc[0]
         out.append(f"- layer losing most: {markdown(worst['layer'])} ({markdown(worst['phase'])}), "
