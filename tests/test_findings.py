@@ -264,15 +264,17 @@ def test_format_summary_is_a_short_digest():
 def test_shares_are_of_the_step_the_breakdown_measures():
     """A blocking loop: findings judge shares against the breakdown's step (host time included), which is the
     header's step time too, so the host-bound finding's share stays under 100 % of the step. The device's own
-    span (from its first launch, or the previous step's last op end if later, to its last op end) leaves the host's time out."""
+    span (from its first launch, or the previous step's last op end if later, to its last op end) leaves the
+    host's time out."""
     from traceroof.findings.record import step_time_s
     from traceroof.report.findings import lost_text
+    from traceroof.utilization import DEVICE_SPAN
 
     nnx = FIXTURES / "fw_nnx_transformer"
     a = analyze(nnx / "blocking" / "logdir", hlo=[nnx / "hlo"], chip=HOST_CHIP)
     step = step_time_s(a)
     assert step == pytest.approx(a.step_breakdown["step_time_s"].mean()) == a.summary.step_time_mean_s
-    spans = [n for n in a.summary.notes if n.startswith("device step time (from the later of its first launch and the previous step's last op end")]
+    spans = [n for n in a.summary.notes if n.startswith(f"device step time ({DEVICE_SPAN})")]
     assert spans and float(spans[0].split(") ")[1].split(" ms")[0]) * 1e-3 < step / 1.5
     (hb,) = [f for f in a.findings if f.code == "host-bound"]
     share = float(lost_text(hb, step).split("(")[1].split("%")[0])
