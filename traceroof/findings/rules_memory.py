@@ -94,7 +94,9 @@ def layout_copy(x: FindingInputs) -> list[Finding]:
         return []
     retiling = int(c.flag("retiling")[rows].sum()) if "retiling" in c else 0
     names = {n for n in c.text("hlo_op")[rows] if n is not None}
-    conv = np.array([_feeds_convolution(x.programs.instruction(module[i], program[i], op[i])) for i in rows], bool)
+    feeds = {key: _feeds_convolution(x.programs.instruction(*key))  # each op once, not once per row
+             for key in dict.fromkeys((module[i], program[i], op[i]) for i in rows)}
+    conv = np.array([feeds[(module[i], program[i], op[i])] for i in rows], bool)
     conv_s = total(measured[rows[conv]]) / x.per
     conv_names = {n for n in c.text("hlo_op")[rows[conv]] if n is not None}
     title = (f"{len(names)} transpose/copy op(s) only change layouts"
