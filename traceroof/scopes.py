@@ -885,11 +885,12 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     cands = sorted({"/".join(sc.split("/")[:k]) for sc in framed for k in range(1, sc.count("/") + 2)},
                    key=lambda c: (c.count("/"), c))
     users = entry.users()
+    kinds = _fusion_kinds(module)
     done: list[str] = []
     for p in cands:
         if any(_under(p, d) for d in done):
             continue
-        assign = _split_instances(entry, infos, p, users)
+        assign = _split_instances(entry, infos, p, users, kinds)
         if not assign:
             continue
         if not all(any(infos[n].scope.startswith(p + "/") for n, k in assign.items() if k == j)
@@ -919,9 +920,9 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
 
 
 def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
-                     users: Mapping[str, list[Instruction]]) -> dict[str, int]:
+                     users: Mapping[str, list[Instruction]], kinds: set[str]) -> dict[str, int]:
     """Instance number of each entry op in frame scope ``p`` (see :func:`_frame_instances`); empty when ``p``
-    is not a repeated class."""
+    is not a repeated class. ``kinds``: the computations that hold a matmul (:func:`_fusion_kinds`)."""
     members = [i for i in entry.instructions if i.name in infos and _under(infos[i.name].scope, p)
                and infos[i.name].phase != "optimizer" and i.opcode not in ("parameter", "constant") and not i.is_root]
     if len(members) < 4:
@@ -937,7 +938,7 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
         for o in inst.operands:
             a |= anc.get(o, 0)
         anc[inst.name] = a
-    ranked, valid, groups = _rank(seeds, infos, p, bit, anc)
+    ranked, valid, groups = _rank(seeds, infos, p, bit, anc, kinds)
     score = Counter(n for key, ns in valid.items() for n in ns for _ in ranked[key])
     n = max(score, key=lambda c: (score[c], c), default=0)
     if n < 2 or 2 * score[n] < sum(len(o) for o in ranked.values()):
@@ -960,7 +961,7 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     position = {inst.name: k for k, inst in enumerate(entry.instructions)}
     runs: dict[tuple[str, int], int] = {}  # (phase, run in execution order) -> bits of its weight readers
     for group_ops in (seeds, [m for m in ranked_ops if not reads[m.name]]):
-        ranked, valid, _ = _rank(group_ops, infos, p, bit, anc)
+        ranked, valid, _ = _rank(group_ops, infos, p, bit, anc, kinds)
         for key, order in ranked.items():
             levels = sorted({r for r, _ in order})
             if n not in valid[key] and group_ops is not seeds and len(order) % n == 0:
@@ -1024,14 +1025,16 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
 
 
 def _rank(ops: list[Instruction], infos: Mapping[str, ScopeInfo], p: str, bit: Mapping[str, int],
-          anc: Mapping[str, int]) -> tuple[dict[tuple, list[tuple[int, str]]], dict[tuple, set[int]], dict]:
-    """``ops`` grouped by (scope under ``p``, phase, opcode, shape); per group with an order among its members,
-    the (same-group ancestors, name) sorted, and the instance counts ``n`` that cut it into ``n`` tie-free runs
-    of equal size; and the groups."""
+          anc: Mapping[str, int], kinds: set[str]
+          ) -> tuple[dict[tuple, list[tuple[int, str]]], dict[tuple, set[int]], dict]:
+    """``ops`` grouped by (scope under ``p``, phase, opcode, shape, whether a fusion holds a matmul: ``kinds``);
+    per group with an order among its members, the (same-group ancestors, name) sorted, and the instance counts
+    ``n`` that cut it into ``n`` tie-free runs of equal size; and the groups."""
     groups: dict[tuple, list[Instruction]] = {}
     for op in ops:
         i = infos[op.name]
-        groups.setdefault((i.scope[len(p):], i.phase, op.opcode, str(op.shape)), []).append(op)
+        matmul = op.opcode == "fusion" and any(c in kinds for c in op.called)
+        groups.setdefault((i.scope[len(p):], i.phase, op.opcode, str(op.shape), matmul), []).append(op)
     ranked: dict[tuple, list[tuple[int, str]]] = {}
     valid: dict[tuple, set[int]] = {}
     for key, g in groups.items():
@@ -1044,6 +1047,17 @@ def _rank(ops: list[Instruction], infos: Mapping[str, ScopeInfo], p: str, bit: M
         valid[key] = {n for n in range(2, size + 1) if size % n == 0  # n tie-free chunks of consecutive ranks
                       and all(order[j * size // n - 1][0] != order[j * size // n][0] for j in range(1, n))}
     return ranked, valid, groups
+
+
+def _fusion_kinds(module: HloModule) -> set[str]:
+    """The computations that hold a matmul (dot or convolution): a fusion calling one is a matmul, any other an
+    elementwise / layout step. Two fusions of one shape in one scope may be such different steps, a layout copy
+    and the matmul that reads it (Equinox's transposed weight gradient: ``copy_bitcast_fusion`` f32[512,128]
+    feeding ``ynn_fusion`` f32[512,128] when the tokens equal the width); ranked in one group, the matmul
+    ranks above the copy and the cut into instances falls between the steps, not between the blocks. (Finer
+    kinds, such as the fused opcodes, split the groups that XLA's fusions across instances make uneven.)"""
+    return {name for name, comp in module.computations.items()
+            if any(i.opcode in ("dot", "convolution") for i in comp.instructions)}
 
 
 def _instances(scope: str) -> Iterable[tuple[str, str]]:
