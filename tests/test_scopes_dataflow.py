@@ -340,6 +340,103 @@ def test_equinox_transposed_weight_gradient_stays_in_its_block():
         assert matmul <= flops[(f"Block_{k}", "backward")] <= 1.05 * matmul, (k, flops)
 
 
+_SCAN_FSDP = textwrap.dedent("""
+import json, os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+D, F, T, B, L = 64, 128, 16, 8, 2
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+REPL = NamedSharding(mesh, P())
+
+def gather(w):
+    return jax.lax.with_sharding_constraint(w, REPL)
+
+class LayerNorm(eqx.Module):
+    g: jax.Array
+    def __init__(self):
+        self.g = jnp.ones((D,))
+    def __call__(self, x):
+        m = x.mean(-1, keepdims=True)
+        return (x - m) * jax.lax.rsqrt(((x - m) ** 2).mean(-1, keepdims=True) + 1e-5) * self.g
+
+class Block(eqx.Module):
+    ln: LayerNorm
+    w1: jax.Array
+    w2: jax.Array
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.ln, self.w1, self.w2 = LayerNorm(), jax.random.normal(k1, (D, F)), jax.random.normal(k2, (F, D))
+    def __call__(self, x):
+        return x + jax.nn.gelu(self.ln(x) @ gather(self.w1)) @ gather(self.w2)
+
+class Model(eqx.Module):
+    emb: jax.Array
+    blocks: Block
+    def __init__(self, key):
+        ke, kb = jax.random.split(key)
+        self.emb, self.blocks = jax.random.normal(ke, (32, D)), eqx.filter_vmap(Block)(jax.random.split(kb, L))
+    def __call__(self, tok):
+        dyn, static = eqx.partition(self.blocks, eqx.is_array)
+        x, _ = jax.lax.scan(lambda h, p: (eqx.combine(p, static)(h), None), gather(self.emb)[tok], dyn)
+        return x @ gather(self.emb).T
+
+def shard(a):
+    dim = 1 if a.ndim == 3 else 0
+    if a.ndim >= 2 and a.shape[dim] % 4 == 0:
+        return NamedSharding(mesh, P(*[None] * dim, "fsdp"))
+    return REPL
+
+opt = optax.adamw(1e-3)
+
+
+model = Model(jax.random.PRNGKey(0))
+model = jax.tree.map(lambda a: jax.device_put(a, shard(a)) if eqx.is_array(a) else a, model)
+state = opt.init(eqx.filter(model, eqx.is_array))
+tok = jax.device_put(jnp.zeros((B, T), jnp.int32), NamedSharding(mesh, P(("data", "fsdp"))))
+params, static = eqx.partition(model, eqx.is_array)
+
+@jax.jit
+def step(params, state, x, y):
+    loss, g = jax.value_and_grad(
+        lambda p: optax.softmax_cross_entropy_with_integer_labels(eqx.combine(p, static)(x), y).mean())(params)
+    g = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, shard(a)), g)
+    u, state = opt.update(g, state, params)
+    return optax.apply_updates(params, u), state, loss
+
+print(json.dumps(step.lower(params, state, tok, tok).compile().as_text()))
+""")
+
+
+def test_fsdp_collectives_in_an_equinox_scan_take_the_block_scope(tmp_path):
+    """s31 trial run B (Equinox blocks stacked by ``filter_vmap`` and run by ``lax.scan``, FSDP on a 2x4 mesh): the
+    weight all-gathers XLA moved onto the scan's slices carry the frame of the scan's call site (``Model``), and
+    the combiner's all-reduce of the block's gradients only its first part's frame (``Block/LayerNorm``: 35 % of
+    the trial's step). Both are the scanned block's (``Block``); the embedding's gather outside the loop stays
+    ``Model``."""
+    pytest.importorskip("equinox")
+    script = tmp_path / "scan_fsdp.py"  # a file, as a user's: Equinox scopes come from the frames' source
+    script.write_text(_SCAN_FSDP)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    m, ms = _module(json.loads(out.stdout.strip().splitlines()[-1]))
+    looped = {i.name for name, c in m.computations.items() if c is not m.entry for i in c.instructions}
+    seen = Counter()
+    for name, comp in m.computations.items():
+        for inst in comp.instructions:
+            if inst.opcode not in ("all-gather", "all-reduce"):
+                continue
+            info = ms.get(inst.name)
+            if inst.name in looped:
+                seen[(inst.opcode, info.phase)] += 1
+                assert info.scope == "Block", (inst.name, info)
+            elif inst.opcode == "all-gather":
+                assert info.scope == "Model", (inst.name, info)
+    assert seen[("all-gather", "forward")] == 2 and seen[("all-reduce", "backward")] == 1, seen
+
+
 # -- 5. random numbers outside the model --------------------------------------------------------------------
 
 def test_random_batch_generation_is_rng_other_not_forward():

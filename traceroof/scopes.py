@@ -58,7 +58,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 from parsers.hlo import Computation, HloModule, Instruction, StackFrame
-from traceroof.layers import DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, OTHER_PHASE, TOP_LEVEL, is_rng, parse_scope, phase_of
+from traceroof.layers import (COMBINED_SCOPE, DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, OTHER_PHASE, TOP_LEVEL, is_combined,
+                              is_rng, parse_scope, phase_of)
 
 OPTIMIZER_SCOPE = "(optimizer)"
 RNG_SCOPE = "(rng)"
@@ -268,7 +269,8 @@ def _info(module: HloModule, carrier: Instruction, frames: _Frames, how: str, op
     path, in_opt_lib = frames.resolve(carrier.metadata.stack_frame_id) if carrier.metadata.stack_frame_id \
         else ("", False)
     if path and _generic(scope):
-        scope, how = path, "frames"
+        # an op XLA's combiner made of unnamed parts carries the first part's frame only: its operands decide
+        scope, how = (scope, "combined") if is_combined(op_name) else (path, "frames")
     if scope in (NO_SCOPE, TOP_LEVEL) and is_rng(op_name):
         scope = RNG_SCOPE
     in_grad = any(w in op_name for w in _GRAD_WRAPPERS)
@@ -683,6 +685,7 @@ def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
         if not changed:
             break
     _number_call_sites(infos, frames.sites)
+    _combined_ops(module, infos)
     _loop_plumbing(module, infos)
     _gradient_accumulators(module, infos, opt_lib)
     _gradient_results(module, infos, moves_only=True)
@@ -696,7 +699,26 @@ def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
         if i.scope == RNG_SCOPE and i.phase == "forward":
             infos[n] = ScopeInfo(i.scope, OTHER_PHASE, i.source, i.how, i.in_grad)
     _frame_instances(module, infos)
+    _combined_ops(module, infos)  # again: the instances of its parts are known now
     return ModuleScopes(infos, _repeats(module, infos))
+
+
+def _combined_ops(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
+    """An op XLA's combiner made of parts without named scopes (Equinox's gradients, each labelled by its frames:
+    ``while/body/closed_call/(reduce_sum:dot_general:...)`` with the first part's frame) takes the scope its
+    operands share, else :data:`~traceroof.layers.COMBINED_SCOPE`, as a combined op of named parts does
+    (:func:`traceroof.layers.parse_scope`); its phase stays the parts'. (The first part's frame gave the s31 trial's
+    scanned Equinox transformer's all-reduce of every block gradient to ``Block/LayerNorm_0``: 35 % of the step.)"""
+    for comp in module.computations.values():
+        for inst in comp.instructions:
+            i = infos.get(inst.name)
+            if i is None or i.how != "combined":
+                continue
+            scopes = {infos[o].scope for o in inst.operands if o in infos} - {NO_SCOPE, TOP_LEVEL}
+            scopes = {sc for sc in scopes if not sc.startswith("(")}
+            if scopes:
+                infos[inst.name] = ScopeInfo(_common_prefix(scopes) or COMBINED_SCOPE, i.phase, i.source, i.how,
+                                             i.in_grad)
 
 
 def _name_optimizer(infos: dict[str, ScopeInfo], opt_lib: set[str], optimizer_pattern: str) -> None:
@@ -750,8 +772,9 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     """Scan / fori_loop plumbing takes the layer of the loop body it serves. In a while body whose own ops lie in
     scope ``C`` (the common prefix of the body's innermost scopes: ``Model/layers`` of ``nn.scan``), the plumbing
     ops (dynamic-slice of the stacked weights, dynamic-update-slice of stacked activations or gradients, the
-    iteration counter, the condition's compare) labelled less specifically (``(top level)``, ``Model``) take
-    the scope of a body op they feed (users first), else of one they read, else ``C``; the phase stays theirs."""
+    iteration counter, the condition's compare) and the collectives (an FSDP weight all-gather) labelled less
+    specifically (``(top level)``, ``Model``, the loop's own scope) take the scope of a body op they feed (users
+    first), else of one they read, else ``C``; the phase stays theirs."""
     for comp in module.computations.values():
         for w in comp.instructions:
             if w.opcode != "while":
@@ -760,15 +783,18 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
             cond = module.computations.get(w.attrs.get("condition", "").lstrip("%"))
             if body is None:
                 continue
-            scoped = {infos[i.name].scope for i in body.instructions if i.name in infos} - {NO_SCOPE, TOP_LEVEL}
-            scoped = {s for s in scoped if not s.startswith("(")}
-            leaves = {s for s in scoped if not any(o.startswith(s + "/") for o in scoped)}
-            c = _common_prefix(leaves)
+            # the loop's own scope (its call site: ``Transformer`` calling ``lax.scan`` over ``Block``) is vague
+            # in the body too, where the frames of the slicing of the stacked weights (and of the FSDP gathers
+            # XLA moved onto those slices) point at it
+            site = infos[w.name].scope if w.name in infos and not infos[w.name].scope.startswith("(") else TOP_LEVEL
+            scoped = {infos[i.name].scope for i in body.instructions if i.name in infos
+                      and not _is_plumbing(module, i) and not _collective(i.opcode)} - {NO_SCOPE, TOP_LEVEL, site}
+            c = _common_prefix(s for s in scoped if not s.startswith("("))
             if not c:
                 continue
 
             def vague(scope: str) -> bool:
-                return scope in (NO_SCOPE, TOP_LEVEL) or c.startswith(scope + "/")
+                return scope in (NO_SCOPE, TOP_LEVEL, site) or c.startswith(scope + "/")
 
             for part in (body, cond):
                 if part is None:
@@ -777,7 +803,8 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
                 fixed: dict[str, ScopeInfo] = {}
                 for inst in part.instructions:
                     i = infos.get(inst.name)
-                    if i is None or i.phase == "optimizer" or not vague(i.scope) or not _is_plumbing(module, inst):
+                    if i is None or i.phase == "optimizer" or not vague(i.scope) \
+                            or not (_is_plumbing(module, inst) or _collective(inst.opcode)):
                         continue
                     near = [infos.get(u.name) for u in users.get(inst.name, ())] + \
                         [infos.get(o) for o in inst.operands]
@@ -885,12 +912,12 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     cands = sorted({"/".join(sc.split("/")[:k]) for sc in framed for k in range(1, sc.count("/") + 2)},
                    key=lambda c: (c.count("/"), c))
     users = entry.users()
-    kinds = _fusion_kinds(module)
+    contractions = _contractions(module)
     done: list[str] = []
     for p in cands:
         if any(_under(p, d) for d in done):
             continue
-        assign = _split_instances(entry, infos, p, users, kinds)
+        assign = _split_instances(entry, infos, p, users, contractions)
         if not assign:
             continue
         if not all(any(infos[n].scope.startswith(p + "/") for n, k in assign.items() if k == j)
@@ -920,9 +947,9 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
 
 
 def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
-                     users: Mapping[str, list[Instruction]], kinds: set[str]) -> dict[str, int]:
+                     users: Mapping[str, list[Instruction]], contractions: set[str]) -> dict[str, int]:
     """Instance number of each entry op in frame scope ``p`` (see :func:`_frame_instances`); empty when ``p``
-    is not a repeated class. ``kinds``: the computations that hold a matmul (:func:`_fusion_kinds`)."""
+    is not a repeated class. ``contractions``: the matmuls (:func:`_contractions`)."""
     members = [i for i in entry.instructions if i.name in infos and _under(infos[i.name].scope, p)
                and infos[i.name].phase != "optimizer" and i.opcode not in ("parameter", "constant") and not i.is_root]
     if len(members) < 4:
@@ -938,7 +965,7 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
         for o in inst.operands:
             a |= anc.get(o, 0)
         anc[inst.name] = a
-    ranked, valid, groups = _rank(seeds, infos, p, bit, anc, kinds)
+    ranked, valid, groups = _rank(seeds, infos, p, bit, anc, contractions)
     score = Counter(n for key, ns in valid.items() for n in ns for _ in ranked[key])
     n = max(score, key=lambda c: (score[c], c), default=0)
     if n < 2 or 2 * score[n] < sum(len(o) for o in ranked.values()):
@@ -961,7 +988,7 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     position = {inst.name: k for k, inst in enumerate(entry.instructions)}
     runs: dict[tuple[str, int], int] = {}  # (phase, run in execution order) -> bits of its weight readers
     for group_ops in (seeds, [m for m in ranked_ops if not reads[m.name]]):
-        ranked, valid, _ = _rank(group_ops, infos, p, bit, anc, kinds)
+        ranked, valid, _ = _rank(group_ops, infos, p, bit, anc, contractions)
         for key, order in ranked.items():
             levels = sorted({r for r, _ in order})
             if n not in valid[key] and group_ops is not seeds and len(order) % n == 0:
@@ -1025,16 +1052,21 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
 
 
 def _rank(ops: list[Instruction], infos: Mapping[str, ScopeInfo], p: str, bit: Mapping[str, int],
-          anc: Mapping[str, int], kinds: set[str]
+          anc: Mapping[str, int], contractions: set[str]
           ) -> tuple[dict[tuple, list[tuple[int, str]]], dict[tuple, set[int]], dict]:
-    """``ops`` grouped by (scope under ``p``, phase, opcode, shape, whether a fusion holds a matmul: ``kinds``);
+    """``ops`` grouped by (scope under ``p``, phase, opcode, shape, whether it is a matmul: in ``contractions``);
     per group with an order among its members, the (same-group ancestors, name) sorted, and the instance counts
-    ``n`` that cut it into ``n`` tie-free runs of equal size; and the groups."""
+    ``n`` that cut it into ``n`` tie-free runs of equal size; and the groups. Two fusions of one shape in one scope
+    may be different steps, a layout copy and the matmul that reads it (Equinox's transposed weight gradient:
+    ``copy_bitcast_fusion`` f32[512,128] feeding ``ynn_fusion`` f32[512,128] when the tokens equal the width);
+    in one group the matmul ranks above the copy and the cut into instances fell between the steps, not the
+    blocks. (Finer kinds, such as the fused opcodes, split the groups that XLA's fusions across instances make
+    uneven.)"""
     groups: dict[tuple, list[Instruction]] = {}
     for op in ops:
         i = infos[op.name]
-        matmul = op.opcode == "fusion" and any(c in kinds for c in op.called)
-        groups.setdefault((i.scope[len(p):], i.phase, op.opcode, str(op.shape), matmul), []).append(op)
+        groups.setdefault((i.scope[len(p):], i.phase, op.opcode, str(op.shape), op.name in contractions),
+                          []).append(op)
     ranked: dict[tuple, list[tuple[int, str]]] = {}
     valid: dict[tuple, set[int]] = {}
     for key, g in groups.items():
@@ -1047,17 +1079,6 @@ def _rank(ops: list[Instruction], infos: Mapping[str, ScopeInfo], p: str, bit: M
         valid[key] = {n for n in range(2, size + 1) if size % n == 0  # n tie-free chunks of consecutive ranks
                       and all(order[j * size // n - 1][0] != order[j * size // n][0] for j in range(1, n))}
     return ranked, valid, groups
-
-
-def _fusion_kinds(module: HloModule) -> set[str]:
-    """The computations that hold a matmul (dot or convolution): a fusion calling one is a matmul, any other an
-    elementwise / layout step. Two fusions of one shape in one scope may be such different steps, a layout copy
-    and the matmul that reads it (Equinox's transposed weight gradient: ``copy_bitcast_fusion`` f32[512,128]
-    feeding ``ynn_fusion`` f32[512,128] when the tokens equal the width); ranked in one group, the matmul
-    ranks above the copy and the cut into instances falls between the steps, not between the blocks. (Finer
-    kinds, such as the fused opcodes, split the groups that XLA's fusions across instances make uneven.)"""
-    return {name for name, comp in module.computations.items()
-            if any(i.opcode in ("dot", "convolution") for i in comp.instructions)}
 
 
 def _instances(scope: str) -> Iterable[tuple[str, str]]:
