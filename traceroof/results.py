@@ -20,8 +20,9 @@ if TYPE_CHECKING:
     from traceroof.rowcosts import RowCosts
 
 
-FLOP_CONVENTION = ("FLOPs follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
-                   "executed work incl. rematerialisation, while bodies x trip count)")
+FLOP_CONVENTION = ("FLOPs and bytes follow XLA HloCostAnalysis on the after-optimization HLO (2 per multiply-add, "
+                   "executed work incl. rematerialisation, while bodies x trip count; a scatter updating its operand "
+                   "in place is charged the bytes it updates, where XLA charges the whole operand)")
 
 
 @dataclass(frozen=True)
