@@ -372,3 +372,36 @@ def test_diff_of_two_live_range_estimates_says_so(remat, tmp_path):
             "assignment)") in render_diff_text(r)
     assert "estimate" not in render_diff_text(diff(side_from_analysis(remat["on"], "a"),
                                                    side_from_analysis(remat["on"], "b")))
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_state_not_donated_is_named_with_what_xla_writes_beside_it(tmp_path, donate):
+    """s31 trial (Equinox, eqx.filter_jit without donation): the memory view said "outputs written beside the
+    inputs (state not donated, or results): 0.008 kB", which read as a donated state. Without donation it now
+    says so, with the results XLA writes beside the state (its memory_analysis().output_size_in_bytes) and what
+    of them is live at the peak; with donation only the loss is written beside it."""
+    jax = pytest.importorskip("jax")
+    optax = pytest.importorskip("optax")
+    jnp = jax.numpy
+    opt = optax.adam(1e-3)
+    params = {"w1": jnp.ones((64, 128)), "w2": jnp.ones((128, 8))}
+
+    def step(params, state, x, y):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(params)
+        u, state = opt.update(g, state, params)
+        return optax.apply_updates(params, u), state, loss
+
+    compiled = jax.jit(step, donate_argnums=(0, 1) if donate else ()).lower(
+        params, opt.init(params), jnp.ones((32, 64)), jnp.ones((32, 8))).compile()
+    dump = tmp_path / "module_0001.jit_step.cpu_after_optimizations.txt"
+    dump.write_text(compiled.as_text())
+    book = program_memory(parse_hlo_file(dump)[0], dump).book
+    written = [line for line in book.explanation if "not donated" in line]
+    if donate:
+        assert not written and any(line.startswith("results written beside the donated state")
+                                   for line in book.explanation), book.explanation
+        return
+    xla_written = compiled.memory_analysis().output_size_in_bytes
+    analytic = 3 * 4 * (64 * 128 + 128 * 8) + 4 + 4  # new w1 and w2, adam's mu and nu of each, its count, the loss
+    assert analytic <= xla_written <= analytic + 8 * 8  # (and the output tuple's table of pointers)
+    assert len(written) == 1 and f"writes {xla_written / 1e6:.3g} MB of results" in written[0], written

@@ -530,7 +530,13 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     for n, p in module.entry.parameters().items():
         if cats.get(n) in state:
             state[cats[n]] += p.shape.byte_size()
-    return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, micro))
+    alias = _alias_outputs(module)
+    root = module.entry.root.shape if module.entry.root is not None else None
+    leaves = (root.tuple_shapes if root.is_tuple else (root,)) if root is not None else ()
+    written = sum(leaf.byte_size() for i, leaf in enumerate(leaves) if i not in alias)
+    donated = any(cats.get(n) in state for n in alias.values())
+    return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, micro,
+                                  written, donated))
 
 
 def _key(v) -> str:
@@ -586,11 +592,13 @@ def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: 
 
 
 def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_bytes: int, recomputed_bytes: int,
-          micro_batch: bool) -> BookModel:
+          micro_batch: bool, written_bytes: int = 0, donated: bool = True) -> BookModel:
     """The book's model of ``pm``: the program's whole parameter and optimizer-state inputs (``params_bytes``,
     ``optimizer_bytes``: its entry parameters of those categories, per device), as many gradient bytes as
     parameters when it trains, and the ``saved_bytes`` of activations; with the lines explaining its difference
-    from the peak."""
+    from the peak. ``written_bytes``: the program's results that no input's buffer holds (XLA's
+    ``memory_analysis().output_size_in_bytes``); ``donated``: whether it updates any of its state in place
+    (``input_output_alias``: the state donated)."""
     c = pm.categories
     training = optimizer_bytes > 0 or c["optimizer_state"] > 0 or c["gradients"] > 0 or saved_bytes > 0
     grads = params_bytes if training else 0
@@ -604,8 +612,14 @@ def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_byte
                      "donated parameter's buffer once its last reader ran): the split counts them there")
     if c["inputs"]:
         lines.append(f"the batch (inputs) held on the device: {_mb(c['inputs'])}, outside the model")
-    if c["outputs"]:
-        lines.append(f"outputs written beside the inputs (state not donated, or results): {_mb(c['outputs'])}")
+    if training and not donated and params_bytes + optimizer_bytes:
+        lines.append(f"the state is not donated (no input's buffer is reused for an output): the step writes "
+                     f"{_mb(written_bytes)} of results, the new parameters and optimizer state among them, beside "
+                     f"the old ones ({_mb(c['outputs'])} of them live at the peak); donating the state "
+                     "(jax.jit donate_argnums) lets XLA update it in place")
+    elif c["outputs"]:
+        lines.append(f"results written beside the donated state (the loss, metrics): {_mb(c['outputs'])} at the "
+                     "peak")
     temps = c["gradients"] + c["activations"]
     if training:
         lines.append(f"temporaries at the peak: {_mb(temps)} against the model's gradients + saved activations "
