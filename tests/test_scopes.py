@@ -359,6 +359,17 @@ def test_stack_frame_parent_offset_and_model_path():
     assert f.resolve(4) == ("Block/Linear@0", False)
 
 
+def test_model_path_goes_through_a_scan_body_defined_in_a_models_call():
+    """A closure in a model's ``__call__`` (the body it hands to ``lax.scan``) is the model's code: the path goes
+    on to ``Transformer``; a closure in a trainer's method still ends it."""
+    user, lib = "/home/u/train.py", "/venv/lib/python3.11/site-packages/jax/_src/lax/control_flow/loops.py"
+    for owner, path in (("Transformer.__call__", [("Transformer", None), ("Block", (user, 30))]),
+                        ("Trainer.train", [("Block", None)])):
+        frames = {1: StackFrame(user, owner, 40, 1), 2: StackFrame(lib, "scan", 200, 2),
+                  3: StackFrame(user, f"{owner}.<locals>.body", 30, 3), 4: StackFrame(user, "Block.__call__", 9, 4)}
+        assert _model_path(_Frames(frames).chain(4)) == path, owner
+
+
 def test_layer_namer_rules():
     namer = LayerNamer.build({"CNN/Conv_0": 10, "CNN/Conv_1": 10, "CNN": 2, "(optimizer)": 5})
     assert namer.wrapper == ("CNN",)

@@ -413,8 +413,10 @@ def test_fsdp_collectives_in_an_equinox_scan_take_the_block_scope(tmp_path):
     """s31 trial run B (Equinox blocks stacked by ``filter_vmap`` and run by ``lax.scan``, FSDP on a 2x4 mesh): the
     weight all-gathers XLA moved onto the scan's slices carry the frame of the scan's call site (``Model``), and
     the combiner's all-reduce of the block's gradients only its first part's frame (``Block/LayerNorm``: 35 % of
-    the trial's step). Both are the scanned block's (``Block``); the embedding's gather outside the loop stays
-    ``Model``."""
+    the trial's step). Both are the scanned block's, ``Model/Block``: under its model, as a Python loop over the
+    blocks gives (the scan body, a closure in ``Model.__call__``, ended the path: ``Block``, and the trial's final
+    LayerNorm was ``Transformer/LayerNorm`` with a scan but ``LayerNorm`` with a loop). The embedding's gather
+    outside the loop stays ``Model``."""
     pytest.importorskip("equinox")
     script = tmp_path / "scan_fsdp.py"  # a file, as a user's: Equinox scopes come from the frames' source
     script.write_text(_SCAN_FSDP)
@@ -431,7 +433,7 @@ def test_fsdp_collectives_in_an_equinox_scan_take_the_block_scope(tmp_path):
             info = ms.get(inst.name)
             if inst.name in looped:
                 seen[(inst.opcode, info.phase)] += 1
-                assert info.scope == "Block", (inst.name, info)
+                assert info.scope == "Model/Block", (inst.name, info)
             elif inst.opcode == "all-gather":
                 assert info.scope == "Model", (inst.name, info)
     assert seen[("all-gather", "forward")] == 2 and seen[("all-reduce", "backward")] == 1, seen

@@ -203,11 +203,25 @@ def _model_path(chain: list[StackFrame]) -> list[tuple[str, tuple[str, int] | No
         if model:
             if not classes or classes[-1][0] != m.group(1):
                 classes.append([m.group(1), None])
-        elif classes and not library:
+        elif classes and not library and not _in_model_method(parts):
             break  # the first user frame outside the model (loss closure, train step) ends the path
     if classes:
         classes[-1][1] = None
     return [(c, site) for c, site in reversed(classes)]
+
+
+_MODEL_CALLS = frozenset({"__call__", "call", "forward"})  # a model's forward method (Flax / Equinox, Keras, torch)
+
+
+def _in_model_method(qualname_parts: list[str]) -> bool:
+    """Whether a frame's function is a closure defined in a model's forward method
+    (``Transformer.__call__.<locals>.body``, the body a model passes to ``lax.scan``): part of that model's code,
+    so the path goes on to the method's class (``Transformer/Block``, as a Python loop over the blocks gives, not
+    ``Block``). A closure in another method (``Trainer.train.<locals>.loss_fn``) still ends the path."""
+    if "<locals>" not in qualname_parts:
+        return False
+    owner = qualname_parts[:qualname_parts.index("<locals>")]
+    return len(owner) >= 2 and owner[-1] in _MODEL_CALLS and _METHOD.fullmatch(".".join(owner[-2:])) is not None
 
 
 _SITE = re.compile(r"(.+)@(\d+)")
