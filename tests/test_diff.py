@@ -234,3 +234,24 @@ def test_a_layer_gate_says_it_has_no_noise_estimate(sides):
     failed, why = gate(diff(sides["diff_base"], sides["diff_wide"]), 5.0, layer="block_0/mlp")
     assert failed and why.endswith("(above the +5% limit; a layer's time has no noise estimate, unlike the step's: "
                                    "the threshold alone decides)")
+
+
+def test_a_loop_of_block_instances_pairs_with_one_scanned_block(sides):
+    """s31 trial: the same Equinox model run as a Python loop over its blocks (layers ``Block_*``) and under
+    ``lax.scan`` (one ``Block``) had no layer in common, so diff listed each block twice (removed and added). The
+    two names now pair, as ``Block_*/mlp -> Block/mlp``, and --layer gates on either name."""
+    from dataclasses import replace
+
+    def renamed(side, name):  # the diff_base fixture's block_0 as a loop's collapsed instances, or a scan's body
+        layers = side.layers.copy()
+        layers["layer"] = layers["layer"].str.replace("block_0", name, regex=False)
+        return replace(side, layers=layers)
+
+    r = diff(renamed(sides["diff_base"], "block_*"), renamed(sides["diff_rerun"], "block"))
+    layers = r.layers.set_index(["layer", "phase"])
+    row = layers.loc[("block_*/mlp -> block/mlp", "forward")]
+    base = sides["diff_base"].layers.set_index(["layer", "phase"]).loc[("block_0/mlp", "forward")]
+    assert row["time_per_step_s_base"] == base["time_per_step_s"] and row["time_per_step_s_new"] > 0
+    assert not any(n.startswith(("block_*/", "block/")) and " -> " not in n for n in layers.index.get_level_values(0))
+    assert "block_1/mlp" in layers.index.get_level_values(0)  # a layer on both sides keeps its name
+    assert gate(r, 1e6, layer="block/mlp")[1].startswith("layer block/mlp: ")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -344,6 +345,22 @@ def _warnings(base: Side, new: Side, both: pd.DataFrame, b: pd.DataFrame, n: pd.
     return tuple(out)
 
 
+PAIRED = " -> "  # a layer named differently on the two sides and paired (:func:`_loop_and_scan`)
+
+
+def _loop_and_scan(base: set[str], new: set[str]) -> dict[str, str]:
+    """Layer names of one side -> the paired name, for a repeated block that one side runs as instances of a
+    Python loop (collapsed ``Block_*``) and the other as one scanned body (``Block``): ``Block_*`` and ``Block``
+    -> ``Block_* -> Block`` (base first), when each name is on one side only."""
+    out = {}
+    for mine, other, base_side in ((base, new, True), (new, base, False)):
+        for name in mine:
+            plain = re.sub(r"_\*(?=/|$)", "", name)
+            if plain != name and plain in other and plain not in mine and name not in other:
+                out[name] = out[plain] = f"{name}{PAIRED}{plain}" if base_side else f"{plain}{PAIRED}{name}"
+    return out
+
+
 def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:
     cols = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step", "efficiency",
             "exposed_comm_per_step_s"]
@@ -354,7 +371,11 @@ def _layer_deltas(b: pd.DataFrame, n: pd.DataFrame) -> pd.DataFrame:
         for c in cols:
             df[c] = pd.to_numeric(df[c], errors="coerce") if c in df else np.nan
         return df[["layer", "phase"] + cols]
-    m = prep(b).merge(prep(n), on=["layer", "phase"], how="outer", suffixes=("_base", "_new"))
+    b, n = prep(b), prep(n)
+    paired = _loop_and_scan(set(b["layer"]), set(n["layer"]))
+    if paired:
+        b["layer"], n["layer"] = b["layer"].replace(paired), n["layer"].replace(paired)
+    m = b.merge(n, on=["layer", "phase"], how="outer", suffixes=("_base", "_new"))
     for c in cols:
         m[f"{c}_delta"] = m[f"{c}_new"].fillna(0.0) - m[f"{c}_base"].fillna(0.0)
     m["flops_ratio"] = m["flops_per_step_new"] / m["flops_per_step_base"].replace(0, np.nan)
@@ -405,7 +426,8 @@ def gate(result: DiffResult, fail_above_pct: float | None, layer: str | None = N
             raise InputError(f"{side.label}: step time {side.step_time_mean_s} s is not a positive finite number: "
                              "there is no measured step time to gate on (is it a profile with steps?)")
     if layer:
-        rows = result.layers[result.layers["layer"] == layer]
+        names = result.layers["layer"].astype(str)
+        rows = result.layers[(names == layer) | names.str.split(PAIRED, regex=False).apply(lambda ns: layer in ns)]
         if rows.empty:
             raise InputError(f"--layer {layer!r} is in neither profile; layers: "
                              + ", ".join(sorted(set(result.layers["layer"].astype(str)))[:8]))
