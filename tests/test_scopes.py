@@ -17,7 +17,8 @@ from parsers.hlo import HloModule, StackFrame
 from parsers.hlo_text import parse_hlo_text
 from traceroof.cost import CostModel
 from traceroof.layers import NO_SCOPE, TOP_LEVEL, LayerNamer, parse_scope, rollup, worst_op
-from traceroof.scopes import OPTIMIZER_SCOPE, ModuleScopes, _Frames, _model_path, assign_scopes
+from traceroof.scopes import (OPTIMIZER_SCOPE, ModuleScopes, ScopeInfo, _Frames, _model_path, _split_instances,
+                              assign_scopes)
 
 jax = pytest.importorskip("jax")
 jnp = jax.numpy
@@ -434,3 +435,47 @@ def test_weight_gradient_convolution_behind_gradient_clipping_is_backward():
     assert len(convs) >= 2  # forward and the weight gradient
     assert all(ms.get(i.name).phase in ("forward", "backward") for i in convs)
     assert any(ms.get(i.name).phase == "backward" for i in convs)
+
+
+_LAYER_NORM_ONCE = """HloModule ln
+
+%scale (p0: f32[8,64], p1: f32[64]) -> f32[8,64] {
+  %p0 = f32[8,64]{1,0} parameter(0)
+  %p1 = f32[64]{0} parameter(1)
+  %b = f32[8,64]{1,0} broadcast(%p1), dimensions={1}
+  ROOT %m = f32[8,64]{1,0} multiply(%p0, %b)
+}
+
+%shift (q0: f32[8,64], q1: f32[64]) -> f32[8,64] {
+  %q0 = f32[8,64]{1,0} parameter(0)
+  %q1 = f32[64]{0} parameter(1)
+  %c = f32[8,64]{1,0} broadcast(%q1), dimensions={1}
+  ROOT %a = f32[8,64]{1,0} add(%q0, %c)
+}
+
+%sum (u: f32[], v: f32[]) -> f32[] {
+  %u = f32[] parameter(0)
+  %v = f32[] parameter(1)
+  ROOT %w = f32[] add(%u, %v)
+}
+
+ENTRY %main (x: f32[8,64], g: f32[64], b: f32[64]) -> f32[8] {
+  %x = f32[8,64]{1,0} parameter(0)
+  %g = f32[64]{0} parameter(1)
+  %b = f32[64]{0} parameter(2)
+  %n = f32[8,64]{1,0} tanh(%x)
+  %s = f32[8,64]{1,0} fusion(%n, %g), kind=kLoop, calls=%scale
+  %t = f32[8,64]{1,0} fusion(%s, %b), kind=kLoop, calls=%shift
+  %e = f32[8,64]{1,0} exponential(%t)
+  %zero = f32[] constant(0)
+  ROOT %r = f32[8]{0} reduce(%e, %zero), dimensions={1}, to_apply=%sum
+}
+"""
+
+
+def test_one_chained_group_is_no_evidence_of_instances():
+    """s32 trial (NNX ViT, f32): the final LayerNorm, called once, was split into 2 instances because its scale
+    and its shift are two fusions of one shape, each reading a weight, one after the other: one group cut in 2."""
+    (m,) = parse_hlo_text(_LAYER_NORM_ONCE)
+    infos = {i.name: ScopeInfo("M/LayerNorm", "forward", "", "frames", False) for i in m.entry.instructions}
+    assert _split_instances(m.entry, infos, "M/LayerNorm", m.entry.users(), set()) == {}

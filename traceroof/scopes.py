@@ -980,14 +980,19 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
             a |= anc.get(o, 0)
         anc[inst.name] = a
     ranked, valid, groups = _rank(seeds, infos, p, bit, anc, contractions)
-    score = Counter(n for key, ns in valid.items() for n in ns for _ in ranked[key])
+    # each group votes, by its size, for the most runs it can be cut into: a group of 4 blocks' q projections cuts
+    # into 4 runs and into 2, and a vote for both let one group of 6 that XLA fused across blocks (valid for 2
+    # only) make 2 instances of 4 NNX blocks (s32 trial ViT: Block_0 held blocks 0 and 1)
+    score = Counter(max(ns) for key, ns in valid.items() if ns for _ in ranked[key])
     n = max(score, key=lambda c: (score[c], c), default=0)
     if n < 2 or 2 * score[n] < sum(len(o) for o in ranked.values()):
         return {}
+    if sum(1 for ns in valid.values() if ns and max(ns) == n) < 2:
+        return {}  # one group is no evidence (a final LayerNorm's scale then shift, one shape: "2 instances")
     fits: dict[str, list[int]] = {}  # per part of ``p`` (its first scope segment below ``p``): seeds that fit, all
     for key, g in groups.items():
         f = fits.setdefault(key[0].split("/")[1] if key[0] else "", [0, 0])
-        f[0] += len(g) if len(g) % n == 0 else 0
+        f[0] += len(g) if len(g) >= n else 0  # every instance has one (a group XLA fused across them: 7 of 4)
         f[1] += len(g)
     if len(fits) == 1 and "" not in fits:
         return {}  # all of it is one part (``Model`` holding only its blocks): the part is what repeats
