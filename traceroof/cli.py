@@ -195,7 +195,8 @@ def main() -> None:
                    "units above it do not count).")
 @click.option("--expand", is_flag=True, help="One layer per repeated-block instance (h/0, h/1...) instead of h/*.")
 @click.option("--warmup-steps", default=1, show_default=True, type=click.IntRange(0),
-              help="Marked steps excluded at the start.")
+              help="Marked steps excluded at the start (the first compiles when traced from the first call, and is "
+                   "timed from its marker: no previous step ends where it starts).")
 @click.option("--top", default=10, show_default=True, type=click.IntRange(0), help="Ops listed by lost time.")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="terminal", show_default=True)
 @click.option("--table", type=click.Choice(("layers", "top-ops", "collectives", "op-stats", "ops")), default="layers",
