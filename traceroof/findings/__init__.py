@@ -16,6 +16,7 @@ from traceroof.findings.record import Finding, FindingInputs, Rule, as_record
 from traceroof.findings.rules_compute import (dtype_upcast, faster_than_roofline, mxu_alignment, opaque_custom_call,
                                               small_matmul)
 from traceroof.findings.rules_memory import layout_copy, memory_bound_chain, remat_cost, tile_padding
+from traceroof.findings.rules_optimizer import discarded_update
 from traceroof.findings.rules_system import (collective_straggler, comm_bound_axis, device_idle, exposed_collective,
                                              host_bound, outlier_executions)
 
@@ -34,6 +35,7 @@ RULES: dict[str, Rule] = {
     "host-bound": host_bound,
     "device-idle": device_idle,
     "remat-cost": remat_cost,
+    "discarded-update": discarded_update,
     "comm-bound-axis": comm_bound_axis,
     "opaque-custom-call": opaque_custom_call,
     "outlier-executions": outlier_executions,
@@ -52,6 +54,7 @@ CODES: dict[str, str] = {
     "host-bound": "the device idle while the host works (step breakdown, else op coverage of the step)",
     "device-idle": "the device idle with no host work in the way: launch gaps and time between programs",
     "remat-cost": "time recomputing the forward pass, and the memory keeping it would take",
+    "discarded-update": "an optimizer update computed on every micro-step and kept on every k-th (optax.MultiSteps)",
     "comm-bound-axis": "a parallelism axis whose communication outlasts its math (parallelism analysis)",
     "opaque-custom-call": "time in kernels with no cost model (measured only)",
     "outlier-executions": "ops whose executions vary > 10x (noise, contention, first runs)",

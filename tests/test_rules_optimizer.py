@@ -1,0 +1,76 @@
+"""The ``discarded-update`` finding on real training loops with optax.MultiSteps (s32 trial: a ViT with
+``MultiSteps(adamw, every_k_schedule=2)`` showed its optimizer row doubled and nothing said that half of the
+update's work is thrown away)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import HOST_CHIP
+from traceroof import analyze
+
+pytest.importorskip("optax")
+
+JOB = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, optax
+    out = sys.argv[1]
+    params = {"w1": jnp.ones((64, 256)) / 16, "w2": jnp.ones((256, 8)) / 16}
+    x, y = jnp.ones((32, 64)), jnp.ones((32, 8))
+    for name, k in (("adam", 1), ("multisteps2", 2), ("multisteps3", 3)):
+        opt = optax.adam(1e-3) if k == 1 else optax.MultiSteps(optax.adam(1e-3), every_k_schedule=k)
+
+        @jax.jit
+        def step(p, s):
+            g = jax.grad(lambda p: jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - y) ** 2))(p)
+            u, s = opt.update(g, s, p)
+            return optax.apply_updates(p, u), s
+
+        p, s = params, opt.init(params)
+        for _ in range(2):  # warm-up outside the trace
+            p, s = step(p, s)
+        jax.block_until_ready(p)
+        jax.profiler.start_trace(f"{out}/{name}")  # the README's loop
+        for i in range(4):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                p, s = step(p, s)
+        jax.block_until_ready(p)
+        jax.profiler.stop_trace()
+""")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("multisteps")
+    subprocess.run([sys.executable, "-c", JOB, str(out)], check=True, capture_output=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_multisteps_update_is_found_with_its_k(runs, k):
+    """k is the loop's own every_k_schedule; the ops found hold adam's whole update (their FLOPs: at least the plain
+    adam run's update, at most MultiSteps' optimizer row: XLA fuses the accumulation and selects into them); lost
+    is their time x (k - 1) / k."""
+    a = analyze(runs / f"multisteps{k}", chip=HOST_CHIP)
+    (f,) = [f for f in a.findings if f.code == "discarded-update"]
+    nth = {2: "2nd", 3: "3rd"}[k]
+    assert f"keeps it on every {nth}" in f.title, f.title
+    assert f"(k = {k}, from the program's mini_step == {k - 1} test)" in f.evidence[1], f.evidence
+    flops, time, unit = re.search(r": (\S+) FLOPs and (\S+) (ms|µs) per step", f.evidence[0]).groups()
+    assert f.lost_per_step_s == pytest.approx(float(time) * {"ms": 1e-3, "µs": 1e-6}[unit] * (k - 1) / k, rel=0.01)
+    params = 64 * 256 + 256 * 8
+    plain = analyze(runs / "adam", chip=HOST_CHIP).layers
+    adam_update = plain.loc[plain["phase"] == "optimizer", "flops_per_step"].sum() - params  # less apply_updates
+    multisteps = a.layers.loc[a.layers["phase"] == "optimizer", "flops_per_step"].sum()
+    assert adam_update <= float(flops) <= multisteps, (adam_update, flops, multisteps)
+
+
+def test_plain_adam_has_no_discarded_update(runs):
+    a = analyze(runs / "adam", chip=HOST_CHIP)
+    assert not [f for f in a.findings if f.code == "discarded-update"]
