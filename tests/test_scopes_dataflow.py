@@ -143,9 +143,16 @@ def nnx_cnn():
             x = self.stage3(x)
             return self.head(x.reshape(x.shape[0], -1))
 
-    def make():  # abstract state (shapes only): lowering needs no weights, and eager init costs seconds
-        model = Net(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.sgd(0.01, momentum=0.9, nesterov=True), wrt=nnx.Param)
+    return _nnx_step(nnx, Net, optax.sgd(0.01, momentum=0.9, nesterov=True), jnp.ones((2, 8, 8, 3)))
+
+
+def _nnx_step(nnx, model_cls, tx, x):
+    """The compiled training step of an NNX model class with optimizer ``tx`` on images ``x`` and integer labels,
+    as (module, scopes); the state abstract (shapes only): lowering needs no weights, and eager init costs
+    seconds."""
+    def make():
+        model = model_cls(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     model, opt = nnx.eval_shape(make)
 
@@ -157,8 +164,7 @@ def nnx_cnn():
         return loss
 
     jax.clear_caches()
-    return _module(train_step.lower(model, opt, jnp.ones((2, 8, 8, 3)), jnp.zeros((2,), jnp.int32))
-                   .compile().as_text())
+    return _module(train_step.lower(model, opt, x, jnp.zeros((x.shape[0],), jnp.int32)).compile().as_text())
 
 
 def test_unnamed_weight_gradient_convolution_is_its_conv_backward(nnx_cnn):
@@ -211,6 +217,35 @@ def test_instances_at_different_call_sites_are_separate_rows(nnx_cnn):
 
 # -- 4. Equinox list of blocks: instances split evenly ---------------------------------------------------------
 
+def _equinox_sgd_step(model_cls, eqx, tok):
+    """The compiled SGD step of an Equinox model class (abstract weights: lowering needs no values, and eager
+    init costs seconds) on token batch ``tok``, as (module, scopes)."""
+    opt = optax.sgd(1e-3)
+    params, static = eqx.partition(eqx.filter_eval_shape(model_cls, jax.random.PRNGKey(0)),
+                                   lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    state = jax.eval_shape(opt.init, params)
+
+    @jax.jit
+    def train_step(params, state, tok, tgt):
+        loss, g = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
+            jax.vmap(eqx.combine(p, static))(tok), tgt).mean())(params)
+        u, state = opt.update(g, state, params)
+        return optax.apply_updates(params, u), state, loss
+
+    return _module(train_step.lower(params, state, tok, tok).compile().as_text())
+
+
+def _flops_by_scope(m: HloModule, ms, prefix: str, key) -> Counter:
+    """Executed FLOPs of ``m``'s ops whose scope starts with ``prefix``, summed by ``key(scope info)``."""
+    cm = CostModel(m)
+    flops: Counter = Counter()
+    for _, inst, k in cm.executed_instructions():
+        info = ms.get(inst.name)
+        if inst.opcode != "parameter" and info.scope.startswith(prefix):
+            flops[key(info)] += cm.cost(inst).flops * k
+    return flops
+
+
 def test_equinox_block_list_instances_get_equal_flops():
     eqx = pytest.importorskip("equinox")
     d = 16
@@ -246,29 +281,11 @@ def test_equinox_block_list_instances_get_equal_flops():
                 x = jax.vmap(blk)(x)
             return jax.vmap(self.head)(jax.vmap(self.final_norm)(x))
 
-    opt = optax.sgd(1e-3)
-    # abstract arrays (shapes only): lowering needs no weights, and eager init costs seconds
-    params, static = eqx.partition(eqx.filter_eval_shape(Model, jax.random.PRNGKey(0)),
-                                   lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    state = jax.eval_shape(opt.init, params)
-
-    @jax.jit
-    def train_step(params, state, tok, tgt):
-        loss, g = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
-            jax.vmap(eqx.combine(p, static))(tok), tgt).mean())(params)
-        u, state = opt.update(g, state, params)
-        return optax.apply_updates(params, u), state, loss
-
-    tok = jnp.zeros((4, 8), jnp.int32)
-    m, ms = _module(train_step.lower(params, state, tok, tok).compile().as_text())
+    m, ms = _equinox_sgd_step(Model, eqx, jnp.zeros((4, 8), jnp.int32))
     assert ms.repeats == {f"Model/ResidualMLP_{k}": "Model/ResidualMLP_*" for k in range(3)}
-    cm = CostModel(m)
-    flops: Counter = Counter()
-    for _, inst, k in cm.executed_instructions():
-        info = ms.get(inst.name)
-        if inst.opcode != "parameter" and info.scope.startswith("Model/ResidualMLP_"):
-            block, _, part = info.scope[len("Model/"):].partition("/")
-            flops[(block, part, info.phase)] += cm.cost(inst).flops * k
+    # (block, part, phase): "Model/ResidualMLP_0/LayerNorm" -> ("ResidualMLP_0", "LayerNorm", phase)
+    flops = _flops_by_scope(m, ms, "Model/ResidualMLP_",
+                            lambda i: (*i.scope[len("Model/"):].partition("/")[::2], i.phase))
     # before: LayerNorm forward 101 k / 59.4 k / 17.4 k FLOP in the trial model (block k's first LayerNorm ops,
     # which read block k-1's output, went to block k-1)
     for part, phase in (("LayerNorm", "forward"), ("Linear", "forward")):
@@ -314,27 +331,9 @@ def test_equinox_transposed_weight_gradient_stays_in_its_block():
                 x = jax.vmap(blk)(x)
             return jax.vmap(self.head)(x)
 
-    opt = optax.sgd(1e-3)
-    params, static = eqx.partition(eqx.filter_eval_shape(Model, jax.random.PRNGKey(0)),
-                                   lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    state = jax.eval_shape(opt.init, params)
-
-    @jax.jit
-    def train_step(params, state, tok, tgt):
-        loss, g = jax.value_and_grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(
-            jax.vmap(eqx.combine(p, static))(tok), tgt).mean())(params)
-        u, state = opt.update(g, state, params)
-        return optax.apply_updates(params, u), state, loss
-
-    tok = jnp.zeros((2, tokens // 2), jnp.int32)
-    m, ms = _module(train_step.lower(params, state, tok, tok).compile().as_text())
+    m, ms = _equinox_sgd_step(Model, eqx, jnp.zeros((2, tokens // 2), jnp.int32))
     assert ms.repeats == {f"Model/Block_{k}": "Model/Block_*" for k in range(2)}
-    cm = CostModel(m)
-    flops: Counter = Counter()
-    for _, inst, k in cm.executed_instructions():
-        info = ms.get(inst.name)
-        if inst.opcode != "parameter" and info.scope.startswith("Model/Block_"):
-            flops[(info.scope.split("/")[1], info.phase)] += cm.cost(inst).flops * k
+    flops = _flops_by_scope(m, ms, "Model/Block_", lambda i: (i.scope.split("/")[1], i.phase))
     matmul = 2 * 2 * (2 * tokens * d * f)  # backward: data and weight gradients of up and down, 2 FLOPs per MAC
     for k in range(2):
         assert matmul <= flops[(f"Block_{k}", "backward")] <= 1.05 * matmul, (k, flops)
@@ -473,30 +472,11 @@ def test_nnx_vit_list_of_four_blocks_is_four_instances(dtype):
                 x = blk(x)
             return self.head(self.norm(x[:, 0])).astype(jnp.float32)
 
-    def make():  # abstract state (shapes only): lowering needs no weights
-        model = ViT(nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
-
-    model, opt = nnx.eval_shape(make)
-
-    @nnx.jit
-    def train_step(model, opt, x, y):
-        loss, grads = nnx.value_and_grad(
-            lambda mdl: optax.softmax_cross_entropy_with_integer_labels(mdl(x), y).mean())(model)
-        opt.update(model, grads)
-        return loss
-
-    jax.clear_caches()
-    m, ms = _module(train_step.lower(model, opt, jnp.ones((8, 32, 32, 3)), jnp.zeros((8,), jnp.int32))
-                    .compile().as_text())
+    m, ms = _nnx_step(nnx, ViT, optax.adamw(1e-3), jnp.ones((8, 32, 32, 3)))
     assert {k: v for k, v in ms.repeats.items() if k.count("/") == 1} == {
         f"ViT/Block_{k}": "ViT/Block_*" for k in range(depth)}
-    cm = CostModel(m)
-    flops: Counter = Counter()
-    for _, inst, k in cm.executed_instructions():
-        info = ms.get(inst.name)
-        if inst.opcode != "parameter" and info.scope.startswith("ViT/Block_") and info.phase == "forward":
-            flops[info.scope.split("/")[1]] += cm.cost(inst).flops * k
+    both = _flops_by_scope(m, ms, "ViT/Block_", lambda i: (i.scope.split("/")[1], i.phase))
+    flops = Counter({block: f for (block, phase), f in both.items() if phase == "forward"})
     # per block: MLP and q/k/v/out projections 2 FLOPs per MAC, attention scores and values; plus elementwise
     matmul = 2 * tokens * (2 * d * mlp + 4 * d * d) + 2 * 2 * 8 * heads * 65 * 65 * (d // heads)
     assert sorted(flops) == [f"Block_{k}" for k in range(depth)]
