@@ -784,7 +784,8 @@ def _common_prefix(scopes: Iterable[str]) -> str:
 
 def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     """Scan / fori_loop plumbing takes the layer of the loop body it serves. In a while body whose own ops lie in
-    scope ``C`` (the common prefix of the body's innermost scopes: ``Model/layers`` of ``nn.scan``), the plumbing
+    scope ``C`` (the common prefix of the scopes of its computing ops, neither plumbing nor collectives, other than
+    the loop's own scope: ``Model/layers`` of ``nn.scan``), the plumbing
     ops (dynamic-slice of the stacked weights, dynamic-update-slice of stacked activations or gradients, the
     iteration counter, the condition's compare) and the collectives (an FSDP weight all-gather) labelled less
     specifically (``(top level)``, ``Model``, the loop's own scope) take the scope of a body op they feed (users
@@ -911,11 +912,12 @@ def _frame_instances(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     (scope under ``P``, phase, opcode, shape). Within a group, instance ``k`` depends on the members of instances
     ``0..k-1`` (the forward runs block after block, the backward in reverse), so the number of same-group members
     an op depends on ranks it; ``n`` instances are ``n`` runs of consecutive ranks, and a cut never falls between
-    equal ranks (parallel q / k / v projections share one). ``P`` is repeated when most ranked ops lie in groups
-    that can be cut into the same ``n >= 2`` runs (the best supported ``n``, the larger on a tie) and, in each part
-    of ``P``, at least a quarter of the weight-reading ops lie in groups whose size is a multiple of ``n`` (a part
-    called once, such as ``Model``'s embedding when ``P`` is ``Model``, has groups of one; XLA's fusions across
-    instances make odd groups, such as Equinox's LayerNorm backward). The other ops of ``P`` take the instance
+    equal ranks (parallel q / k / v projections share one). Each group votes, by its size, for the most runs it
+    cuts into (4 blocks' groups cut into 4 and into 2); ``P`` is repeated when most ranked ops lie in groups voting
+    for the same ``n >= 2`` (the best voted, the larger on a tie), at least two groups do, and, in each part of
+    ``P``, at least a quarter of the weight-reading ops lie in groups of ``n`` members or more (a part called once,
+    such as ``Model``'s embedding when ``P`` is ``Model``, has groups of one; XLA's fusions across instances make
+    odd groups, such as Equinox's LayerNorm backward). The other ops of ``P`` take the instance
     of their nearest placed neighbour (operands first), then of the ops reading the same parameter (an RNG
     counter's update); the computations they call (dropout's threefry loop) follow them. Outermost classes first.
     A weight-shared block (one instance called twice) has groups of one and is not split; where no ``n`` is
