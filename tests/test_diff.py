@@ -255,3 +255,17 @@ def test_a_loop_of_block_instances_pairs_with_one_scanned_block(sides):
     assert not any(n.startswith(("block_*/", "block/")) and " -> " not in n for n in layers.index.get_level_values(0))
     assert "block_1/mlp" in layers.index.get_level_values(0)  # a layer on both sides keeps its name
     assert gate(r, 1e6, layer="block/mlp")[1].startswith("layer block/mlp: ")
+
+
+def test_a_saved_report_missing_a_layer_name_diffs_and_gates(tmp_path):
+    """A saved report whose layer row lost its name (NaN under pandas 3, whose astype(str) keeps NaN) crashed the
+    loop/scan pairing and the --layer gate's list of layers (fuzz json_report 366)."""
+    from parsers.errors import InputError
+
+    doc = json.loads((FIXTURES / "fuzz" / "tiny_report.json").read_text())
+    del doc["layers"][0]["layer"]
+    broken = tmp_path / "base.json"
+    broken.write_text(json.dumps(doc))
+    r = diff(load_side(broken), load_side(FIXTURES / "fuzz" / "tiny_report.json"))
+    with pytest.raises(InputError, match="is in neither profile"):
+        gate(r, 5.0, layer="nosuch")

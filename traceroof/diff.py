@@ -355,6 +355,8 @@ def _loop_and_scan(base: set[str], new: set[str]) -> dict[str, str]:
     out = {}
     for mine, other, base_side in ((base, new, True), (new, base, False)):
         for name in mine:
+            if not isinstance(name, str):  # a saved report's missing layer name (NaN)
+                continue
             plain = re.sub(r"_\*(?=/|$)", "", name)
             if plain != name and plain in other and plain not in mine and name not in other:
                 out[name] = out[plain] = f"{name}{PAIRED}{plain}" if base_side else f"{plain}{PAIRED}{name}"
@@ -426,11 +428,11 @@ def gate(result: DiffResult, fail_above_pct: float | None, layer: str | None = N
             raise InputError(f"{side.label}: step time {side.step_time_mean_s} s is not a positive finite number: "
                              "there is no measured step time to gate on (is it a profile with steps?)")
     if layer:
-        names = result.layers["layer"].astype(str)
-        rows = result.layers[(names == layer) | names.str.split(PAIRED, regex=False).apply(lambda ns: layer in ns)]
+        names = [x if isinstance(x, str) else "" for x in result.layers["layer"]]  # (a saved report's NaN: none)
+        rows = result.layers[[n == layer or layer in n.split(PAIRED) for n in names]]
         if rows.empty:
             raise InputError(f"--layer {layer!r} is in neither profile; layers: "
-                             + ", ".join(sorted(set(result.layers["layer"].astype(str)))[:8]))
+                             + ", ".join(sorted(set(names) - {""})[:8]))
         b = rows["time_per_step_s_base"].fillna(0).sum()
         n = rows["time_per_step_s_new"].fillna(0).sum()
         pct = (n - b) / b * 100 if b else float("inf")
