@@ -802,8 +802,10 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
             # in the body too, where the frames of the slicing of the stacked weights (and of the FSDP gathers
             # XLA moved onto those slices) point at it
             site = infos[w.name].scope if w.name in infos and not infos[w.name].scope.startswith("(") else TOP_LEVEL
-            scoped = {infos[i.name].scope for i in body.instructions if i.name in infos
-                      and not _is_plumbing(module, i) and not _collective(i.opcode)} - {NO_SCOPE, TOP_LEVEL, site}
+            moves = {i.name for part in (body, cond) if part is not None for i in part.instructions
+                     if _is_plumbing(module, i) or _collective(i.opcode)}  # judged once, read twice
+            scoped = {infos[i.name].scope for i in body.instructions if i.name in infos and i.name not in moves}
+            scoped -= {NO_SCOPE, TOP_LEVEL, site}
             c = _common_prefix(s for s in scoped if not s.startswith("("))
             if not c:
                 continue
@@ -818,8 +820,7 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
                 fixed: dict[str, ScopeInfo] = {}
                 for inst in part.instructions:
                     i = infos.get(inst.name)
-                    if i is None or i.phase == "optimizer" or not vague(i.scope) \
-                            or not (_is_plumbing(module, inst) or _collective(inst.opcode)):
+                    if i is None or i.phase == "optimizer" or not vague(i.scope) or inst.name not in moves:
                         continue
                     near = [infos.get(u.name) for u in users.get(inst.name, ())] + \
                         [infos.get(o) for o in inst.operands]
@@ -985,11 +986,12 @@ def _split_instances(entry: Computation, infos: Mapping[str, ScopeInfo], p: str,
     # each group votes, by its size, for the most runs it can be cut into: a group of 4 blocks' q projections cuts
     # into 4 runs and into 2, and a vote for both let one group of 6 that XLA fused across blocks (valid for 2
     # only) make 2 instances of 4 NNX blocks (s32 trial ViT: Block_0 held blocks 0 and 1)
-    score = Counter(max(ns) for key, ns in valid.items() if ns for _ in ranked[key])
+    votes = {key: max(ns) for key, ns in valid.items() if ns}
+    score = Counter(v for key, v in votes.items() for _ in ranked[key])
     n = max(score, key=lambda c: (score[c], c), default=0)
     if n < 2 or 2 * score[n] < sum(len(o) for o in ranked.values()):
         return {}
-    if sum(1 for ns in valid.values() if ns and max(ns) == n) < 2:
+    if list(votes.values()).count(n) < 2:
         return {}  # one group is no evidence (a final LayerNorm's scale then shift, one shape: "2 instances")
     fits: dict[str, list[int]] = {}  # per part of ``p`` (its first scope segment below ``p``): seeds that fit, all
     for key, g in groups.items():

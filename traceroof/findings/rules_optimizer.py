@@ -30,19 +30,19 @@ def discarded_update(x: FindingInputs) -> list[Finding]:
     module, program, op = c.value("module"), c.value("program_id"), c.value("hlo_op")
     frames: dict[int, _Frames] = {}
     inner = []
-    for i in np.flatnonzero(c.num("measured_s") > 0):
+    for i in np.flatnonzero((c.text("phase") == "optimizer") & (c.num("measured_s") > 0)):  # (frames: optax)
         got = x.programs.instruction(module[i], program[i], op[i])
         if got is None:
             continue
         ix, inst = got
-        chains = frames.get(id(ix.module)) or frames.setdefault(id(ix.module), _Frames(ix.module.stack_frames))
+        chains = _frames_of(ix.module, frames)
         if any(_inner_update(chains, d) for d in [inst] + (ix.fused(inst) if inst.opcode == "fusion" else [])):
             inner.append(i)
     if not inner:
         return []
     rows = np.array(inner, np.int64)
     t = total(c.num("measured_s")[rows]) / x.per
-    ks = {k for m in x.modules for k in [_k_steps(m, frames.get(id(m)) or _Frames(m.stack_frames))] if k}
+    ks = {k for m in x.modules for k in [_k_steps(m, _frames_of(m, frames))] if k}
     k = ks.pop() if len(ks) == 1 else 0
     every = f"every {_ordinal(k)}" if k else "every k-th"
     wasted = t * (k - 1) / k if k else t / 2
@@ -57,6 +57,13 @@ def discarded_update(x: FindingInputs) -> list[Finding]:
               "the micro-batches, summing the gradients, then one optimizer update): the update then runs once per "
               "real step, and every profiled step is a real step")
     return [make(x, "discarded-update", title, wasted, advice, MULTISTEPS_SOURCE, evidence, rows)]
+
+
+def _frames_of(module: HloModule, frames: dict[int, _Frames]) -> _Frames:
+    """``module``'s stack-frame chains, built once per module (``frames``: by ``id(module)``)."""
+    if id(module) not in frames:
+        frames[id(module)] = _Frames(module.stack_frames)
+    return frames[id(module)]
 
 
 def _ordinal(k: int) -> str:
