@@ -137,14 +137,19 @@ def _parallel_options(f: Callable) -> Callable:
                         help="Hosts read in parallel processes  [default: the cores this process may use]")(f)
 
 
-def _no_hugepages() -> None:
-    """Ask numpy not to ``madvise(MADV_HUGEPAGE)`` its large arrays in this process and in the worker processes it
-    starts, unless the user set ``NUMPY_MADVISE_HUGEPAGE`` (numpy's own switch, read when numpy is imported).
+def _numpy_settings() -> None:
+    """Settings numpy reads when it is imported, made before any import of it, for this process and the worker
+    processes it starts; a variable the user set is left as it is.
 
-    With the kernel's transparent huge pages in ``madvise`` mode (the common default), every first touch of an
-    advised array may compact memory for a huge page; traceroof writes each array once, in order, and gains
-    nothing from huge pages. Measured here (20 M-event profile, 3 alternating runs each): 1.6-1.9 system CPU s
-    without the advice, 2.7-3.1 s with it; the same user time (the decode alone: 0.5-0.6 s against 1.9-2.0 s)."""
+    * ``OPENBLAS_NUM_THREADS=1``: traceroof calls no BLAS routine, but numpy's OpenBLAS starts one thread per core
+      when it loads, and they spin: measured here (2 cores, 3 runs each), importing ``traceroof.cli`` took
+      0.47-0.49 CPU s with the pool and 0.36-0.37 s without it, the same wall time.
+    * ``NUMPY_MADVISE_HUGEPAGE=0`` (numpy's own switch): with the kernel's transparent huge pages in ``madvise``
+      mode (the common default), every first touch of an advised array may compact memory for a huge page;
+      traceroof writes each array once, in order, and gains nothing from huge pages. Measured here (20 M-event
+      profile, 3 alternating runs each): 1.6-1.9 system CPU s without the advice, 2.7-3.1 s with it; the same
+      user time (the decode alone: 0.5-0.6 s against 1.9-2.0 s)."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     if "NUMPY_MADVISE_HUGEPAGE" in os.environ:
         return
     os.environ["NUMPY_MADVISE_HUGEPAGE"] = "0"  # workers started by spawn, and their numpy
@@ -162,7 +167,7 @@ class _Main(click.Group):
 
     def main(self, *args: object, **kwargs: object) -> None:  # type: ignore[override]
         kwargs["standalone_mode"] = False
-        _no_hugepages()
+        _numpy_settings()
         try:
             rc = super().main(*args, **kwargs)  # type: ignore[arg-type]
         except click.exceptions.NoArgsIsHelpError as e:  # a bare `traceroof`: its help, as click does
