@@ -24,7 +24,8 @@ _HOMES = {"FormatError": "parsers.errors", "HloParseError": "parsers.errors", "I
           "Chip": "traceroof.chips", "ChipError": "traceroof.chips", "all_chips": "traceroof.chips",
           "get_chip": "traceroof.chips"}
 
-__all__ = sorted(_HOMES)
+__all__ = ["Analysis", "Attachment", "Chip", "ChipError", "FormatError", "HloParseError", "InputError", "Summary",
+           "TraceroofError", "all_chips", "analyze", "attach", "get_chip"]
 
 
 def __getattr__(name: str) -> Any:
