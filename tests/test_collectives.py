@@ -461,3 +461,16 @@ def test_jit_over_a_mesh_profile_has_its_collective_groups():
     ar = a.collectives[a.collectives["kind"] == "all-reduce"]
     assert len(ar) and (ar["group_size"] == 8).all() and (ar["link"] != "").all()
     assert [(r.axis, r.size, r.strategy) for r in a.parallelism.rows] == [("axis0", 8, "data")]
+
+
+def test_collectives_table_names_groups_and_their_size_in_words():
+    """``8 x 1`` (size x count) read as 8 groups of 1 in a user's trial; the table now says ``1 group of 8``.
+    Independent source: the dump's ``replica_groups=[2,4]<=...`` (iota form: 2 groups of 4) of all-reduce.4."""
+    import re
+
+    from traceroof.report.text import collectives_table
+
+    dump = (FIXTURES / "sharded_mlp" / "hlo" / "module_0026.jit_train_step.cpu_after_optimizations.txt").read_text()
+    count, size = re.search(r"%all-reduce\.4 = .*replica_groups=\[(\d+),(\d+)\]<=", dump).groups()
+    table = collectives_table(analyze(FIXTURES / "sharded_mlp", chip=str(HOST_CHIP))).set_index("op")
+    assert table.loc["all-reduce.4", "groups"] == f"{count} groups of {size}" == "2 groups of 4"

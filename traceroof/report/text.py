@@ -91,13 +91,22 @@ def layers_table(a: Analysis) -> pd.DataFrame:
     })
 
 
+def _groups(count: float, size: float) -> str:
+    """A collective's replica groups in words, ``1 group of 8`` or ``4 groups of 2`` (devices each; ``-`` when
+    unknown): the former ``8 x 1`` read as 8 groups of 1 in a user's trial."""
+    if pd.isna(count) or pd.isna(size):
+        return "-"
+    return f"{int(count)} group{'s' if count != 1 else ''} of {int(size)}"
+
+
 def collectives_table(a: Analysis) -> pd.DataFrame:
     """The collectives table with formatted cells."""
     d = a.collectives
     return pd.DataFrame({
         "op": d["hlo_op"], "kind": d["kind"], "form": d["form"],
         "bytes out": d["bytes_out"].map(lambda x: fmt_si(x, "B")),
-        "group": d["group_size"].astype(str) + " x " + d["num_groups"].astype(str), "mode": d["mode"],
+        "groups": [_groups(n, size) for n, size in zip(d["num_groups"], d["group_size"])],
+        "mode": d["mode"],
         "axes": d["axes"], "link": d["link"], "runs/step": d["executions_per_step"].map(lambda x: f"{x:g}"),
         "time/step": d["time_per_step_s"].map(fmt_time), "expected": d["expected_per_step_s"].map(fmt_time),
         "bus BW": d["bus_bandwidth_bytes_per_s"].map(lambda x: fmt_si(x, "B/s")),
