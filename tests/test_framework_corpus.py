@@ -82,10 +82,12 @@ def test_remat_is_its_own_phase():
 
 
 def test_model_flops_leave_out_the_optimizer_update():
-    """MFU's model FLOPs are the model's work (6·N·T + attention): the adam update is executed (HFU) but left out.
-    Its FLOPs are checked against XLA's cost_analysis of optax.adam's update on as many parameters as the model
-    has (fixtures/generate_frameworks.py: embed and head Dense(D) on D inputs, 4 blocks of LayerNorm, Dense(F),
-    Dense(D))."""
+    """MFU's model FLOPs are the model's matmul work (6·N·T + attention): the adam update is executed (HFU) but left
+    out. Its FLOPs are checked against XLA's cost_analysis of optax.adam's update on as many parameters as the
+    model has (fixtures/generate_frameworks.py: embed and head Dense(D) on D inputs, 4 blocks of LayerNorm,
+    Dense(F), Dense(D)); the model FLOPs against a hand count of the matmuls: 3 x the forward's, less the first
+    layer's input gradient (the data needs none). Before, they were every executed FLOP less remat and optimizer
+    (LayerNorm, GELU, adds: 4 % more here, 7 % in a user's ViT)."""
     jax = pytest.importorskip("jax")
     optax = pytest.importorskip("optax")
     a = run("fw_scan_remat", "readme")
@@ -102,8 +104,10 @@ def test_model_flops_leave_out_the_optimizer_update():
     xla_adam_flops = jax.jit(update).lower(params, tx.init(params), params).compile().cost_analysis()["flops"]
     assert layers["optimizer"] == pytest.approx(xla_adam_flops, rel=1e-3)
     s = a.summary
-    assert s.model_flops_per_step == pytest.approx(s.flops_per_step - layers["remat"] - layers["optimizer"])
-    assert "optimizer update" in s.model_flops_source and s.hfu > s.mfu
+    tokens = cfg["batch"] * cfg["seq"]
+    forward = 2 * tokens * (2 * D * D + L * 2 * D * F)
+    assert s.model_flops_per_step == 3 * forward - 2 * tokens * D * D == 211_812_352
+    assert "rematerialised forward" in s.model_flops_source and s.hfu > s.mfu
 
 
 def test_profile_stopped_mid_step_drops_the_partial_step():

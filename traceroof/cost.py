@@ -75,7 +75,10 @@ class OpCost:
     ``flops`` and ``transcendentals`` are counts; ``bytes_accessed`` are logical bytes (XLA's
     ``bytes accessed``); ``padded_bytes`` include tile padding; ``hbm_bytes`` are padded bytes of buffers in the
     default memory space (what the memory roofline uses). ``opaque`` marks a custom-call we cannot cost;
-    ``note`` says where the number comes from when it is not XLA's rule.
+    ``note`` says where the number comes from when it is not XLA's rule. ``matmul_flops``: the part of ``flops``
+    done by matmuls (dot, convolution, and the GEMM, convolution and fused-attention custom calls; inside fusions
+    too), the work that model FLOPs count (PaLM, Chowdhery et al. 2022, appendix B: 6·N per token plus
+    attention; How to Scale Your Model §4).
     """
 
     flops: float = 0.0
@@ -85,16 +88,18 @@ class OpCost:
     hbm_bytes: float = 0.0
     opaque: bool = False
     note: str = ""
+    matmul_flops: float = 0.0
 
     def __add__(self, o: "OpCost") -> "OpCost":
         return OpCost(self.flops + o.flops, self.transcendentals + o.transcendentals,
                       self.bytes_accessed + o.bytes_accessed, self.padded_bytes + o.padded_bytes,
-                      self.hbm_bytes + o.hbm_bytes, self.opaque or o.opaque, self.note or o.note)
+                      self.hbm_bytes + o.hbm_bytes, self.opaque or o.opaque, self.note or o.note,
+                      self.matmul_flops + o.matmul_flops)
 
     def scaled(self, k: float) -> "OpCost":
         """This cost times ``k`` (executions)."""
         return OpCost(self.flops * k, self.transcendentals * k, self.bytes_accessed * k, self.padded_bytes * k,
-                      self.hbm_bytes * k, self.opaque, self.note)
+                      self.hbm_bytes * k, self.opaque, self.note, self.matmul_flops * k)
 
 
 _ZERO = OpCost()  # the cost of parameters, constants, bitcasts, control ops ... (frozen: one shared instance)
@@ -319,7 +324,7 @@ class CostModel:
             for c in inst.called:
                 sub = sub + self.computation_cost(c)
             return sub
-        return OpCost(flops, trans, b[0], b[1], b[2])
+        return OpCost(flops, trans, b[0], b[1], b[2], matmul_flops=flops if op in MATMUL_OPCODES else 0.0)
 
     def _collective_bytes(self, inst: Instruction) -> tuple[float, float, float]:
         """Operand arrays read + output arrays written (HandleAllReduce's ForEachSubshape sum, applied to
@@ -437,7 +442,8 @@ class CostModel:
             o_all, o_first = _sizes(inst.shape), _leaf_sizes(out)
             # output bytes exclude the workspace (tuple element 1)
             bb = tuple(b[j] - (o_all[j]) + o_first[j] for j in range(3))
-            return OpCost(flops, 0.0, bb[0], bb[1], bb[2], note=f"GEMM {target}: 2*M*N*K from shapes")
+            return OpCost(flops, 0.0, bb[0], bb[1], bb[2], note=f"GEMM {target}: 2*M*N*K from shapes",
+                          matmul_flops=flops)
         if FUSED_ATTENTION_CALL.search(target):
             return self._fused_attention_cost(inst, target, b)
         if CONV_CUSTOM_CALL.search(target):
@@ -445,7 +451,8 @@ class CostModel:
             o_all, o_first = _sizes(inst.shape), _leaf_sizes(_first_leaf(inst.shape))
             bb = tuple(b[j] - o_all[j] + o_first[j] for j in range(3))
             return OpCost(flops, 0.0, bb[0], bb[1], bb[2], opaque=flops == 0,
-                          note=f"cuDNN/MIOpen convolution {target}: convolution rule on its window and dim_labels")
+                          note=f"cuDNN/MIOpen convolution {target}: convolution rule on its window and dim_labels",
+                          matmul_flops=flops)
         return OpCost(0.0, 0.0, b[0], b[1], b[2], opaque=True, note=f"opaque custom-call {target}")
 
     def _fused_attention_cost(self, inst: Instruction, target: str, b: tuple[float, float, float]) -> OpCost:
@@ -467,7 +474,7 @@ class CostModel:
         flops = fwd * (2.5 if "backward" in target else 1.0)
         return OpCost(flops, 0.0, b[0], b[1], b[2],
                       note=f"fused attention {target}: 2*B*H*Sq*Skv*(Dqk+Dv)" + (", causal /2" if causal else "")
-                      + (", backward x2.5" if "backward" in target else ""))
+                      + (", backward x2.5" if "backward" in target else ""), matmul_flops=flops)
 
     # -- fusions ----------------------------------------------------------------------------------------
     def _fusion_cost(self, inst: Instruction) -> OpCost:
@@ -504,7 +511,8 @@ class CostModel:
             outer = self.operand_shape(inst, num)
             for j, v in enumerate(self._param_read_bytes(p, users, outer, in_place)):
                 total[j] += v
-        return OpCost(sub.flops, sub.transcendentals, total[0], total[1], total[2], sub.opaque, sub.note)
+        return OpCost(sub.flops, sub.transcendentals, total[0], total[1], total[2], sub.opaque, sub.note,
+                      sub.matmul_flops)
 
     def _scatter_in_place(self, r: Instruction, comp: Computation) -> bool:
         """A scatter whose operands to update are the fusion's parameters: XLA writes into their buffers."""

@@ -91,10 +91,13 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
                      model_flops_per_step: float | None = None) -> tuple[float, str, float, float]:
     """(model FLOPs per step per device, where they came from, MFU, HFU).
 
-    Model FLOPs: the user's whole-program count per step (e.g. 6·N·T) ÷ ``program_devices``, else the executed
-    FLOPs of ``counted`` rows without the rematerialised forward (phase ``remat``, or XProf's remat flag), the
-    optimizer update (phase ``optimizer``: model FLOPs are 6·params·tokens plus attention, How to Scale Your Model
-    §4.2.4, which leaves the parameter update out) and random-bit generation (:func:`_random_bits`).
+    Model FLOPs: the user's whole-program count per step (e.g. 6·N·T) ÷ ``program_devices``, else the matmul
+    FLOPs (``matmul_flops``: dots, convolutions, GEMM and attention calls) of ``counted`` rows without the
+    rematerialised forward (phase ``remat``, or XProf's remat flag) and the optimizer update (phase
+    ``optimizer``): model FLOPs are 6·params·tokens plus attention, the matmuls' work (PaLM, Chowdhery et al. 2022,
+    appendix B; How to Scale Your Model §4.2.4, which leaves the parameter update out). Rows without
+    ``matmul_flops`` (XProf's exported op stats) or a program without matmuls: the executed FLOPs of those rows
+    instead, less random-bit generation as well (:func:`_random_bits`).
     MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
     §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
     """
@@ -112,16 +115,35 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
         if "remat" in counted:
             remat |= counted["remat"].fillna(False).to_numpy(bool)
         optimizer = (phase == "optimizer") & ~remat
-        rng = _random_bits(counted) & ~remat & ~optimizer
-        left_out = [(what, float(flops[rows].sum()) / per if per else 0.0) for what, rows in
-                    (("rematerialised forward", remat), ("optimizer update", optimizer),
-                     ("random-bit generation (unsigned-integer ops)", rng))]
-        model = float(flops[~remat & ~optimizer & ~rng].sum()) / per if per else float("nan")
-        less = [f"{fmt_si(v, 'FLOP')} of {what}" for what, v in left_out if v > 0]
-        source = "counted: executed FLOPs" + (" less " + " and ".join(less) if less else ", none left out")
+        matmul = _matmul_flops(counted)
+        if matmul is not None:
+            left_out = [(what, float(matmul[rows].sum()) / per if per else 0.0) for what, rows in
+                        (("rematerialised forward", remat), ("optimizer update", optimizer))]
+            model = float(matmul[~remat & ~optimizer].sum()) / per if per else float("nan")
+            what = "the matmuls' FLOPs (dots, convolutions; no elementwise work)"
+        else:
+            rng = _random_bits(counted) & ~remat & ~optimizer
+            left_out = [(what, float(flops[rows].sum()) / per if per else 0.0) for what, rows in
+                        (("rematerialised forward", remat), ("optimizer update", optimizer),
+                         ("random-bit generation (unsigned-integer ops)", rng))]
+            model = float(flops[~remat & ~optimizer & ~rng].sum()) / per if per else float("nan")
+            what = "executed FLOPs"
+        less = [f"{fmt_si(v, 'FLOP')} of {w}" for w, v in left_out if v > 0]
+        source = f"counted: {what}" + (" less " + " and ".join(less) if less else
+                                         ", none left out" if matmul is None else "")
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
     return model, source, model / step_s / peak, executed / step_s / peak
+
+
+def _matmul_flops(counted: pd.DataFrame) -> np.ndarray | None:
+    """The rows' matmul FLOPs (NaN as 0), or None when the rows carry none: no ``matmul_flops`` column (XProf's
+    exported op stats), or a program without matmuls, whose model FLOPs are then its executed work."""
+    if "matmul_flops" not in counted:
+        return None
+    matmul = counted["matmul_flops"].to_numpy(np.float64)
+    matmul = np.where(np.isnan(matmul), 0.0, matmul)
+    return matmul if matmul.any() else None
 
 
 def _random_bits(counted: pd.DataFrame) -> np.ndarray:
