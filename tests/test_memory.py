@@ -405,3 +405,19 @@ def test_a_state_not_donated_is_named_with_what_xla_writes_beside_it(tmp_path, d
     analytic = 3 * 4 * (64 * 128 + 128 * 8) + 4 + 4  # new w1 and w2, adam's mu and nu of each, its count, the loss
     assert analytic <= xla_written <= analytic + 8 * 8  # (and the output tuple's table of pointers)
     assert len(written) == 1 and f"writes {xla_written / 1e6:.3g} MB of results" in written[0], written
+
+
+@pytest.mark.parametrize("name", ["on", "off"])
+def test_allocations_by_kind_equal_xlas_memory_analysis(remat, name):
+    """The split says what buffers hold at the peak instant, which a user read as wrong against XLA's sizes (an
+    output's buffer holding a temporary then); the report now shows XLA's allocations by kind beside it, and they
+    are XLA's own: compiled.memory_analysis() of the same program (arguments; outputs less those aliased to an
+    argument, the donated state; temporaries)."""
+    m = _facts(name)["xla_memory_analysis"]
+    kinds = remat[name].memory.peak.allocation_bytes_by_kind
+    assert kinds["parameter"] == m["argument_size_in_bytes"]
+    assert kinds["output"] == m["output_size_in_bytes"] - m["alias_size_in_bytes"]
+    assert kinds["temp"] == m["temp_size_in_bytes"]
+    checks = next(line for line in render_terminal(remat[name]).splitlines() if line.startswith("checks"))
+    assert checks.startswith(f"checks    XLA's allocations arguments {fmt_bytes(m['argument_size_in_bytes'])}, "
+                             f"outputs {fmt_bytes(kinds['output'])}, temporaries {fmt_bytes(m['temp_size_in_bytes'])}")

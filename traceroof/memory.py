@@ -37,7 +37,7 @@ trace; the view reports them per allocator and the device allocators' peak besid
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -102,7 +102,10 @@ class ProgramMemory:
     ``source``: ``xla_buffer_assignment`` or ``traceroof_live_ranges``; ``categories`` add up to
     ``peak_bytes``; ``xla_report_total_bytes`` is XLA's memory-usage report total (``None`` without one);
     ``live_range_peak_bytes`` traceroof's own sequential estimate (always computed, for comparison);
-    ``xla_live_range_peak_bytes`` the sum of values XLA lists at its live-range peak (no packing)."""
+    ``xla_live_range_peak_bytes`` the sum of values XLA lists at its live-range peak (no packing);
+    ``allocation_bytes_by_kind`` XLA's allocations by kind (``parameter``, ``output``, ``temp``, ``constant``,
+    ``thread-local``, ``other``: :attr:`parsers.buffer_assignment.Allocation.kind`), whatever they hold at the
+    peak (empty without a buffer assignment)."""
 
     program: str
     program_id: int | None
@@ -116,6 +119,7 @@ class ProgramMemory:
     live_range_peak_bytes: int = 0
     xla_live_range_peak_bytes: int | None = None
     files: tuple[str, ...] = ()
+    allocation_bytes_by_kind: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ class MemoryView:
                 "xla_report_total_bytes": q.xla_report_total_bytes,
                 "live_range_peak_bytes": q.live_range_peak_bytes,
                 "xla_live_range_peak_bytes": q.xla_live_range_peak_bytes,
+                "xla_allocation_bytes_by_kind": dict(q.allocation_bytes_by_kind),
                 "largest_buffers": [vars(b) for b in q.largest],
                 "book_model": {"parameters_bytes": q.book.parameters_bytes,
                                "optimizer_state_bytes": q.book.optimizer_state_bytes,
@@ -517,7 +522,8 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
         pm = ProgramMemory(module.name, module.program_id, devices, "xla_buffer_assignment", ba.total_bytes(), split,
                            tuple(largest[:TOP_BUFFERS]), BookModel(0, 0, 0, 0),
                            report.total_bytes() if report else None, ours.peak_bytes,
-                           xla_live.peak_bytes if xla_live else None, tuple(str(f) for f in files.values()))
+                           xla_live.peak_bytes if xla_live else None, tuple(str(f) for f in files.values()),
+                           _bytes_by_kind(ba))
     else:
         split = dict.fromkeys(CATEGORIES, 0)
         for name, size in ours.live:
@@ -537,6 +543,15 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     donated = any(cats.get(n) in state for n in alias.values())
     return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, micro,
                                   written, donated))
+
+
+def _bytes_by_kind(ba: BufferAssignment) -> dict[str, int]:
+    """Bytes of the device-memory allocations (color 0) by kind, in the order kinds first appear."""
+    out: dict[str, int] = {}
+    for a in ba.allocations:
+        if a.color == 0:
+            out[a.kind] = out.get(a.kind, 0) + a.size_bytes
+    return out
 
 
 def _key(v) -> str:

@@ -1,5 +1,5 @@
 """The Memory section of the terminal, Markdown and HTML reports (:class:`~traceroof.memory.MemoryView`): the
-peak per device with its source and headroom, the category split, XLA's and traceroof's figures side by side,
+peak per device with its source and headroom, what the buffers hold at the peak instant by category, XLA's and traceroof's figures side by side,
 the book's model and why it differs, the largest buffers live at the peak, and allocator figures."""
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import pandas as pd
 from traceroof.memory import CATEGORIES, MemoryView, ProgramMemory
 from traceroof.units import fmt_bytes
 
+_KINDS = {"parameter": "arguments", "output": "outputs", "temp": "temporaries", "constant": "constants",
+          "thread-local": "thread-local scratch"}  # XLA's allocation kinds, in the order shown
+_ORDER = {k: i for i, k in enumerate(_KINDS)}
 SOURCES = {"xla_buffer_assignment": "XLA's buffer assignment", "traceroof_live_ranges": "traceroof's live ranges"}
 
 
@@ -22,9 +25,16 @@ def _lines(view: MemoryView) -> list[tuple[str, str]]:
            f"({view.headroom_bytes / view.hbm_bytes:.1%})" if view.headroom_bytes is not None
            else "(the chip's HBM capacity is unknown: no headroom)")
     out = [("peak", f"{fmt_bytes(p.peak_bytes)} per device {hbm}; program {p.program}, from {SOURCES[p.source]}"),
-           ("split", ", ".join(f"{c.replace('_', ' ')} {fmt_bytes(p.categories[c])}" for c in CATEGORIES
-                               if p.categories.get(c)))]
+           ("at peak", "the buffers hold, at the peak instant: " + ", ".join(
+               f"{c.replace('_', ' ')} {fmt_bytes(p.categories[c])}" for c in CATEGORIES if p.categories.get(c))
+            + (" (a buffer XLA allocated as an output or a parameter may hold a temporary then: the allocations' "
+               "own sizes are under checks)" if p.allocation_bytes_by_kind else ""))]
     checks = []
+    if p.allocation_bytes_by_kind:
+        kinds = p.allocation_bytes_by_kind
+        checks.append("XLA's allocations " + ", ".join(f"{_KINDS.get(k, k)} {fmt_bytes(kinds[k])}" for k in
+                                                         sorted(kinds, key=lambda k: (_ORDER.get(k, 9), k))
+                                                         if kinds[k]))
     if p.xla_report_total_bytes is not None:
         checks.append(f"XLA memory-usage report {fmt_bytes(p.xla_report_total_bytes)}")
     if p.xla_live_range_peak_bytes is not None:
