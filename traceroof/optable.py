@@ -55,11 +55,12 @@ container of its body's op events, which are events of their own (XLA:CPU and GP
 again when the module has other op events."""
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
-                 "source", "flops", "matmul_flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes", "opaque",
-                 "cost_note", "called", "retiling", "collective", "dot_precision"]
+                 "source", "flops", "matmul_flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes",
+                 "opaque", "cost_note", "called", "retiling", "collective", "dot_precision"]
 _BLANK = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "", "operand_shapes": "",
-          "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0, "matmul_flops": 0.0, "transcendentals": 0.0,
-          "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0, "opaque": False, "cost_note": "",
+          "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0, "matmul_flops": 0.0,
+          "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0, "opaque": False,
+          "cost_note": "",
           "called": (), "retiling": False, "collective": None, "dot_precision": ""}
 
 

@@ -1,6 +1,7 @@
 """The Memory section of the terminal, Markdown and HTML reports (:class:`~traceroof.memory.MemoryView`): the
-peak per device with its source and headroom, what the buffers hold at the peak instant by category, XLA's and traceroof's figures side by side,
-the book's model and why it differs, the largest buffers live at the peak, and allocator figures."""
+peak per device with its source and headroom, what the buffers hold at the peak instant by category, XLA's
+allocations by kind and XLA's and traceroof's figures side by side, the book's model and why it differs, the
+largest buffers live at the peak, and allocator figures."""
 
 from __future__ import annotations
 
