@@ -235,12 +235,16 @@ print(core.multiarray._set_madvise_hugepage(True), os.environ.get("NUMPY_MADVISE
 def test_the_cli_turns_numpys_huge_page_advice_off_unless_the_user_set_it(env, expect):
     """Transparent huge pages in madvise mode made each first touch of a large array compact memory (20 M events:
     +1.1 system CPU s); the CLI turns numpy's advice off for itself and its workers, a user's setting wins."""
-    child_env = {k: v for k, v in os.environ.items() if k != "NUMPY_MADVISE_HUGEPAGE"}
-    if env is not None:
-        child_env["NUMPY_MADVISE_HUGEPAGE"] = env
-    out = subprocess.run([sys.executable, "-c", _HUGEPAGE_PROBE], cwd=ROOT, env=child_env, capture_output=True,
-                         text=True, check=True).stdout.split("\n")[-2]
-    assert out == expect
+    assert _probe(_HUGEPAGE_PROBE, "NUMPY_MADVISE_HUGEPAGE", env) == expect
+
+
+def _probe(code: str, variable: str, value: str | None) -> str:
+    """The last line ``code`` prints in a child Python, with ``variable`` set to ``value`` (None: unset)."""
+    child_env = {k: v for k, v in os.environ.items() if k != variable}
+    if value is not None:
+        child_env[variable] = value
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env, capture_output=True, text=True,
+                          check=True).stdout.split("\n")[-2]
 
 
 _BLAS_PROBE = """
@@ -259,9 +263,4 @@ print(loaded, os.environ.get("OPENBLAS_NUM_THREADS"))
 def test_the_cli_sets_one_blas_thread_before_numpy_loads_unless_the_user_set_it(env, expect):
     """numpy's OpenBLAS starts a spinning thread per core when it loads (0.1 CPU s of every run); the setting
     works only if ``import traceroof.cli`` has not loaded numpy yet, which the lazy package ``__init__`` ensures."""
-    child_env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
-    if env is not None:
-        child_env["OPENBLAS_NUM_THREADS"] = env
-    out = subprocess.run([sys.executable, "-c", _BLAS_PROBE], cwd=ROOT, env=child_env, capture_output=True,
-                         text=True, check=True).stdout.split("\n")[-2]
-    assert out == expect
+    assert _probe(_BLAS_PROBE, "OPENBLAS_NUM_THREADS", env) == expect
