@@ -99,6 +99,16 @@ class BufferAssignment:
         memory-usage report prints."""
         return sum(a.size_bytes for a in self.allocations if color is None or a.color == color)
 
+    def bytes_by_kind(self, color: int | None = 0) -> dict[str, int]:
+        """Bytes of the allocations in memory space ``color`` (all spaces for ``None``) by
+        :attr:`Allocation.kind`, in the order kinds first appear; XLA's ``memory_analysis()`` argument, output
+        (less aliased) and temp sizes are the ``parameter``, ``output`` and ``temp`` entries."""
+        out: dict[str, int] = {}
+        for a in self.allocations:
+            if color is None or a.color == color:
+                out[a.kind] = out.get(a.kind, 0) + a.size_bytes
+        return out
+
 
 @dataclass(frozen=True)
 class MemorySpace:

@@ -523,7 +523,7 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
                            tuple(largest[:TOP_BUFFERS]), BookModel(0, 0, 0, 0),
                            report.total_bytes() if report else None, ours.peak_bytes,
                            xla_live.peak_bytes if xla_live else None, tuple(str(f) for f in files.values()),
-                           _bytes_by_kind(ba))
+                           ba.bytes_by_kind())
     else:
         split = dict.fromkeys(CATEGORIES, 0)
         for name, size in ours.live:
@@ -543,15 +543,6 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     donated = any(cats.get(n) in state for n in alias.values())
     return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, micro,
                                   written, donated))
-
-
-def _bytes_by_kind(ba: BufferAssignment) -> dict[str, int]:
-    """Bytes of the device-memory allocations (color 0) by kind, in the order kinds first appear."""
-    out: dict[str, int] = {}
-    for a in ba.allocations:
-        if a.color == 0:
-            out[a.kind] = out.get(a.kind, 0) + a.size_bytes
-    return out
 
 
 def _key(v) -> str:

@@ -116,18 +116,14 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
             remat |= counted["remat"].fillna(False).to_numpy(bool)
         optimizer = (phase == "optimizer") & ~remat
         matmul = _matmul_flops(counted)
-        if matmul is not None:
-            left_out = [(what, float(matmul[rows].sum()) / per if per else 0.0) for what, rows in
-                        (("rematerialised forward", remat), ("optimizer update", optimizer))]
-            model = float(matmul[~remat & ~optimizer].sum()) / per if per else float("nan")
-            what = "the matmuls' FLOPs (dots, convolutions; no elementwise work)"
-        else:
-            rng = _random_bits(counted) & ~remat & ~optimizer
-            left_out = [(what, float(flops[rows].sum()) / per if per else 0.0) for what, rows in
-                        (("rematerialised forward", remat), ("optimizer update", optimizer),
-                         ("random-bit generation (unsigned-integer ops)", rng))]
-            model = float(flops[~remat & ~optimizer & ~rng].sum()) / per if per else float("nan")
-            what = "executed FLOPs"
+        work = flops if matmul is None else matmul
+        parts = [("rematerialised forward", remat), ("optimizer update", optimizer)]
+        if matmul is None:  # (random bits hold no matmul)
+            parts.append(("random-bit generation (unsigned-integer ops)", _random_bits(counted) & ~remat & ~optimizer))
+        left_out = [(w, float(work[rows].sum()) / per if per else 0.0) for w, rows in parts]
+        keep = ~np.logical_or.reduce([rows for _, rows in parts])
+        model = float(work[keep].sum()) / per if per else float("nan")
+        what = "executed FLOPs" if matmul is None else "the matmuls' FLOPs (dots, convolutions; no elementwise work)"
         less = [f"{fmt_si(v, 'FLOP')} of {w}" for w, v in left_out if v > 0]
         source = f"counted: {what}" + (" less " + " and ".join(less) if less else
                                          ", none left out" if matmul is None else "")
