@@ -360,6 +360,8 @@ def test_a_corrupt_report_in_the_dump_falls_back_with_a_note(tmp_path):
     a = analyze(tmp_path / "run")
     assert a.memory.peak.source == "traceroof_live_ranges"
     assert any("buffer-assignment.txt:" in n and "estimated from live ranges" in n for n in a.memory.notes)
+    # one note for the one fallback: not also "no XLA buffer assignment in the dump", which there is
+    assert sum("estimated from" in n for n in a.memory.notes) == 1, a.memory.notes
 
 
 def test_diff_of_two_live_range_estimates_says_so(remat, tmp_path):

@@ -752,12 +752,14 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
                          "peak memory estimated from traceroof's live ranges")
             dump = None
         known = (scopes or {}).get(at)
+        unread = False  # a report that cannot be read: its own note says so
         try:
             pm = program_memory(module, dump, (layers or {}).get(key), known)
         except TraceroofError as e:
             notes.append(f"{e}; memory of {module.name} estimated from live ranges")
             pm = program_memory(module, None, (layers or {}).get(key), known)
-        if pm.source != "xla_buffer_assignment" and not other:
+            unread = True
+        if pm.source != "xla_buffer_assignment" and not other and not unread:
             notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
                          "--xla_dump_hlo_as_text writes one): peak memory estimated from traceroof's live ranges")
         programs.append(pm)
