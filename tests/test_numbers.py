@@ -20,6 +20,8 @@ from traceroof.utilization import flop_utilization
 from traceroof.chips import get_chip
 from traceroof.collectives import classify, expected_time, parse_topology
 from traceroof.cost import CostModel, dot_precision
+from traceroof.report import render
+from traceroof.report.safe import markdown
 from traceroof.roofline import apply_roofline
 from tests.conftest import FIXTURES, HOST_CHIP, fixture_xplane
 
@@ -375,6 +377,9 @@ def test_an_op_faster_than_the_peak_says_the_peak_is_low(tmp_path):
     rate = rows["flops"].sum() / rows["measured_s"].sum()  # the op's FLOP count over its events' time
     peak = get_chip(HOST_CHIP).peak_for("f32")[0]
     assert rate > 1.2 * peak and f"{rate / peak:.2g}x the f32 peak" in note and "traceroof calibrate" in note
+    lines = render(a, "summary").splitlines()
+    mfu_line = next(i for i, line in enumerate(lines) if line.startswith("- MFU"))
+    assert lines[mfu_line + 1] == f"  - {markdown(note)}"  # the digest qualifies its MFU with it
     fast = tmp_path / "fast.toml"
     fast.write_text((FIXTURES / "fixture_host.toml").read_text().replace("f32 = { value = 8.8548e+10",
                                                                          f"f32 = {{ value = {4 * rate:.4e}"))

@@ -16,7 +16,8 @@ STEP_TIME_DISAGREEMENT = 0.1  # device vs host-annotation step time differing by
 DEVICE_SPAN = "from the later of its first launch and the previous step's last op end, to its last op end"
 SHARED_HOST = "devices share this host and its calibrated peak"  # the notes that qualify MFU, HFU and efficiency
 IMPOSSIBLE = "outside 0-100 % of the"
-MFU_CAVEATS = (SHARED_HOST, IMPOSSIBLE)  # --format summary prints these under its MFU line
+PEAK_TOO_LOW = "the peak is below what this machine reached"
+MFU_CAVEATS = (SHARED_HOST, IMPOSSIBLE, PEAK_TOO_LOW)  # --format summary prints these under its MFU line
 FASTER_THAN_ROOF_RATIO = 1.5  # expected > this x measured: the model or the chip figures are off
 ABOVE_PEAK_RATIO = 1.2  # an op's FLOP/s over this x the peak: the peak is wrong, not the op (timer noise, rounding)
 OVERLAP_RATIO = 1.05  # op time per step above this multiple of the step time: ops overlapped (a note)
@@ -177,7 +178,7 @@ def peak_below_achieved(counted: pd.DataFrame, peak: float | None, peak_key: str
            "check the chip's figures (--chip) and the op's FLOP count")
     over = rate[best] / peak
     return [f"{as_text(counted['hlo_op'])[best]} ran at {fmt_si(float(rate[best]), 'FLOP/s')}, {over:.2g}x the "
-            f"{peak_key} peak of {fmt_si(peak, 'FLOP/s')}: the peak is below what this machine reached, so MFU, HFU "
+            f"{peak_key} peak of {fmt_si(peak, 'FLOP/s')}: {PEAK_TOO_LOW}, so MFU, HFU "
             f"and the compute roofline overstate utilization (by up to {over:.2g}x); {fix}"]
 
 
