@@ -149,6 +149,10 @@ def test_layout_copies_feeding_convolutions_get_convolution_advice():
     dims cannot drop them (before: the einsum advice alone; the s30 trial's UNet, 39 of 45 copies)."""
     (f,) = codes(fixture("fw_flax_cnn"))["layout-copy"]
     assert f.title.endswith(f"{len(f.ops)} of them (6.2 µs per step) feed convolutions")
+    # XLA's own dump, read with a regular expression: each of those ops is an operand of a convolution
+    dump = next((FIXTURES / "fw_flax_cnn" / "hlo").glob("*jit_train_step.cpu_after_optimizations.txt")).read_text()
+    conv_operands = set(re.findall(r"%([\w.-]+)", " ".join(re.findall(r"= \S+ convolution\(([^)]*)\)", dump))))
+    assert len(f.ops) == 4 and set(f.ops) <= conv_operands, (f.ops, conv_operands)
     assert f.advice.startswith("the copies that feed convolutions are the backend's convolution lowering")
     assert "einsum order does not drop them" in f.advice and "for the others" not in f.advice
 
