@@ -490,3 +490,28 @@ def test_a_step_that_one_host_lacks_is_left_out(tmp_path) -> None:
     assert part.steps_used == (1, 2, 3)
     assert any(n.startswith("1 step(s) are on only some of the 3 hosts (steps 4): left out") for n in part.notes)
     assert part.flops_per_step == pytest.approx(whole.flops_per_step)
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_pod_with_one_truncated_host_gives_a_partial_report(tmp_path: Path, jobs: int) -> None:
+    """One host file of a run directory cut short (an interrupted copy) no longer refuses the whole pod: the
+    report covers the readable hosts, says PARTIAL in its input line and first note (naming the file and what is
+    wrong with it), and its figures are those of the readable host analyzed alone. Every host cut short: exit 2."""
+    run = tmp_path / "run"
+    shutil.copytree(next((ROOT / "fixtures" / "multihost_dp8" / "logdir" / "plugins" / "profile").iterdir()), run)
+    bad = run / "host1.xplane.pb"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    r = CliRunner().invoke(main, ["analyze", str(run), "--chip", HOST_CHIP, "--format", "json", "--jobs", str(jobs)])
+    assert r.exit_code == 0, r.output
+    s = json.loads(r.output)["summary"]
+    assert s["input"].endswith("(PARTIAL: 1 of 2 hosts; unreadable: host1.xplane.pb)") and s["hosts"] == 1
+    assert s["notes"][0].startswith("PARTIAL: 1 of 2 hosts' profiles cannot be read and are left out "
+                                    "(host1.xplane.pb)") and "cut short" in s["notes"][0]
+    alone = analyze_profile(run / "host0.xplane.pb", chip=HOST_CHIP).summary
+    assert (s["flops_per_step"], s["steps_used"], s["devices"]) == (alone.flops_per_step, list(alone.steps_used),
+                                                                    alone.devices)
+    assert s["step_time_mean_s"] == pytest.approx(alone.step_time_mean_s, rel=1e-12)
+    good = run / "host0.xplane.pb"
+    good.write_bytes(good.read_bytes()[:1000])
+    r = CliRunner().invoke(main, ["analyze", str(run), "--chip", HOST_CHIP, "--jobs", str(jobs)])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "truncated" in r.output

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -19,7 +19,7 @@ import pandas as pd
 from pandas.api.types import union_categoricals
 
 from parsers import storage
-from parsers.errors import InputError
+from parsers.errors import FormatError, HloParseError, InputError
 from parsers.hlo import HloModule
 from parsers.xspace import DURATION_LIMIT_PS
 from traceroof.aggregate import Timeline
@@ -85,15 +85,57 @@ def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None 
     """Read the profile files and the HLO of an :class:`Inputs`, one host per task of
     :func:`traceroof.parallel.map_hosts` (``jobs`` processes, or the Dask cluster at ``dask_address``).
 
-    :raises FormatError: a profile or HLO file is corrupt.
+    A run directory's host whose own file is corrupt or truncated is left out, with a note that begins
+    ``PARTIAL:`` (:func:`read_host_or_skip`).
+
+    :raises FormatError: the one profile file, or every host's, is corrupt; an HLO file is corrupt.
     :raises InputError: the profile holds no XLA op events; its hosts are not of one capture (:func:`merge_hosts`).
     """
     analysis_id = uuid.uuid4().hex
     tasks = [HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files, analysis_id) for p in inputs.profiles]
     if any(storage.process_local(p) for p in inputs.profiles):
         jobs, dask_address = 1, None
-    hosts = map_hosts(read_host, tasks, jobs=jobs, dask_address=dask_address, label="hosts")
-    return merge_hosts(inputs, hosts)
+    if len(tasks) == 1:
+        return merge_hosts(inputs, [read_host(tasks[0])])
+    got = map_hosts(read_host_or_skip, tasks, jobs=jobs, dask_address=dask_address, label="hosts")
+    hosts = [h for h in got if isinstance(h, HostEvents)]
+    bad = [h for h in got if isinstance(h, UnreadableHost)]
+    if not hosts:
+        raise FormatError(bad[0].error)
+    if bad:  # the header's input line says so too
+        names = ", ".join(b.name for b in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        inputs = replace(inputs, description=f"{inputs.description} (PARTIAL: {len(hosts)} of {len(tasks)} hosts; "
+                                             f"unreadable: {names})")
+    profile = merge_hosts(inputs, hosts)
+    if bad:
+        profile.notes.insert(0, f"PARTIAL: {len(bad)} of {len(tasks)} hosts' profiles cannot be read and are left "
+                                f"out ({names}); every figure covers the other {len(hosts)} hosts only. "
+                                f"{bad[0].error}")
+    return profile
+
+
+@dataclass(frozen=True)
+class UnreadableHost:
+    """A host of a run directory whose own profile file is corrupt or truncated: ``name`` (the file's) and the
+    one-line ``error`` that says so."""
+
+    name: str
+    error: str
+
+
+def read_host_or_skip(task: HostTask) -> HostEvents | UnreadableHost:
+    """:func:`traceroof.host.read_host`, or an :class:`UnreadableHost` when the host's own file is corrupt or
+    truncated (a :class:`FormatError`): one bad file of a pod's hundreds leaves a partial report, not none.
+
+    :raises HloParseError: an HLO file does not parse (shared by the hosts: no host is read without it); and
+        every error of :func:`~traceroof.host.read_host` that is not about the file being corrupt.
+    """
+    try:
+        return read_host(task)
+    except HloParseError:
+        raise
+    except FormatError as e:
+        return UnreadableHost(storage.name(task.path), str(e))
 
 
 def _dedup(notes: Sequence[str]) -> list[str]:
