@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -693,3 +696,45 @@ def test_a_collective_over_two_axes_is_said_to_be_in_both_rows() -> None:
     coll = a.collectives.set_index("hlo_op")["time_per_step_s"]
     assert sum(r.measured_comm_s for r in p.rows) > coll.sum()  # all-reduce.8 counted in both rows
     assert sum(r.measured_comm_s for r in p.rows) == pytest.approx(coll.sum() + coll["all-reduce.8"])
+
+
+_LSTM_DP = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    class CharLSTM(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Embed(12, 8)(x)
+            h = nn.RNN(nn.OptimizedLSTMCell(16), name="lstm_0")(h)
+            return nn.Dense(12)(h)
+
+    model, tx = CharLSTM(), optax.adamw(1e-3)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    params = jax.device_put(model.init(jax.random.PRNGKey(0), jnp.zeros((16, 8), jnp.int32)), NamedSharding(mesh, P()))
+    opt = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+
+    def step(p, o, x, y):
+        g = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean())(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    x = jax.device_put(jnp.zeros((16, 8), jnp.int32), NamedSharding(mesh, P("data")))
+    print(jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, x, x).compile().as_text())
+""")
+
+
+def test_gradients_reduced_inside_a_recurrent_loop_are_data_parallel() -> None:
+    """A data-parallel Flax LSTM (batch sharded, weights replicated; s34 trial) was called tensor-parallel: XLA
+    all-reduces the cell's weight gradients inside the backward time loop, concatenated (the four gates' kernels
+    as one [4H, H] array, no weight's shape). Gradients of the backward pass that feed no matmul are gradients."""
+    out = subprocess.run([sys.executable, "-c", _LSTM_DP], capture_output=True, text=True, timeout=300, check=True)
+    (m,) = parse_hlo_text(out.stdout)
+    mesh = recover_mesh(m)
+    (row,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
+    assert (row.size, row.strategy) == (8, "data") and "activations" not in row.evidence, row
+    in_loop = [pc for pc in mesh.collectives if pc.computation != m.entry.name and pc.collective.kind == "all-reduce"]
+    assert in_loop  # the case this is about: the loop body's all-reduces

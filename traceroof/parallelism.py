@@ -276,7 +276,10 @@ def _evidence_kind(module: HloModule, comp: Computation, users: dict[str, list[I
     if weightlike and c.kind == "all-gather" and flow.phase(inst) in ("forward", "backward", "remat"):
         weightlike = not flow.matmul_near(comp, inst, lambda i: (comp.by_name[o] for o in i.operands
                                                                  if o in comp.by_name))
-    elif weightlike and c.kind in ("all-reduce", "reduce-scatter"):
+    elif c.kind in ("all-reduce", "reduce-scatter") and (weightlike or flow.phase(inst) == "backward"):
+        # a weight's shape outside the forward pass, or any array of the backward pass (weight gradients that XLA
+        # computes concatenated, as an LSTM cell's four gate kernels in one [4H, H] gradient): gradients when
+        # the result feeds no matmul (an activation's gradient flows on into the next backward matmul)
         weightlike = flow.phase(inst) not in ("forward", "remat") and \
             not flow.matmul_near(comp, inst, lambda i: users.get(i.name, ()))
     if weightlike:
