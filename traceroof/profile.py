@@ -95,9 +95,8 @@ def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None 
     tasks = [HostTask(p, inputs.kind, inputs.hlo_files, inputs.hlo_proto_files, analysis_id) for p in inputs.profiles]
     if any(storage.process_local(p) for p in inputs.profiles):
         jobs, dask_address = 1, None
-    if len(tasks) == 1:
-        return merge_hosts(inputs, [read_host(tasks[0])])
-    got = map_hosts(read_host_or_skip, tasks, jobs=jobs, dask_address=dask_address, label="hosts")
+    read = read_host if len(tasks) == 1 else read_host_or_skip  # one file: its error is the error
+    got = map_hosts(read, tasks, jobs=jobs, dask_address=dask_address, label="hosts")
     hosts = [h for h in got if isinstance(h, HostEvents)]
     bad = [h for h in got if isinstance(h, UnreadableHost)]
     if not hosts:
