@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from traceroof import analyze
+from traceroof.units import fmt_bytes
 from traceroof.analysis import Analysis
 from traceroof.findings import CODES, RULES
 from traceroof.report import render
@@ -315,3 +318,55 @@ def test_host_bound_names_the_host_where_the_host_work_is():
         ", mostly on host1 (30.700 ms per step there, at most 400.0 µs on the other 1 host(s))")
     assert _one_host(table([10e-3, 12e-3, 14e-3, 16e-3])) == ""  # spread over both hosts
     assert _one_host(table([0.0, 0.0, 30e-3, 30e-3]).assign(device=lambda t: "h/cpu:" + t.index.astype(str))) == ""
+
+
+_LSTM_DP_PROFILE = """
+import os, sys
+out = sys.argv[1]
+os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=8 --xla_dump_to={out}/hlo --xla_dump_hlo_as_text"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+class CharLSTM(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(12)(nn.RNN(nn.OptimizedLSTMCell(16), name="lstm")(nn.Embed(12, 8)(x)))
+
+model, tx = CharLSTM(), optax.adamw(1e-3)
+mesh = Mesh(np.array(jax.devices()), ("data",))
+params = jax.device_put(model.init(jax.random.PRNGKey(0), jnp.zeros((16, 8), jnp.int32)), NamedSharding(mesh, P()))
+opt = jax.device_put(tx.init(params), NamedSharding(mesh, P()))
+
+@jax.jit
+def step(p, o, x, y):
+    g = jax.grad(lambda p: optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean())(p)
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+x = jax.device_put(jnp.zeros((16, 8), jnp.int32), NamedSharding(mesh, P("data")))
+params, opt = step(params, opt, x, x)
+jax.block_until_ready(params)
+with jax.profiler.trace(f"{out}/logdir"):
+    for i in range(3):
+        with jax.profiler.StepTraceAnnotation("train", step_num=i):
+            params, opt = step(params, opt, x, x)
+            jax.block_until_ready(params)
+"""
+
+
+def test_gradients_all_reduced_inside_a_time_loop(tmp_path):
+    """A data-parallel Flax LSTM under jax.jit (s34 trial): XLA all-reduces the cell's weight gradients inside the
+    backward time loop, once per time step. The finding counts them from the profile and the dump: as many runs
+    per step as the loop's trip count in XLA's dump (8 time steps), bytes as the all-reduces' shapes say."""
+    subprocess.run([sys.executable, "-c", _LSTM_DP_PROFILE, str(tmp_path)], check=True, timeout=300,
+                   capture_output=True)
+    a = analyze(tmp_path / "logdir", hlo=[tmp_path / "hlo"], chip=HOST_CHIP)
+    (f,) = codes(a)["gradients-in-loop"]
+    dump = next((tmp_path / "hlo").glob("*jit_step*cpu_after_optimizations.txt")).read_text()
+    assert re.findall(r'known_trip_count":\{"n":"8"\}', dump) and "8 times per step" in f.title
+    shapes = dict(re.findall(r"%(all-reduce[\w.]*) = (\([^)]*\)|\w+\[[\d,]*\])", dump))
+    once = sum(4 * math.prod(int(d) for d in dims.split(",") if d)
+               for op in f.ops for dims in re.findall(r"f32\[([\d,]*)\]", shapes[op]))
+    assert f"would move {fmt_bytes(once)}" in f.title and f"move {fmt_bytes(8 * once)} per step" in f.title
+    assert "jax.lax.pmean" in f.advice and [r.strategy for r in a.parallelism.rows] == ["data"]

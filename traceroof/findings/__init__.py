@@ -18,7 +18,7 @@ from traceroof.findings.rules_compute import (dtype_upcast, faster_than_roofline
 from traceroof.findings.rules_memory import layout_copy, memory_bound_chain, remat_cost, tile_padding
 from traceroof.findings.rules_optimizer import discarded_update
 from traceroof.findings.rules_system import (collective_straggler, comm_bound_axis, device_idle, exposed_collective,
-                                             host_bound, outlier_executions)
+                                             gradients_reduced_in_loop, host_bound, outlier_executions)
 
 if TYPE_CHECKING:
     from traceroof.results import Analysis
@@ -32,6 +32,7 @@ RULES: dict[str, Rule] = {
     "layout-copy": layout_copy,
     "exposed-collective": exposed_collective,
     "collective-straggler": collective_straggler,
+    "gradients-in-loop": gradients_reduced_in_loop,
     "host-bound": host_bound,
     "device-idle": device_idle,
     "remat-cost": remat_cost,
@@ -51,6 +52,7 @@ CODES: dict[str, str] = {
     "layout-copy": "transposes and copies that only change a layout",
     "exposed-collective": "collectives not hidden under compute, with the async form or scheduler flag to try",
     "collective-straggler": "one device arriving last at most collectives while the others wait",
+    "gradients-in-loop": "weight gradients reduced over a data / FSDP axis inside a loop, many times per step",
     "host-bound": "the device idle while the host works (step breakdown, else op coverage of the step)",
     "device-idle": "the device idle with no host work in the way: launch gaps and time between programs",
     "remat-cost": "time recomputing the forward pass, and the memory keeping it would take",
