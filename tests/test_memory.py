@@ -364,6 +364,15 @@ def test_a_corrupt_report_in_the_dump_falls_back_with_a_note(tmp_path):
     assert sum("estimated from" in n for n in a.memory.notes) == 1, a.memory.notes
 
 
+def test_another_runs_dump_folder_is_named_as_such_not_as_missing_a_buffer_assignment():
+    """A user passed the dump folder of another run (s34 trial): the memory note said the dump held no XLA buffer
+    assignment, which it does (of that other program). It says none of the dumps given is of this program."""
+    a = analyze(FIXTURES / "mem_remat_on" / "logdir", hlo=[FIXTURES / "mem_remat_off" / "hlo"])
+    assert a.memory.peak.source == "traceroof_live_ranges"
+    assert not any("no XLA buffer assignment in the dump" in n for n in a.memory.notes), a.memory.notes
+    assert any(n.startswith("jit_train_step(54): none of the 1 dump(s) given is of this program") for n in a.memory.notes)
+
+
 def test_diff_of_two_live_range_estimates_says_so(remat, tmp_path):
     """Neither side has its dumps: both peaks are traceroof's live-range estimate, and the diff's headline says
     so (the s30 trial's diff printed "peak memory 1.99 MB -> 1.99 MB" where XLA says 2.43 MB, unqualified)."""

@@ -760,8 +760,14 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
             pm = program_memory(module, None, (layers or {}).get(key), known)
             unread = True
         if pm.source != "xla_buffer_assignment" and not other and not unread:
-            notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
-                         "--xla_dump_hlo_as_text writes one): peak memory estimated from traceroof's live ranges")
+            if dump is None and dumps:  # dumps given, none of this program: they are of another run
+                pid = f"({module.program_id})" if module.program_id is not None else ""
+                notes.append(f"{module.name}{pid}: none of the {len(dumps)} dump(s) given is of this program (another "
+                             "run's dump folder?): XLA's reports not used; peak memory estimated from traceroof's "
+                             "live ranges")
+            else:
+                notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
+                             "--xla_dump_hlo_as_text writes one): peak memory estimated from traceroof's live ranges")
         programs.append(pm)
     if allocator_note and programs:
         notes.append(allocator_note)
