@@ -197,7 +197,7 @@ def test_check_dumps_tells_same_named_dumps_apart_by_the_ops_that_ran():
         check_dumps([a, b], _events("b", pid=1), [])
 
 
-def test_a_trace_json_with_dumps_points_to_the_xplane_beside_it():
+def test_a_trace_json_with_dumps_points_to_the_xplane_beside_it(tmp_path):
     """JAX writes <host>.trace.json.gz beside <host>.xplane.pb. A trace JSON carries no HLO, so another
     compilation's dump with the same op names (the wider model of diff_wide) is taken for the program: 2x the
     FLOPs. The report says the dumps were unchecked and names the xplane, which drops that dump."""
@@ -205,8 +205,12 @@ def test_a_trace_json_with_dumps_points_to_the_xplane_beside_it():
 
     trace = next((FIXTURES / "diff_base" / "logdir").rglob("*.trace.json.gz"))
     a = analyze(str(trace), hlo=[str(FIXTURES / "diff_wide" / "hlo")], chip=HOST_CHIP)
-    assert any("unchecked against the program that ran: analyze vm.xplane.pb beside it instead" in n
+    assert any("unchecked against the program that ran" in n and "analyze vm.xplane.pb beside it instead" in n
                for n in a.summary.notes), a.summary.notes
+    shutil.copy(trace, tmp_path / trace.name)  # copied alone (s34 trial): no xplane beside it, the same note
+    alone = analyze(str(tmp_path / trace.name), hlo=[str(FIXTURES / "diff_wide" / "hlo")], chip=HOST_CHIP)
+    assert any("unchecked against the program that ran" in n and "analyze the .xplane.pb of the same capture" in n
+               for n in alone.summary.notes), alone.summary.notes
     # and in the report's header, beside the FLOPs it drives (the s30 trial saw only a note at the bottom)
     assert list(a.summary.hlo_sources) == ["HLO text dumps matched by op name only, unchecked (a trace JSON carries "
                                            "no HLO: analyze the .xplane.pb)"]

@@ -161,16 +161,19 @@ def read_host(task: HostTask) -> HostEvents:
 
 
 def _sibling_xplane_note(path: Location) -> list[str]:
-    """A note when JAX's ``<host>.xplane.pb`` lies beside the trace JSON analyzed with HLO dumps: a trace JSON
-    carries no HLO, so a dump of another compilation with the same op names (another sequence length or width) is
-    taken for the program that ran, unchecked (a user's seq-128 dump for a seq-64 run doubled the FLOPs); the
-    xplane carries the HloProto that ran, against which dumps are checked."""
+    """The note that a trace JSON analyzed with HLO dumps was matched to them by op name only: it carries no HLO
+    (nor program ids or shapes), so a dump of another compilation with the same op names (another batch size,
+    sequence length or width) is taken for the program that ran, unchecked (a user's seq-128 dump for a seq-64
+    run doubled the FLOPs; a s34 trial's batch-128 dump for a batch-64 run, exit 0). It names JAX's
+    ``<host>.xplane.pb`` when it lies beside the trace: the xplane carries the HloProto that ran, against which
+    dumps are checked."""
     sibling = _sibling(path, XPLANE_SUFFIXES)
-    if sibling is None:
-        return []
+    instead = (f"analyze {storage.name(sibling)} beside it instead, which carries that program's HLO" if sibling
+               is not None else "analyze the .xplane.pb of the same capture instead (JAX writes it beside the trace "
+               "JSON), which carries that program's HLO")
     return [f"a trace JSON carries no HLO, so the dumps given (--hlo) were matched by op name only, unchecked against "
-            f"the program that ran: analyze {storage.name(sibling)} beside it instead, which carries that program's "
-            "HLO (a dump of another compilation with the same op names is then dropped)"]
+            f"the program that ran (a dump of another batch size or sequence length would give wrong FLOPs and "
+            f"bytes): {instead} (a dump of another compilation with the same op names is then dropped)"]
 
 
 def _sibling(path: Location, suffixes: Sequence[str]) -> Location | None:
