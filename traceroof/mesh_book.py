@@ -26,8 +26,8 @@ from traceroof.chips import Chip
 from traceroof.collectives import Topology, default_topology, expected_time
 from traceroof.cost import trip_count
 from traceroof.mesh import Mesh, axis_group, mesh_size, recover_mesh
-from traceroof.parallelism import (AxisStrategy, StateParam, classify_axes, collect_evidence, sharding_tiles, squeeze,
-                                   state_params)
+from traceroof.parallelism import (GRADIENT_KINDS, AxisStrategy, StateParam, classify_axes, collect_evidence,
+                                   sharding_tiles, squeeze, state_params)
 from traceroof.scopes import while_body
 
 BATCH_STRATEGIES = ("data", "fsdp", "sequence", "expert")  # axes that split the batch (In[B_X, ...])
@@ -148,7 +148,9 @@ class WhatIf:
 @dataclass(frozen=True)
 class ParallelismReport:
     """The section: ``module`` analysed, ``mesh`` (``axis0=4 x axis1=2``), ``chip`` and ``topology`` used,
-    ``sizes``, per-axis ``rows``, ``what_if`` meshes, ``notes`` (mesh-level figures, limits) and ``findings``."""
+    ``sizes``, per-axis ``rows``, ``what_if`` meshes, ``notes`` (mesh-level figures, limits), ``findings`` and
+    ``gradient_ops``: the module's collectives its evidence reads as weight-gradient reductions (for the
+    ``gradients-in-loop`` finding)."""
 
     module: str
     mesh: str
@@ -159,6 +161,7 @@ class ParallelismReport:
     what_if: tuple[WhatIf, ...] = ()
     notes: tuple[str, ...] = ()
     findings: tuple[tuple[str, str, str], ...] = field(default_factory=tuple)  # (axis, seen, remedy) per bound axis
+    gradient_ops: frozenset[str] = frozenset()  # the module's collectives read as weight-gradient reductions
 
 
 def _pick_module(modules: list[HloModule], coll_table: pd.DataFrame) -> tuple[HloModule, Mesh] | None:
@@ -204,7 +207,9 @@ def book_on_mesh(modules: list[HloModule], chip: Chip, topo: Topology, coll_tabl
         return None
     module, mesh = _with_dump(*picked, dumps)
     params = state_params(module)
-    strategies = classify_axes(mesh, collect_evidence(module, mesh, params))
+    evidence = collect_evidence(module, mesh, params)
+    strategies = classify_axes(mesh, evidence)
+    gradient_ops = frozenset(op for ev in evidence.values() for k in GRADIENT_KINDS for op in ev.ops.get(k, ()))
     sizes = model_sizes(module, params, any(s.strategy == "expert" for s in strategies))
     notes = [mesh.note] if mesh.note else []
     ops = Counter(i.opcode for c in module.computations.values() for i in c.instructions)
@@ -233,7 +238,7 @@ def book_on_mesh(modules: list[HloModule], chip: Chip, topo: Topology, coll_tabl
     findings = tuple(_finding(r, sizes, chip) for r in rows
                      if r.bound == "communication" and sizes and r.strategy != "pipeline")
     return ParallelismReport(module.name, mesh.describe(), chip.name, topo.describe(), sizes, tuple(rows),
-                             tuple(what_if), tuple(notes), findings)
+                             tuple(what_if), tuple(notes), findings, gradient_ops)
 
 
 def _row(s: AxisStrategy, mesh: Mesh, module: HloModule, sizes: ModelSizes | None, strategies: list[AxisStrategy],

@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 from parsers.errors import InputError
 from traceroof.progress import progress, silence
+from traceroof.units import fmt_list
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -187,11 +188,6 @@ def _line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-def _names(items: Sequence[Any]) -> str:
-    shown = ", ".join(str(item) for item in items[:3])
-    return shown + (f" and {len(items) - 3} more" if len(items) > 3 else "")
-
-
 def _collect(futures: list[Any], wait_some: Callable[[set[Any]], tuple[set[Any], set[Any]]], label: str,
              take: Callable[[Any], Any] = lambda result: result) -> list[Any]:
     """The futures' results in their order, each passed through ``take`` as soon as it ended, advancing a
@@ -225,7 +221,7 @@ def _map_pool(fn: Callable[[T], R], items: list[T], workers: int, label: str) ->
         return _collect(futures, lambda pending: wait(pending, _POLL_S, FIRST_COMPLETED), label, _unspill)
     except BrokenProcessPool:
         running = [item for i, item in enumerate(items) if state[i] == 1]
-        where = f" while analyzing {_names(running)}" if running else ""
+        where = f" while analyzing {fmt_list(running)}" if running else ""
         raise InputError(f"a worker process died{where} (killed, often for lack of memory): "
                          f"run with fewer --jobs (now {workers})") from None
     finally:
@@ -267,7 +263,7 @@ def _map_dask(fn: Callable[[T], R], items: list[T], address: str, label: str) ->
             return _collect(futures, _dask_waiter(futures), label)
         except distributed.KilledWorker:
             running = [items[i] for i, future in enumerate(futures) if future.status == "error"]
-            raise InputError(f"--dask {address}: a Dask worker died while analyzing {_names(running)} (killed, "
+            raise InputError(f"--dask {address}: a Dask worker died while analyzing {fmt_list(running)} (killed, "
                              f"often for lack of memory): give the workers more memory") from None
         return client.gather(futures)
 

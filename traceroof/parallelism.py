@@ -44,6 +44,7 @@ from traceroof.mesh import Mesh, PlacedCollective
 from traceroof.scopes import ModuleScopes, assign_scopes
 
 STRATEGIES = ("data", "fsdp", "tensor", "sequence", "pipeline", "expert", "unknown")
+GRADIENT_KINDS = ("grads_all_reduced", "grads_reduce_scattered", "grads_all_reduce_sliced")  # evidence kinds
 SCALAR_ELEMENTS = 64  # collectives of arrays this small (loss, norms, counters) say nothing about the strategy
 
 
@@ -318,7 +319,7 @@ def classify_axes(mesh: Mesh, evidence: dict[str, AxisEvidence]) -> list[AxisStr
     for a in mesh.axes:
         ev = evidence.get(a.name, AxisEvidence())
         b = ev.bytes
-        grads = sum(b.get(k, 0.0) for k in ("grads_all_reduced", "grads_reduce_scattered", "grads_all_reduce_sliced"))
+        grads = sum(b.get(k, 0.0) for k in GRADIENT_KINDS)
         acts = b.get("activations", 0.0) + b.get("activations_tokens", 0.0)
         inside = "sequence" if b.get("activations_tokens", 0.0) > b.get("activations", 0.0) else "tensor"
         also = ""

@@ -31,6 +31,7 @@ from traceroof.hostactivity import empty_activity, shifted_activity
 from traceroof.host import HostEvents, HostTask, ModuleRef, read_host, step_notes
 from traceroof.memory import NO_ALLOCATOR_EVENTS, AllocatorPeak, merge_allocators
 from traceroof.parallel import map_hosts
+from traceroof.units import fmt_list
 
 MAX_HOST_SKEW_PS = DURATION_LIMIT_PS  # hosts whose profile_start_time differ by more are not aligned (13 days)
 
@@ -102,7 +103,7 @@ def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None 
     if not hosts:
         raise FormatError(bad[0].error)
     if bad:  # the header's input line says so too
-        names = ", ".join(b.name for b in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        names = fmt_list(b.name for b in bad)
         inputs = replace(inputs, description=f"{inputs.description} (PARTIAL: {len(hosts)} of {len(tasks)} hosts; "
                                              f"unreadable: {names})")
     profile = merge_hosts(inputs, hosts)

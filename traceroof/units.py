@@ -4,6 +4,7 @@ reports alike (the analysis must not import the renderers)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 
 def fmt_si(x: float, unit: str) -> str:
@@ -33,3 +34,9 @@ def fmt_time(s: float) -> str:
     if a >= 1e-6:
         return f"{s * 1e6:.1f} µs"
     return f"{s * 1e9:.0f} ns"
+
+
+def fmt_list(items: Iterable[object], shown: int = 3) -> str:
+    """The first ``shown`` items as text, comma-separated, then ``and N more`` (``a, b, c and 4 more``)."""
+    items = [str(i) for i in items]
+    return ", ".join(items[:shown]) + (f" and {len(items) - shown} more" if len(items) > shown else "")

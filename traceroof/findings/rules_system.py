@@ -20,7 +20,7 @@ import pandas as pd
 from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, fmt_s, make, mean_of,
                                        share, total)
 from traceroof.opstats import OUTLIER_RATIO
-from traceroof.units import fmt_bytes
+from traceroof.units import fmt_bytes, fmt_list
 
 COLLECTIVE_SOURCE = (f"{BOOK} §1 (overlapping communication with compute: T = max(T_math, T_comms)) and §5 "
                      "(FSDP prefetch, reduce-scatter overlap); XLA latency-hiding scheduler flags")
@@ -305,7 +305,6 @@ def outlier_executions(x: FindingInputs) -> list[Finding]:
 
 LOOP_SOURCE = (f"{BOOK} §5 (data parallelism and FSDP: the gradients are reduced once per step, after the "
                "backward pass); JAX docs, jax.shard_map (gradients per device, reduced once with jax.lax.pmean)")
-GRADIENT_KINDS = ("grads_all_reduced", "grads_reduce_scattered", "grads_all_reduce_sliced")
 
 
 def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
@@ -313,39 +312,27 @@ def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
     put the all-reduce (or reduce-scatter) inside a loop of the backward pass (a scan over time steps or
     micro-batches), so it runs once per iteration, each time moving the loop's whole weight gradient (a s34
     trial's LSTM: 64 all-reduces per step, 59 MB where the gradients are 1 MB). Gradient collectives are those
-    :mod:`traceroof.parallelism` reads as gradients on the program's mesh. Lost: the collectives' time per step
-    less one execution each (one reduction after the loop moves the same bytes once)."""
-    t = x.analysis.collectives
-    if t is None or t.empty or not x.modules or "executions_per_step" not in t:
+    the parallelism section read as gradients (``ParallelismReport.gradient_ops``, of the module it analysed).
+    Lost: the collectives' time per step less one execution each (one reduction after the loop moves the same
+    bytes once)."""
+    t, p = x.analysis.collectives, getattr(x.analysis, "parallelism", None)
+    if t is None or t.empty or p is None or not p.gradient_ops:
         return []
     execs = t["executions_per_step"].to_numpy(np.float64)
-    kind = t["kind"].astype(str).to_numpy()
-    maybe = np.flatnonzero((execs >= 2) & np.isin(kind, ("all-reduce", "reduce-scatter")))
-    if not len(maybe):
+    ours = (t["module"].astype(str).to_numpy() == p.module) & np.isin(t["hlo_op"].astype(str).to_numpy(),
+                                                                      list(p.gradient_ops))
+    hot = np.flatnonzero(ours & (execs >= 2))
+    if not len(hot):
         return []
-    from traceroof.mesh import recover_mesh
-    from traceroof.parallelism import collect_evidence, state_params
-
-    gradients: set[tuple[str, str]] = set()  # (module, op) reduced as gradients
-    wanted = set(t["module"].astype(str).to_numpy()[maybe])
-    for m in x.modules:
-        if m.name in wanted:
-            mesh = recover_mesh(m)
-            for ev in collect_evidence(m, mesh, state_params(m)).values():
-                gradients |= {(m.name, op) for k in GRADIENT_KINDS for op in ev.ops.get(k, ())}
-    hot = [i for i in maybe if (str(t["module"].iat[i]), str(t["hlo_op"].iat[i])) in gradients]
-    if not hot:
-        return []
-    ops = tuple(str(t["hlo_op"].iat[i]) for i in hot)
-    time_s = t["time_per_step_s"].to_numpy(np.float64)[hot]
+    ops = tuple(t["hlo_op"].astype(str).to_numpy()[hot])
+    time_s, bytes_out = t["time_per_step_s"].to_numpy(np.float64)[hot], t["bytes_out"].to_numpy(np.float64)[hot]
     lost = float(np.nansum(time_s * (1 - 1 / execs[hot])))
-    moved = float(np.sum(t["bytes_out"].to_numpy(np.float64)[hot] * execs[hot]))
-    once = float(np.sum(t["bytes_out"].to_numpy(np.float64)[hot]))
     n = int(round(float(np.max(execs[hot]))))
     title = (f"weight gradients are reduced inside a loop, {n} times per step: {len(ops)} collective(s) move "
-             f"{fmt_bytes(moved)} per step where one reduction after the loop would move {fmt_bytes(once)}")
-    evidence = [f"{_names(ops)}: " + ", ".join(f"{fmt_bytes(b)} x {e:g}" for b, e in
-                                                zip(t["bytes_out"].to_numpy(np.float64)[hot], execs[hot])),
+             f"{fmt_bytes(float(np.sum(bytes_out * execs[hot])))} per step where one reduction after the loop "
+             f"would move {fmt_bytes(float(np.sum(bytes_out)))}")
+    evidence = [f"{fmt_list(ops, MAX_OPS)}: " + ", ".join(f"{fmt_bytes(b)} x {e:g}" for b, e in
+                                                          zip(bytes_out, execs[hot])),
                 f"{fmt_s(float(np.nansum(time_s)))} per step in them" + (
                     " (on virtual CPU devices mostly devices waiting for each other at each of the reductions)"
                     if x.virtual_devices else "")]
@@ -355,7 +342,3 @@ def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
               "with jax.lax.pmean after jax.grad, or accumulate micro-batch gradients locally and reduce the sum")
     rows = np.flatnonzero(np.isin(x.cols.text("hlo_op"), ops))
     return [make(x, "gradients-in-loop", title, lost, advice, LOOP_SOURCE, evidence, rows, ops=ops)]
-
-
-def _names(ops: tuple[str, ...]) -> str:
-    return ", ".join(ops[:MAX_OPS]) + (f" and {len(ops) - MAX_OPS} more" if len(ops) > MAX_OPS else "")
