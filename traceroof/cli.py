@@ -245,11 +245,13 @@ def analyze(paths: Sequence[str], hlo: Sequence[str], chip: str | None, depth: i
 @click.option("--format", "fmt", type=click.Choice(("terminal", "markdown", "json", "html")), default="terminal",
               show_default=True)
 @click.option("-o", "--output", help="Write the comparison to this file instead of stdout.")
+@click.option("--wide", is_flag=True, help="Terminal tables: every column and cell in full (default: fits 120 "
+                                           "columns).")
 @_parallel_options
 @_guarded
 def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], chip: str | None, depth: int,
          warmup_steps: int, fail_above: float | None, layer: str | None, fmt: str, output: str | None,
-         jobs: int | None, dask: str | None) -> None:
+         wide: bool, jobs: int | None, dask: str | None) -> None:
     """Compare two profiles (or a saved JSON report and a profile); exit 1 on a regression beyond --fail-above."""
     from traceroof.diff import diff as compare, gate, load_side
     from traceroof.report.diff import render_diff_html, render_diff_json, render_diff_text
@@ -265,7 +267,7 @@ def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], c
     elif fmt == "html":
         text = render_diff_html(result, shown)
     else:
-        text = render_diff_text(result, shown, markdown=fmt == "markdown")
+        text = render_diff_text(result, shown, markdown=fmt == "markdown", wide=wide)
     _write(text, output, inputs)
     if failed:
         click.echo(f"traceroof: regression: {why}", err=True)

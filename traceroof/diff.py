@@ -320,11 +320,41 @@ def diff(base: Side, new: Side) -> DiffResult:
     layers = _layer_deltas(base.layers, new.layers)
     step = step_delta(base, new)
     parts = breakdown_delta(base.step_breakdown, new.step_breakdown)
-    return DiffResult(base, new, step, layers, both, unmatched, tuple(_contributors(step, layers, unmatched, parts)),
+    lines = _contributors(step, layers, unmatched, parts)
+    work = _work_line(step, work_ratio(base, new))
+    lines[1:1] = [work] * bool(work)
+    return DiffResult(base, new, step, layers, both, unmatched, tuple(lines),
                       memory_delta(base.memory, new.memory), _warnings(base, new, both, b, n))
 
 
 MIN_MATCHED_SHARE = 0.5  # less of either side's op time in ops found in both: not two runs of one job
+WORK_CHANGE = 0.01  # FLOPs per step (all devices) differing by more than 1 %: the steps do different work
+
+
+def work_ratio(base: Side, new: Side) -> float | None:
+    """The new side's FLOPs per step over the base's, over all devices (``flops_per_step`` x ``devices`` where
+    both sides know their devices: the same global batch over twice the devices is the same work), or ``None``
+    when either side has no FLOP count (a profile without HLO)."""
+    b, n = base.flops_per_step, new.flops_per_step
+    if not (b > 0 and n > 0 and math.isfinite(b) and math.isfinite(n)):
+        return None
+    if base.devices and new.devices:
+        b, n = b * base.devices, n * new.devices
+    return n / b
+
+
+def _work_line(step: StepDelta, ratio: float | None) -> str | None:
+    """When the steps do different work (:data:`WORK_CHANGE`): the change of time per FLOP, the throughput
+    figure a larger batch or model is judged by (a doubled batch in a 1.5x longer step is 25 % less time per
+    FLOP, and "slower" per step)."""
+    if ratio is None or abs(ratio - 1) <= WORK_CHANGE or not (step.base_s > 0 and step.new_s > 0):
+        return None
+    per_flop = step.new_s / ratio / step.base_s - 1
+    verdict = "faster" if per_flop < 0 else "slower"
+    if step.standard_error_s and abs(step.new_s / ratio - step.base_s) <= NOISE_SIGMAS * step.standard_error_s:
+        verdict = "within noise"
+    return (f"work per step x{ratio:.2f} (FLOPs, all devices): time per FLOP {per_flop:+.1%}, "
+            f"{verdict} per unit of work (throughput x{1 / (1 + per_flop):.2f})")
 
 
 def _warnings(base: Side, new: Side, both: pd.DataFrame, b: pd.DataFrame, n: pd.DataFrame) -> tuple[str, ...]:

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 
 from traceroof.breakdown import breakdown_delta
-from traceroof.diff import DiffResult
+from traceroof.diff import DiffResult, work_ratio
 from traceroof.report.breakdown import breakdown_diff_text
 from traceroof.report.memory import memory_delta_line
 from traceroof.report.data import clean_value, records
@@ -50,9 +50,12 @@ def _unmatched(r: DiffResult, n: int = 10) -> pd.DataFrame:
                          "opcode": d["opcode"], "shape": d["shape"], "time/step": d["time_per_step_s"].map(fmt_time)})
 
 
-def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False) -> str:
-    """Terminal (or, with ``markdown``, Markdown) text of a diff: contributors, gate, layers, ops, unmatched."""
+def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False, wide: bool = False) -> str:
+    """Terminal (or, with ``markdown``, Markdown) text of a diff: contributors, gate, layers, ops, unmatched. The
+    terminal tables fit 120 columns unless ``wide`` (every cell in full, as ``analyze --wide``)."""
     table, safe = (md_table, markdown_text) if markdown else (text_table, printable)
+    if wide and not markdown:
+        table = lambda df: text_table(df, None)  # noqa: E731
     h = "## " if markdown else ""
     out = [("# " if markdown else "") + "traceroof diff", "",
            f"base: {safe(r.base.label)} ({safe(r.base.chip)}); new: {safe(r.new.label)} ({safe(r.new.chip)})",
@@ -76,6 +79,7 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
         "base": r.base.label, "new": r.new.label,
         "step": clean_value({k: getattr(r.step, k) for k in ("base_s", "new_s", "delta_s", "delta_pct",
                                                           "standard_error_s", "noise")}),
+        "work_ratio": clean_value(work_ratio(r.base, r.new)),  # FLOPs per step, all devices, new / base
         "warnings": list(r.warnings), "contributors": list(r.contributors),
         "gate": {"failed": failed, "reason": gate_line},
         "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
