@@ -253,6 +253,8 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     notes += peak_below_achieved(counted, peak, peak_key, target.kind)
     notes += overlapping_ops_note(op_time, step_mean)
     notes += shared_host_note(mfu, hfu, efficiency, n_dev // max(len(hosts), 1), target.kind)
+    # devices that are threads of one CPU host, judged on any chip (--chip h100 too); a trace JSON does not say
+    virtual = topo.kind == "host" or (profile.device_kind == "cpu" and profile.inputs.kind == "xplane")
     summary = Summary(
         input=profile.inputs.description, device=profile.device_description, chip_id=target.id,
         chip_name=target.name, chip_note=chip_note or target.note, peak_flops_per_s=target.peak_flops_per_s,
@@ -265,7 +267,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         step_times_s=tuple(float(x) for x in durations),
         hlo_sources=hlo_sources, notes=tuple(notes), host_step_time_mean_s=host_mean,
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
-        chip_calibrated_at=target.calibrated_at, decoder=profile.decoder,
+        chip_calibrated_at=target.calibrated_at, decoder=profile.decoder, virtual_devices=virtual,
     )
     layers = rollup(counted, per, step_mean, stats)
     coll_table = collectives_table(counted, collectives, estimates, per, skew, len(used))
@@ -277,8 +279,6 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  memory=analysis_memory(profile, ops, target.value("memory.hbm_bytes"),
                                         scopes if optimizer_pattern == DEFAULT_OPTIMIZER_PATTERN else None),
                  parallelism=par, row_costs=costs)
-    # devices that are threads of one CPU host, judged on any chip (--chip h100 too); a trace JSON does not say
-    virtual = topo.kind == "host" or (profile.device_kind == "cpu" and profile.inputs.kind == "xplane")
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), virtual,
                                           tuple(profile.modules)))
 

@@ -70,6 +70,7 @@ class Summary:
     hfu: float = float("nan")
     chip_calibrated_at: str = ""  # when a calibrated host chip was measured (UTC, from its chip file)
     decoder: str = ""  # wire scanner that read the .xplane.pb files: "c" or "python" (Profile.decoder); "" otherwise
+    virtual_devices: bool = False  # devices that are threads of CPU hosts (XLA:CPU): their collectives mostly wait
 
 
 @dataclass(frozen=True, eq=False)
