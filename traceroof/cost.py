@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from parsers.errors import HloParseError
 from parsers.hlo import Computation, HloModule, Instruction, Shape
+from traceroof.routing import OneHotMasks
 
 TRANSCENDENTAL_OPCODES = frozenset({
     "erf", "exponential", "log", "logistic", "power", "sqrt", "cbrt", "rsqrt", "tanh", "sine", "cosine",
@@ -78,7 +79,9 @@ class OpCost:
     ``note`` says where the number comes from when it is not XLA's rule. ``matmul_flops``: the part of ``flops``
     done by matmuls (dot, convolution, and the GEMM, convolution and fused-attention custom calls; inside fusions
     too), the work that model FLOPs count (PaLM, Chowdhery et al. 2022, appendix B: 6·N per token plus
-    attention; How to Scale Your Model §4).
+    attention; How to Scale Your Model §4). ``routing_flops``: the part of ``matmul_flops`` done by dots that
+    move data by a one-hot mask (an MoE's dispatch and combine einsums, :mod:`traceroof.routing`), which model
+    FLOPs leave out.
     """
 
     flops: float = 0.0
@@ -89,17 +92,18 @@ class OpCost:
     opaque: bool = False
     note: str = ""
     matmul_flops: float = 0.0
+    routing_flops: float = 0.0
 
     def __add__(self, o: "OpCost") -> "OpCost":
         return OpCost(self.flops + o.flops, self.transcendentals + o.transcendentals,
                       self.bytes_accessed + o.bytes_accessed, self.padded_bytes + o.padded_bytes,
                       self.hbm_bytes + o.hbm_bytes, self.opaque or o.opaque, self.note or o.note,
-                      self.matmul_flops + o.matmul_flops)
+                      self.matmul_flops + o.matmul_flops, self.routing_flops + o.routing_flops)
 
     def scaled(self, k: float) -> "OpCost":
         """This cost times ``k`` (executions)."""
         return OpCost(self.flops * k, self.transcendentals * k, self.bytes_accessed * k, self.padded_bytes * k,
-                      self.hbm_bytes * k, self.opaque, self.note, self.matmul_flops * k)
+                      self.hbm_bytes * k, self.opaque, self.note, self.matmul_flops * k, self.routing_flops * k)
 
 
 _ZERO = OpCost()  # the cost of parameters, constants, bitcasts, control ops ... (frozen: one shared instance)
@@ -165,6 +169,13 @@ class CostModel:
                 if inst.opcode == "fusion":
                     self.fused.update(inst.called)
         self.executions = self._execution_counts()
+        self._masks: OneHotMasks | None = None
+
+    def _one_hot(self) -> OneHotMasks:
+        """The module's one-hot masks (:mod:`traceroof.routing`), traced on the first dot costed."""
+        if self._masks is None:
+            self._masks = OneHotMasks(self.module)
+        return self._masks
 
     # -- operand helpers -----------------------------------------------------------------------------
     def operand_shape(self, inst: Instruction, i: int) -> Shape | None:
@@ -324,7 +335,9 @@ class CostModel:
             for c in inst.called:
                 sub = sub + self.computation_cost(c)
             return sub
-        return OpCost(flops, trans, b[0], b[1], b[2], matmul_flops=flops if op in MATMUL_OPCODES else 0.0)
+        routing = flops if op == "dot" and self._one_hot().is_routing_dot(inst) else 0.0
+        return OpCost(flops, trans, b[0], b[1], b[2], matmul_flops=flops if op in MATMUL_OPCODES else 0.0,
+                      routing_flops=routing)
 
     def _collective_bytes(self, inst: Instruction) -> tuple[float, float, float]:
         """Operand arrays read + output arrays written (HandleAllReduce's ForEachSubshape sum, applied to
@@ -512,7 +525,7 @@ class CostModel:
             for j, v in enumerate(self._param_read_bytes(p, users, outer, in_place)):
                 total[j] += v
         return OpCost(sub.flops, sub.transcendentals, total[0], total[1], total[2], sub.opaque, sub.note,
-                      sub.matmul_flops)
+                      sub.matmul_flops, sub.routing_flops)
 
     def _scatter_in_place(self, r: Instruction, comp: Computation) -> bool:
         """A scatter whose operands to update are the fusion's parameters: XLA writes into their buffers."""

@@ -55,13 +55,13 @@ container of its body's op events, which are events of their own (XLA:CPU and GP
 again when the module has other op events."""
 
 _ATTR_COLUMNS = ["opcode", "category", "fusion_kind", "dtype", "shape", "operand_shapes", "scope", "phase",
-                 "source", "flops", "matmul_flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes",
-                 "opaque", "cost_note", "called", "retiling", "collective", "dot_precision"]
+                 "source", "flops", "matmul_flops", "routing_flops", "transcendentals", "logical_bytes",
+                 "padded_bytes", "hbm_bytes", "opaque", "cost_note", "called", "retiling", "collective",
+                 "dot_precision"]
 _BLANK = {"opcode": "", "category": "unknown", "fusion_kind": "", "dtype": "", "shape": "", "operand_shapes": "",
           "scope": "(no HLO)", "phase": "forward", "source": "", "flops": 0.0, "matmul_flops": 0.0,
-          "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0, "opaque": False,
-          "cost_note": "",
-          "called": (), "retiling": False, "collective": None, "dot_precision": ""}
+          "routing_flops": 0.0, "transcendentals": 0.0, "logical_bytes": 0.0, "padded_bytes": 0.0, "hbm_bytes": 0.0,
+          "opaque": False, "cost_note": "", "called": (), "retiling": False, "collective": None, "dot_precision": ""}
 
 
 def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: ScopeInfo | None = None,
@@ -83,7 +83,8 @@ def _attrs(model: CostModel, inst: Instruction, optimizer_pattern: str, info: Sc
         "opcode": inst.opcode, "category": category, "fusion_kind": inst.fusion_kind, "dtype": dtype,
         "shape": str(inst.shape), "operand_shapes": ", ".join(operand_shapes), "scope": scope, "phase": phase,
         "source": info.source if info is not None and info.source else model.module.source_line(inst),
-        "flops": cost.flops, "matmul_flops": cost.matmul_flops, "transcendentals": cost.transcendentals,
+        "flops": cost.flops, "matmul_flops": cost.matmul_flops, "routing_flops": cost.routing_flops,
+        "transcendentals": cost.transcendentals,
         "logical_bytes": cost.bytes_accessed, "padded_bytes": cost.padded_bytes, "hbm_bytes": cost.hbm_bytes,
         "opaque": cost.opaque, "cost_note": cost.note,
         "called": tuple(inst.called) if inst.opcode in CONTROL_OPCODES else (),

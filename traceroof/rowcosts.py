@@ -19,7 +19,7 @@ import pandas as pd
 from traceroof.roofline import ROOFLINE_COLUMNS, roofline_values
 
 # per event x events
-ADDITIVE = ("flops", "matmul_flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")
+ADDITIVE = ("flops", "matmul_flops", "routing_flops", "transcendentals", "logical_bytes", "padded_bytes", "hbm_bytes")
 TPU_OURS = ("traceroof_flops", "traceroof_hbm_bytes")  # our count beside libtpu's, on TPU rows
 ROOFLINE_FLOATS = tuple(c for c in ROOFLINE_COLUMNS if c != "bound")  # ("bound" is a code)
 CHUNK_ROWS = 1 << 18  # op rows whose worked-out columns are computed at once when reducing them: ~2 MB per column

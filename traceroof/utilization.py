@@ -88,6 +88,9 @@ def _valid_steps(durations_s: np.ndarray, what: str, notes: list[str]) -> np.nda
     return durations_s[ok]
 
 
+ROUTING = "one-hot routing matmuls (an MoE's dispatch and combine einsums: they move tokens)"
+
+
 def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: float | None, program_devices: int,
                      model_flops_per_step: float | None = None) -> tuple[float, str, float, float]:
     """(model FLOPs per step per device, where they came from, MFU, HFU).
@@ -95,10 +98,11 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
     Model FLOPs: the user's whole-program count per step (e.g. 6·N·T) ÷ ``program_devices``, else the matmul
     FLOPs (``matmul_flops``: dots, convolutions, GEMM and attention calls) of ``counted`` rows without the
     rematerialised forward (phase ``remat``, or XProf's remat flag) and the optimizer update (phase
-    ``optimizer``): model FLOPs are 6·params·tokens plus attention, the matmuls' work (PaLM, Chowdhery et al. 2022,
-    appendix B; How to Scale Your Model §4.2.4, which leaves the parameter update out). Rows without
-    ``matmul_flops`` (XProf's exported op stats) or a program without matmuls: the executed FLOPs of those rows
-    instead, less random-bit generation as well (:func:`_random_bits`).
+    ``optimizer``) and the one-hot routing dots (``routing_flops``: an MoE's dispatch and combine einsums move
+    tokens, :mod:`traceroof.routing`): model FLOPs are 6·params·tokens plus attention, the matmuls' work (PaLM,
+    Chowdhery et al. 2022, appendix B; How to Scale Your Model §4.2.4, which leaves the parameter update out).
+    Rows without ``matmul_flops`` (XProf's exported op stats) or a program without matmuls: the executed FLOPs of
+    those rows instead, less random-bit generation as well (:func:`_random_bits`).
     MFU = model FLOPs ÷ step time ÷ peak; HFU = executed FLOPs ÷ step time ÷ peak (How to Scale Your Model
     §4.3.2; ``docs/reference/hardware-and-rooflines.md`` §1). NaN without a peak or a step time.
     """
@@ -123,11 +127,18 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
             parts.append(("random-bit generation (unsigned-integer ops)", _random_bits(counted) & ~remat & ~optimizer))
         left_out = [(w, float(work[rows].sum()) / per if per else 0.0) for w, rows in parts]
         keep = ~np.logical_or.reduce([rows for _, rows in parts])
+        if matmul is not None and "routing_flops" in counted:  # one-hot dispatch/combine dots: data movement
+            routing = np.nan_to_num(counted["routing_flops"].to_numpy(np.float64)) * keep
+            work = work - routing
+            left_out.append((ROUTING, float(routing.sum()) / per if per else 0.0))
         model = float(work[keep].sum()) / per if per else float("nan")
         what = "executed FLOPs" if matmul is None else "the matmuls' FLOPs (dots, convolutions; no elementwise work)"
         less = [f"{fmt_si(v, 'FLOP')} of {w}" for w, v in left_out if v > 0]
         source = f"counted: {what}" + (" less " + " and ".join(less) if less else
                                          ", none left out" if matmul is None else "")
+        if left_out and left_out[-1][0] == ROUTING and left_out[-1][1] > 0:
+            source += ("; the experts' matmuls count every capacity slot, filled or not: pass "
+                       "--model-flops-per-step (6·N_active·T + attention) for the exact MFU")
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
     return model, source, model / step_s / peak, executed / step_s / peak
