@@ -9,6 +9,9 @@ transformers FlaxGPT2, Keras on JAX):
    convolution / custom-call first, else the named instruction nearest the root. A bare compiler name
    (``op_name="reduce_sum"``, a parameter's ``"st.step"``) counts as no name, and so does a bitcast / reshape of
    a fused parameter named after the fusion's operand (the producer's name, which XLA copies onto its views).
+   A named fusion that holds a named dot / convolution / custom-call takes that one's name too: XLA names a
+   fusion after its root, and a matmul with its epilogue fused in (the head's dot and the loss's max) is the
+   matmul's work.
 2. **Names from neighbours.** Ops still unnamed inherit scope and phase from their users (in rounds, each
    reading only the previous round's labels, until nothing changes), then from their operands (one round, then
    users again), then from the instruction that calls their computation. An unnamed weight-gradient dot /
@@ -150,6 +153,19 @@ def _fused_carrier(module: HloModule, comp_name: str, inherited: frozenset[str] 
             if src is not None and src.name not in seen:
                 seen.add(src.name)
                 queue.append(src)
+    return None
+
+
+def _fused_matmul(module: HloModule, comp_name: str) -> Instruction | None:
+    """The named dot / convolution / custom-call of a fused computation (:data:`_PRIORITY_OPCODES` order), which
+    names a fusion that is named after its epilogue: XLA CPU fused the head's dot (``jvp(head)/dot_general``) and
+    the loss's log-softmax max into one fusion named ``jvp(loss)/.../reduce_max``, so the head's 33 MFLOP went to
+    the loss (s35 trial). Only a fusion's own computation is read (no nested fusions)."""
+    comp = module.computations.get(comp_name)
+    for opcode in _PRIORITY_OPCODES if comp is not None else ():
+        for inst in comp.instructions:
+            if inst.opcode == opcode and _named(inst):
+                return inst
     return None
 
 
@@ -658,6 +674,8 @@ def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
     for comp in module.computations.values():
         for inst in comp.instructions:
             carrier, how = (inst, "op_name") if _named(inst) else (None, "")
+            if carrier is not None and inst.opcode == "fusion":  # a fused matmul names it: the work is the dot's
+                carrier = next((c for c in (_fused_matmul(module, n) for n in inst.called) if c is not None), carrier)
             if carrier is None and inst.opcode == "fusion":
                 inherited = frozenset(src.metadata.op_name for src in map(comp.by_name.get, inst.operands)
                                       if src is not None)
