@@ -6,7 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from traceroof.layers import NO_SCOPE, TOP_LEVEL, layer_of, parse_scope, rollup
+from traceroof import analyze
+from traceroof.layers import NO_SCOPE, TOP_LEVEL, LayerNamer, layer_of, parse_scope, rollup
+from tests.conftest import FIXTURES, HOST_CHIP, ROOT
 
 
 @pytest.mark.parametrize("op_name, scope, phase", [
@@ -58,3 +60,17 @@ def test_a_module_named_body_keeps_its_name():
     # only the loop parts right after `while` are structural (JAX's while/body, while/cond)
     assert parse_scope("jit(f)/jvp(Net)/body/Conv_0/conv_general_dilated")[0] == "Net/body/Conv_0"
     assert parse_scope("jit(f)/jvp(Net)/while/body/layers/Dense_0/dot_general")[0] == "Net/layers/Dense_0"
+
+
+def test_shard_map_is_no_layer_unit():
+    """JAX writes ``shard_map`` into the op names of a shard_map body, where it took one of the default depth's two
+    units: a user's MoE read ``shard_map/layer0`` instead of ``layer0/attn`` and ``layer0/moe`` (s35 trial). The
+    pipeline fixture's layers are the generator's own named scopes."""
+    namer = LayerNamer()
+    assert namer.layer("shard_map/layer0/attn", 2) == "layer0/attn"
+    assert namer.layer("shard_map", 2) == "shard_map"  # nothing else to name the ops by
+    a = analyze(FIXTURES / "par_pp2", chip=HOST_CHIP)
+    source = (ROOT / "fixtures" / "generate_parallel.py").read_text()
+    layers = set(a.layers["layer"].astype(str))
+    assert {"stage_block", "send_activations"} <= layers and not any(x.startswith("shard_map/") for x in layers)
+    assert all(f'named_scope("{x}")' in source for x in ("stage_block", "send_activations"))

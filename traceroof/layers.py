@@ -198,6 +198,9 @@ def layer_of(scope: str, depth: int) -> str:
 WRAPPER_SHARE = 0.9  # traceroof's heuristic: a first scope unit over this share of named ops is the model wrapper
 
 
+TRANSFORMS = frozenset({"shard_map"})  # scope segments JAX writes for a transformation, not a user's scope
+
+
 @dataclass(frozen=True)
 class LayerNamer:
     """Layer names of scope paths: the model wrapper dropped, repeated blocks collapsed, depth counted in units.
@@ -207,7 +210,9 @@ class LayerNamer:
     ``FlaxGPT2LMHeadModule``, ``CNN``; see :meth:`build`), is dropped; the layer is the first
     ``d`` units, where units above the first repeated block do not count, so the default ``d = 2`` shows a
     block stack's parts (GPT-2: ``transformer/h/*/attn``; a CNN: ``Conv_0``). A scope that is the wrapper
-    itself keeps its full name. With ``expand`` each instance keeps its index (``transformer/h/0/attn``).
+    itself keeps its full name. Units that name a JAX transformation (:data:`TRANSFORMS`: ``shard_map``) are no
+    units: ``shard_map/layer0/attn`` is ``layer0/attn``, and only a scope of nothing else keeps the name. With
+    ``expand`` each instance keeps its index (``transformer/h/0/attn``).
     Names in parentheses (``(no scope)``, ``(optimizer)``) are layers as they are.
 
     :param repeats: repeated-block instance scope -> its collapsed scope (``M/h/0`` -> ``M/h/*``).
@@ -261,7 +266,7 @@ class LayerNamer:
         """The layer of a scope at ``depth`` (see the class docstring)."""
         if not scope or scope.startswith("(") or depth <= 0:
             return scope
-        units = self.units(scope, expand)
+        units = [u for u in self.units(scope, expand) if u[0] not in TRANSFORMS] or self.units(scope, expand)
         w = len(self.wrapper) if tuple(u for u, _ in units[: len(self.wrapper)]) == self.wrapper else 0
         if len(units) <= w:
             return "/".join(u for u, _ in units)
