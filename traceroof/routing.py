@@ -27,13 +27,13 @@ class OneHotMasks:
         self.module = module
         self._where: dict[str, Computation] = {}
         self._caller: dict[str, Instruction] = {}  # fused computation -> its fusion instruction
-        self._users_of_fusion: dict[str, list[Instruction]] = {}
         for comp in module.computations.values():
             for inst in comp.instructions:
                 self._where[inst.name] = comp
                 if inst.opcode == "fusion":
                     for c in inst.called:
                         self._caller.setdefault(c, inst)
+        # answers by value name; one reached first beyond MAX_DEPTH stays "no" (masks are built near their dots)
         self._mask: dict[str, bool] = {}
         self._iota: dict[str, bool] = {}
 

@@ -137,7 +137,7 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
         source = f"counted: {what}" + (" less " + " and ".join(less) if less else
                                          ", none left out" if matmul is None else "")
         if left_out and left_out[-1][0] == ROUTING and left_out[-1][1] > 0:
-            source += ("; the experts' matmuls count every capacity slot, filled or not: pass "
+            source += ("; an MoE's expert matmuls count every capacity slot, filled or not: pass "
                        "--model-flops-per-step (6·N_active·T + attention) for the exact MFU")
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):
         return model, source, float("nan"), float("nan")
