@@ -162,19 +162,21 @@ class CostModel:
 
     def __post_init__(self) -> None:
         self.comp_of: dict[str, Computation] = {}
-        self.fused: set[str] = set()
+        self.caller: dict[str, Instruction] = {}  # fused computation -> its (first) fusion instruction
         for comp in self.module.computations.values():
             for inst in comp.instructions:
                 self.comp_of[inst.name] = comp
                 if inst.opcode == "fusion":
-                    self.fused.update(inst.called)
+                    for c in inst.called:
+                        self.caller.setdefault(c, inst)
+        self.fused: set[str] = set(self.caller)
         self.executions = self._execution_counts()
         self._masks: OneHotMasks | None = None
 
     def _one_hot(self) -> OneHotMasks:
         """The module's one-hot masks (:mod:`traceroof.routing`), traced on the first dot costed."""
         if self._masks is None:
-            self._masks = OneHotMasks(self.module)
+            self._masks = OneHotMasks(self.module, self.comp_of, self.caller)
         return self._masks
 
     # -- operand helpers -----------------------------------------------------------------------------

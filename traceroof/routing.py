@@ -14,6 +14,8 @@ multiplications (a mask times anything has one nonzero per row at most: the comb
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from parsers.hlo import Computation, HloModule, Instruction
 
 LAYOUT = frozenset({"bitcast", "reshape", "broadcast", "transpose", "copy", "slice", "convert"})
@@ -23,16 +25,12 @@ MAX_DEPTH = 24  # instructions followed from one operand (one-hot masks are buil
 class OneHotMasks:
     """Which dots of ``module`` route by a one-hot mask (:meth:`is_routing_dot`), answers cached per value."""
 
-    def __init__(self, module: HloModule) -> None:
+    def __init__(self, module: HloModule, where: Mapping[str, Computation], caller: Mapping[str, Instruction]
+                 ) -> None:
+        """``where``: instruction name -> its computation; ``caller``: fused computation -> its fusion instruction
+        (:class:`traceroof.cost.CostModel`'s ``comp_of`` and ``caller``, built once per module)."""
         self.module = module
-        self._where: dict[str, Computation] = {}
-        self._caller: dict[str, Instruction] = {}  # fused computation -> its fusion instruction
-        for comp in module.computations.values():
-            for inst in comp.instructions:
-                self._where[inst.name] = comp
-                if inst.opcode == "fusion":
-                    for c in inst.called:
-                        self._caller.setdefault(c, inst)
+        self._where, self._caller = where, caller
         # answers by value name; one reached first beyond MAX_DEPTH stays "no" (masks are built near their dots)
         self._mask: dict[str, bool] = {}
         self._iota: dict[str, bool] = {}
@@ -52,7 +50,7 @@ class OneHotMasks:
     # -- one value --------------------------------------------------------------------------------------------
     def _operand_is(self, test, comp: Computation, inst: Instruction, i: int, depth: int) -> bool:
         """``test`` of operand ``i`` of ``inst`` (an instruction of ``comp``)."""
-        src = comp.by_name.get(inst.operands[i]) if i < len(inst.operands) else None
+        src = comp.by_name.get(inst.operands[i]) if 0 <= i < len(inst.operands) else None
         return src is not None and test(comp, src, depth + 1)
 
     def _through(self, test, comp: Computation, inst: Instruction, depth: int) -> bool | None:

@@ -132,10 +132,9 @@ def _fused_carrier(module: HloModule, comp_name: str, inherited: frozenset[str] 
     comp = module.computations.get(comp_name)
     if comp is None or comp.root is None or depth > 8:
         return None
-    for opcode in _PRIORITY_OPCODES:
-        for inst in comp.instructions:
-            if inst.opcode == opcode and _named(inst):
-                return inst
+    matmul = _fused_matmul(module, comp_name)
+    if matmul is not None:
+        return matmul
     seen, queue = {comp.root.name}, [comp.root]
     while queue:
         inst = queue.pop(0)

@@ -127,16 +127,18 @@ def flop_utilization(counted: pd.DataFrame, per: float, step_s: float, peak: flo
             parts.append(("random-bit generation (unsigned-integer ops)", _random_bits(counted) & ~remat & ~optimizer))
         left_out = [(w, float(work[rows].sum()) / per if per else 0.0) for w, rows in parts]
         keep = ~np.logical_or.reduce([rows for _, rows in parts])
-        if matmul is not None and "routing_flops" in counted:  # one-hot dispatch/combine dots: data movement
+        routed = 0.0  # one-hot dispatch/combine dots: data movement
+        if matmul is not None and "routing_flops" in counted:
             routing = np.nan_to_num(counted["routing_flops"].to_numpy(np.float64)) * keep
             work = work - routing
-            left_out.append((ROUTING, float(routing.sum()) / per if per else 0.0))
+            routed = float(routing.sum()) / per if per else 0.0
+            left_out.append((ROUTING, routed))
         model = float(work[keep].sum()) / per if per else float("nan")
         what = "executed FLOPs" if matmul is None else "the matmuls' FLOPs (dots, convolutions; no elementwise work)"
         less = [f"{fmt_si(v, 'FLOP')} of {w}" for w, v in left_out if v > 0]
         source = f"counted: {what}" + (" less " + " and ".join(less) if less else
                                          ", none left out" if matmul is None else "")
-        if left_out and left_out[-1][0] == ROUTING and left_out[-1][1] > 0:
+        if routed > 0:
             source += ("; an MoE's expert matmuls count every capacity slot, filled or not: pass "
                        "--model-flops-per-step (6·N_active·T + attention) for the exact MFU")
     if not peak or not step_s or step_s <= 0 or np.isnan(step_s):

@@ -10,7 +10,7 @@ from traceroof.analysis import Analysis
 from traceroof.findings.record import step_time_s
 from traceroof.report.findings import TOP, lost_text
 from traceroof.report.safe import markdown
-from traceroof.report.text import VIRTUAL_COMM, fmt_pct, fmt_si, fmt_time
+from traceroof.report.text import fmt_pct, fmt_si, fmt_time, virtual_comm
 from traceroof.utilization import MFU_CAVEATS
 
 MAX_LINES = 60
@@ -29,7 +29,7 @@ def render_summary(a: Analysis) -> str:
            f"{f' on {s.hosts} hosts' * (s.hosts > 1)}; {markdown(s.device)}",
            f"- step: {fmt_time(step)} ± {fmt_time(s.step_time_std_s)} over {len(s.steps_used)} step(s); op time "
            f"{fmt_pct(busy)} of it{' (op events overlap in time)' if busy > 1 else ''}; exposed communication "
-           f"{fmt_pct(comm)}{VIRTUAL_COMM * (s.virtual_devices and s.devices > 1 and comm > 0)}",
+           f"{fmt_pct(comm)}{virtual_comm(s)}",
            f"- work per step and device: {fmt_si(s.flops_per_step, 'FLOP')}, {fmt_si(s.hbm_bytes_per_step, 'B')} HBM",
            f"- MFU {fmt_pct(s.mfu)}, HFU {fmt_pct(s.hfu)} ({markdown(s.mfu_peak_key or '-')} peak); roofline "
            f"efficiency {fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)})"]

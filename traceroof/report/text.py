@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 
 from traceroof.analysis import Analysis
+from traceroof.results import Summary
 from traceroof.report.findings import TOP, markdown_top, rest_lines, terminal_top
 from traceroof.report.safe import markdown, md_item, markdown_cell, printable
 from traceroof.units import fmt_si, fmt_time
@@ -19,9 +20,14 @@ def fmt_pct(x: float) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x * 100:.1f}%"
 
 
-# after the exposed-communication share when the devices are CPU threads (Summary.virtual_devices): their
-# collectives' time is mostly devices waiting for each other on shared cores, not data movement
 VIRTUAL_COMM = "; virtual CPU devices: mostly waiting for each other, not data movement"
+
+
+def virtual_comm(s: Summary) -> str:
+    """:data:`VIRTUAL_COMM`, said after the exposed-communication share when there is some between devices that
+    are CPU threads (``Summary.virtual_devices``): their collectives' time is mostly devices waiting for each
+    other on shared cores, not data movement; else ''."""
+    return VIRTUAL_COMM if s.virtual_devices and s.devices > 1 and s.exposed_comm_per_step_s > 0 else ""
 SKEWED_MEAN_RATIO = 1.25  # mean / median above which the header shows the median step too
 
 
@@ -56,7 +62,6 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
     ]
     if s.chip_note:
         lines.append(("", s.chip_note))
-    waiting = s.virtual_devices and s.devices > 1 and s.exposed_comm_per_step_s > 0
     lines += [
         ("steps", f"{len(used)} used of {s.steps_total} (\"{s.step_annotation or '-'}\" steps {span}; "
                   f"{s.warmup_steps} warm-up excluded); step time {fmt_time(s.step_time_mean_s)} "
@@ -66,7 +71,7 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
          + f"; op time {fmt_time(s.op_time_per_step_s)} per step"),
         ("comm", f"exposed communication {fmt_time(s.exposed_comm_per_step_s)} per step "
                  f"({fmt_pct(s.exposed_comm_per_step_s / s.step_time_mean_s if s.step_time_mean_s else float('nan'))}"
-                 f" of the step{VIRTUAL_COMM * waiting}); topology {a.topology or '-'}"),
+                 f" of the step{virtual_comm(s)}); topology {a.topology or '-'}"),
         ("efficiency", f"MFU {fmt_pct(s.mfu)}, HFU {fmt_pct(s.hfu)} of {s.mfu_peak_key or '-'} peak; roofline "
                        f"efficiency {fmt_pct(s.roofline_efficiency)} (expected {fmt_time(s.expected_per_step_s)} "
                        f"÷ step time)"),
