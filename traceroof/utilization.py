@@ -40,7 +40,8 @@ def _step_durations(sel: pd.DataFrame, notes: list[str], marked: bool = True) ->
     if len(sel) and "step" in sel and per_host and sel["step"].duplicated().any():
         host_ps = host_ps.groupby(sel["step"], sort=True).mean()
         if device_ps is not None:  # NaN for a step where a host has no device span (numpy's mean keeps NaN)
-            device_ps = device_ps.groupby(sel["step"], sort=True).agg(lambda x: float(np.mean(x.to_numpy())))
+            missing = device_ps.isna().groupby(sel["step"], sort=True).any()
+            device_ps = device_ps.groupby(sel["step"], sort=True).mean().where(~missing)
     host = _valid_steps(host_ps.to_numpy(np.float64) * 1e-12, "step annotations", notes)
     host_mean = float(host.mean()) if len(host) else float("nan")
     if not len(sel) or device_ps is None or device_ps.isna().any():
