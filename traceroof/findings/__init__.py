@@ -16,7 +16,7 @@ from traceroof.findings.record import Finding, FindingInputs, Rule, as_record
 from traceroof.findings.rules_compute import (dtype_upcast, faster_than_roofline, mxu_alignment, opaque_custom_call,
                                               small_matmul)
 from traceroof.findings.rules_memory import layout_copy, memory_bound_chain, remat_cost, tile_padding
-from traceroof.findings.rules_optimizer import discarded_update
+from traceroof.findings.rules_optimizer import discarded_update, donation_copy
 from traceroof.findings.rules_system import (collective_straggler, comm_bound_axis, device_idle, exposed_collective,
                                              gradients_reduced_in_loop, host_bound, outlier_executions)
 
@@ -37,6 +37,7 @@ RULES: dict[str, Rule] = {
     "device-idle": device_idle,
     "remat-cost": remat_cost,
     "discarded-update": discarded_update,
+    "donation-copy": donation_copy,
     "comm-bound-axis": comm_bound_axis,
     "opaque-custom-call": opaque_custom_call,
     "outlier-executions": outlier_executions,
@@ -57,6 +58,7 @@ CODES: dict[str, str] = {
     "device-idle": "the device idle with no host work in the way: launch gaps and time between programs",
     "remat-cost": "time recomputing the forward pass, and the memory keeping it would take",
     "discarded-update": "an optimizer update computed on every micro-step and kept on every k-th (optax.MultiSteps)",
+    "donation-copy": "donated state XLA copies every step before updating it in place (donate_argnums)",
     "comm-bound-axis": "a parallelism axis whose communication outlasts its math (parallelism analysis)",
     "opaque-custom-call": "time in kernels with no cost model (measured only)",
     "outlier-executions": "ops whose executions vary > 10x (noise, contention, first runs)",

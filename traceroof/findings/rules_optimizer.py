@@ -1,5 +1,6 @@
-"""Rules on the optimizer update: gradient accumulation with ``optax.MultiSteps``, whose inner optimizer update
-runs on every micro-step and is kept on every k-th only (``discarded-update``)."""
+"""Rules on the update of the training state: gradient accumulation with ``optax.MultiSteps``, whose inner
+optimizer update runs on every micro-step and is kept on every k-th only (``discarded-update``), and XLA's copies
+of donated state before it is updated in place (``donation-copy``)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,26 @@ import re
 
 import numpy as np
 
+from typing import Any
+
 from parsers.hlo import HloModule, Instruction
-from traceroof.findings.record import Finding, FindingInputs, fmt_s, make, total
-from traceroof.scopes import _Frames
+from traceroof.findings.hlo_graph import ModuleIndex
+from traceroof.findings.record import Finding, FindingInputs, descending, fmt_s, make, total
+from traceroof.findings.rules_memory import _layout_only
+from traceroof.scopes import _Frames, _alias_outputs
+from traceroof.units import fmt_bytes
 
 ACCUMULATION_FILE = re.compile(r"optax/transforms/_accumulation\.py$")  # optax.MultiSteps (optax >= 0.2)
 OPTAX_FILE = re.compile(r"/optax/")
 MULTISTEPS_SOURCE = ("optax source, transforms/_accumulation.py (MultiSteps.update: the inner update runs on every "
                      "call and jnp.where(emit, new, old) keeps its state every k-th micro-step; emit = mini_step "
                      "== k_steps - 1)")
+DONATION_SOURCE = ("XLA copy insertion (xla/service/copy_insertion.cc, AddCopiesForAliasedInputOutputs: a copy of each "
+                   "parameter an output aliases, which RemoveUnnecessaryCopies keeps when the parameter's value may "
+                   "still be read after that output is written); JAX docs, buffer donation (donate_argnums)")
+DONATION_SHARE_MIN = 0.005  # donation-copy fires when the copies take this share of the step
+_COPY_FUSION = frozenset({"parameter", "copy", "bitcast"})  # a fusion of these with one copy is a copy
+_MAX_BITCASTS = 8  # bitcasts followed from a copy back to its parameter (a cycle in a corrupt module ends there)
 
 
 def discarded_update(x: FindingInputs) -> list[Finding]:
@@ -99,3 +111,78 @@ def _k_steps(module: HloModule, frames: _Frames) -> int:
                         and text.lstrip("-").isdigit():
                     seen.add(int(text) + 1)
     return seen.pop() if len(seen) == 1 else 0
+
+
+def donation_copy(x: FindingInputs) -> list[Finding]:
+    """Copies XLA inserts of donated entry parameters (``input_output_alias``: the state a jitted step updates in
+    place, ``donate_argnums``) when a parameter's old value is still read after its new value would be written into
+    its buffer: each one reads and writes the whole buffer every step, for no math. optax.MultiSteps does this to
+    all of its state (``jnp.where(emit, new, old)`` reads the old state after the update). Same-layout copies only:
+    a copy that changes the layout is ``layout-copy``'s. Lost: their whole time (without the copy, the update
+    writes the buffer in place; without donation, into a new buffer)."""
+    c = x.cols
+    module, program, op = c.value("module"), c.value("program_id"), c.value("hlo_op")
+    copies: dict[tuple[Any, Any, Any], tuple[Instruction, Instruction] | None] = {}
+    aliased: dict[int, set[int]] = {}  # id(module) -> its donated parameters' numbers
+    found = []
+    for i in np.flatnonzero(c.flag("joined") & (c.num("measured_s") > 0) & (c.text("category") == "data movement")):
+        key = (module[i], program[i], op[i])
+        if key not in copies:
+            got = x.programs.instruction(*key)
+            copies[key] = _donated_copy(*got, aliased) if got is not None else None
+        if copies[key] is not None:
+            found.append(i)
+    rows = np.array(found, np.int64)
+    measured = c.num("measured_s")[rows]
+    lost = total(measured) / x.per
+    if not len(rows) or not lost >= DONATION_SHARE_MIN * x.step_s:
+        return []
+    pairs = [copies[(module[i], program[i], op[i])] for i in rows]
+    size = np.array([copy.shape.byte_size() for copy, _ in pairs], np.float64)
+    moved = total(2 * size * c.num("executions")[rows]) / x.per  # each copy reads and writes its buffer
+    names = list(dict.fromkeys(f"{op[rows[n]]} ({pairs[n][1].metadata.op_name or pairs[n][1].name})"
+                               for n in descending(measured)))
+    n_copies = len({(module[i], program[i], op[i]) for i in rows})
+    title = (f"XLA copies {n_copies} donated buffer(s) before updating them in place: {fmt_s(lost)} and "
+             f"{fmt_bytes(moved)} moved per step for no math")
+    evidence = [f"copies of entry parameters the program updates in place (input_output_alias), largest time "
+                f"first: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"]
+    frames: dict[int, _Frames] = {}
+    if any(_k_steps(m, _frames_of(m, frames)) for m in x.modules):
+        advice = ("optax.MultiSteps reads its whole state (moments, accumulated gradients, counters) in "
+                  "jnp.where(emit, new, old) after computing the update, so XLA copies every donated buffer first: "
+                  "accumulate the micro-batches' gradients inside one step instead (a jax.lax.scan over them, then "
+                  "one optimizer update), which needs neither the copies nor the discarded update; or drop "
+                  "donate_argnums, if memory holds the state twice")
+    else:
+        advice = ("XLA keeps the copy of a donated argument when an op may read its old value after its new value "
+                  "is written into the buffer (the copy's users in the HLO dump are those reads): drop "
+                  "donate_argnums for those arguments if memory holds them twice (the new value then goes to a "
+                  "fresh buffer, with no copy), or weigh the copies against the memory donation saves")
+    return [make(x, "donation-copy", title, lost, advice, DONATION_SOURCE, evidence, rows)]
+
+
+def _donated_copy(ix: ModuleIndex, inst: Instruction, aliased: dict[int, set[int]]
+                  ) -> tuple[Instruction, Instruction] | None:
+    """(the copy, the parameter) when ``inst`` is a same-layout copy, or a fusion of only that copy, of an entry
+    parameter that an output aliases (``input_output_alias``); else None. ``aliased`` caches each module's
+    aliased parameter numbers."""
+    entry = ix.module.entry
+    if ix.computation_of(inst.name) is not entry or len(inst.operands) != 1 or _layout_only(ix, inst):
+        return None
+    if inst.opcode == "fusion":
+        inner = ix.fused(inst)
+        if sum(i.opcode == "copy" for i in inner) != 1 or any(i.opcode not in _COPY_FUSION for i in inner):
+            return None
+    elif inst.opcode != "copy":
+        return None
+    param = entry.by_name.get(inst.operands[0])
+    for _ in range(_MAX_BITCASTS):
+        if param is None or param.opcode != "bitcast" or not param.operands:
+            break
+        param = entry.by_name.get(param.operands[0])
+    if param is None or param.opcode != "parameter":
+        return None
+    if id(ix.module) not in aliased:
+        aliased[id(ix.module)] = set(_alias_outputs(ix.module).values())
+    return (inst, param) if param.parameter_number in aliased[id(ix.module)] else None
