@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from traceroof import analyze
-from traceroof.layers import NO_SCOPE, TOP_LEVEL, LayerNamer, layer_of, parse_scope, rollup
+from traceroof.layers import NO_SCOPE, TOP_LEVEL, layer_of, parse_scope, rollup
 from tests.conftest import FIXTURES, HOST_CHIP, ROOT
 
 
@@ -62,13 +62,15 @@ def test_a_module_named_body_keeps_its_name():
     assert parse_scope("jit(f)/jvp(Net)/while/body/layers/Dense_0/dot_general")[0] == "Net/layers/Dense_0"
 
 
-def test_shard_map_is_no_layer_unit():
-    """JAX writes ``shard_map`` into the op names of a shard_map body, where it took one of the default depth's two
-    units: a user's MoE read ``shard_map/layer0`` instead of ``layer0/attn`` and ``layer0/moe`` (s35 trial). The
-    pipeline fixture's layers are the generator's own named scopes."""
-    namer = LayerNamer()
-    assert namer.layer("shard_map/layer0/attn", 2) == "layer0/attn"
-    assert namer.layer("shard_map", 2) == "shard_map"  # nothing else to name the ops by
+def test_shard_map_is_no_scope():
+    """JAX writes ``shard_map`` into the op names of a shard_map body: it took one of the default depth's two units
+    (a s35 trial's MoE read ``shard_map/layer0`` instead of ``layer0/attn``), and where it was the only scope it
+    named every op (a s36 trial's GNN under shard_map had three layers, ``shard_map`` backward and forward and the
+    optimizer, where the same model under jit had its message-passing layers from the stack frames). It is no
+    scope. The pipeline fixture's layers are the generator's own named scopes."""
+    assert parse_scope("jit(step)/shard_map/jvp(layer0)/attn/dot_general")[0] == "layer0/attn"
+    assert parse_scope("jit(step)/shard_map/transpose(jvp(vmap()))/while/body/closed_call/dot_general") == \
+        (TOP_LEVEL, "backward")  # as under jit alone: the stack frames name it (scopes.py)
     a = analyze(FIXTURES / "par_pp2", chip=HOST_CHIP)
     source = (ROOT / "fixtures" / "generate_parallel.py").read_text()
     layers = set(a.layers["layer"].astype(str))

@@ -76,13 +76,13 @@ def test_unnamed_matmul_next_to_a_collective_takes_the_scope_on_its_other_side()
     dispatch's all-to-all, takes its user's)."""
     (m,) = parse_hlo_text(_MOE)
     ms = assign_scopes(m)
-    ffn = "layer0/moe/shard_map/expert_ffn"
+    ffn = "layer0/moe/expert_ffn"
     got = {n: (ms.get(n).scope, ms.get(n).phase) for n in ("ynn_fusion.46", "ynn_fusion.45", "ynn_fusion.17",
                                                             "dot.87", "slice.0", "dcat")}
     assert got == {"ynn_fusion.46": (ffn, "forward"), "ynn_fusion.45": (ffn, "forward"),
                    "ynn_fusion.17": (ffn, "backward"), "dot.87": (ffn, "backward"),
-                   "slice.0": ("layer0/moe/shard_map/combine", "forward"),
-                   "dcat": ("layer0/moe/shard_map/combine", "backward")}, got
+                   "slice.0": ("layer0/moe/combine", "forward"),
+                   "dcat": ("layer0/moe/combine", "backward")}, got
     # the fused dots follow their fusions
     assert ms.get("dot.2").scope == ms.get("dot.3").scope == ffn
 
@@ -102,7 +102,7 @@ ENTRY %main (x: f32[8,8], w: f32[8,8]) -> f32[8,8] {{
 }}
 """)
     d = assign_scopes(m).get("d")
-    assert (d.scope, d.phase) == ("layer0/moe/shard_map/combine", "forward")
+    assert (d.scope, d.phase) == ("layer0/moe/combine", "forward")
 
 
 # A data-parallel conv net's weight gradient as jax 0.10 XLA CPU compiles it (/work/trial_s27b unet.py over 8

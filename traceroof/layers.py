@@ -29,7 +29,8 @@ DEFAULT_OPTIMIZER_PATTERN = (r"optimizer|optim|optax(_\w+)?|opt_update|apply_upd
                              r"momentum|lamb|lion|adafactor|rmsprop|shampoo")
 # segments JAX's transformations add to the name stack (loops, calls, remat), not user scopes
 STRUCTURAL_SEGMENTS = frozenset({"while", "closed_call", "core_call", "remat", "checkpoint",
-                                 "rematted_computation", "custom_jvp_call", "custom_vjp_call", "pjit", "scan"})
+                                 "rematted_computation", "custom_jvp_call", "custom_vjp_call", "pjit", "scan",
+                                 "shard_map"})
 # the parts of a loop (``while/body``, ``while/cond``): structural only right after ``while`` (a user module may
 # be called ``body``)
 LOOP_PARTS = frozenset({"body", "cond"})
@@ -198,9 +199,6 @@ def layer_of(scope: str, depth: int) -> str:
 WRAPPER_SHARE = 0.9  # traceroof's heuristic: a first scope unit over this share of named ops is the model wrapper
 
 
-TRANSFORMS = frozenset({"shard_map"})  # scope segments JAX writes for a transformation, not a user's scope
-
-
 @dataclass(frozen=True)
 class LayerNamer:
     """Layer names of scope paths: the model wrapper dropped, repeated blocks collapsed, depth counted in units.
@@ -210,9 +208,7 @@ class LayerNamer:
     ``FlaxGPT2LMHeadModule``, ``CNN``; see :meth:`build`), is dropped; the layer is the first
     ``d`` units, where units above the first repeated block do not count, so the default ``d = 2`` shows a
     block stack's parts (GPT-2: ``transformer/h/*/attn``; a CNN: ``Conv_0``). A scope that is the wrapper
-    itself keeps its full name. Units that name a JAX transformation (:data:`TRANSFORMS`: ``shard_map``) are no
-    units: ``shard_map/layer0/attn`` is ``layer0/attn``, and only a scope of nothing else keeps the name. With
-    ``expand`` each instance keeps its index (``transformer/h/0/attn``).
+    itself keeps its full name. With ``expand`` each instance keeps its index (``transformer/h/0/attn``).
     Names in parentheses (``(no scope)``, ``(optimizer)``) are layers as they are.
 
     :param repeats: repeated-block instance scope -> its collapsed scope (``M/h/0`` -> ``M/h/*``).
@@ -266,7 +262,7 @@ class LayerNamer:
         """The layer of a scope at ``depth`` (see the class docstring)."""
         if not scope or scope.startswith("(") or depth <= 0:
             return scope
-        units = [u for u in self.units(scope, expand) if u[0] not in TRANSFORMS] or self.units(scope, expand)
+        units = self.units(scope, expand)
         w = len(self.wrapper) if tuple(u for u, _ in units[: len(self.wrapper)]) == self.wrapper else 0
         if len(units) <= w:
             return "/".join(u for u, _ in units)
