@@ -119,7 +119,7 @@ _SPEC: dict[str, list[tuple]] = {
                              ("file_locations", 3, "M", True, "FileLocation"),
                              ("stack_frames", 4, "M", True, "StackFrame")],
     "FileLocation": [("file_name_id", 1, "i32", False), ("function_name_id", 2, "i32", False),
-                     ("line", 3, "i32", False)],
+                     ("line", 3, "i32", False), ("column", 4, "i32", False)],
     "StackFrame": [("file_location_id", 1, "i32", False), ("parent_frame_id", 2, "i32", False)],
 }
 _TYPES = {"s": _F.TYPE_STRING, "i": _F.TYPE_INT64, "i32": _F.TYPE_INT32, "u": _F.TYPE_UINT64,
@@ -419,7 +419,7 @@ def _module(mod: Any, source: str, program_id: int | None) -> HloModule:
             sfi.file_names[loc.file_name_id - 1] if loc and 0 < loc.file_name_id <= len(sfi.file_names) else "",
             sfi.function_names[loc.function_name_id - 1]
             if loc and 0 < loc.function_name_id <= len(sfi.function_names) else "",
-            loc.line if loc else 0, fr.parent_frame_id)
+            loc.line if loc else 0, fr.parent_frame_id, loc.column if loc else 0)
     comps: dict[str, Computation] = {}
     entry = mod.entry_computation_name or comp_names.get(mod.entry_computation_id, "")
     schedule = {e.key: list(e.value.instruction_ids) for e in mod.schedule.sequences}

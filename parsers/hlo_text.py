@@ -363,7 +363,8 @@ class _Parser:
             loc = locs.get(kv.get("file_location_id", 0), {})
             frames[fid] = StackFrame(files.get(loc.get("file_name_id", 0), ""),
                                      funcs.get(loc.get("function_name_id", 0), ""),
-                                     loc.get("line", 0), max(kv.get("parent_frame_id", 0) - shift, 0))
+                                     loc.get("line", 0), max(kv.get("parent_frame_id", 0) - shift, 0),
+                                     loc.get("column", 0))
         return frames
 
     def computation(self) -> Computation:

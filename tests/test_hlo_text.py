@@ -245,6 +245,7 @@ def test_dump_stack_frames_equal_the_embedded_hloprotos(name):
                 if n == "jit_train_step"]
     assert len(text.stack_frames) > 50 and text.stack_frames == proto.stack_frames
     assert not any(f.parent_frame_id == i for i, f in text.stack_frames.items())
+    assert any(f.column > 0 for f in proto.stack_frames.values())  # the columns, read from both
 
 
 def test_an_hloproto_embedded_by_every_host_is_decoded_once(monkeypatch):

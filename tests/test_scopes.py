@@ -147,7 +147,8 @@ def test_nnx_layers_from_stack_frames(nnx_mlp):
     _check_common(m, ms)
     # 65 % before (NNX writes no scopes); what stays at the top level is the loss (a lambda, no model class)
     assert _share(m, ms, lambda i: i.scope == TOP_LEVEL) < 0.05
-    assert {"Linear", "MLP", "MLP/Linear", OPTIMIZER_SCOPE} <= _layers(ms)
+    # MLP's two Linears are called on one line (fc2(relu(fc1(x)))): two layers by their columns, fc1 first
+    assert {"Linear", "MLP", "MLP/Linear_0", "MLP/Linear_1", OPTIMIZER_SCOPE} <= _layers(ms)
     assert {"sqrt", "divide"} <= _optimizer_opcodes(m, ms)
 
 
@@ -354,7 +355,7 @@ def test_stack_frame_parent_offset_and_model_path():
     assert [x.function_name for x in f.chain(4)] == ["Linear.__call__", "Block.__call__", "step.<locals>.loss",
                                                      "<module>"]
     # each class below the outermost with its call site: the first model or user frame outside its methods
-    assert _model_path(f.chain(4)) == [("Block", None), ("Linear", (user, 9))]
+    assert _model_path(f.chain(4)) == [("Block", None), ("Linear", (user, 9, 0))]  # (no column written)
     assert _model_path(f.chain(5)) == [("Block", None)]  # jax's own frame skipped
     assert _model_path(f.chain(2)) == []  # the loss closure is not a model
     assert f.resolve(4) == ("Block/Linear@0", False)
@@ -364,7 +365,7 @@ def test_model_path_goes_through_a_scan_body_defined_in_a_models_call():
     """A closure in a model's ``__call__`` (the body it hands to ``lax.scan``) is the model's code: the path goes
     on to ``Transformer``; a closure in a trainer's method still ends it."""
     user, lib = "/home/u/train.py", "/venv/lib/python3.11/site-packages/jax/_src/lax/control_flow/loops.py"
-    for owner, path in (("Transformer.__call__", [("Transformer", None), ("Block", (user, 30))]),
+    for owner, path in (("Transformer.__call__", [("Transformer", None), ("Block", (user, 30, 0))]),
                         ("Trainer.train", [("Block", None)])):
         frames = {1: StackFrame(user, owner, 40, 1), 2: StackFrame(lib, "scan", 200, 2),
                   3: StackFrame(user, f"{owner}.<locals>.body", 30, 3), 4: StackFrame(user, "Block.__call__", 9, 4)}

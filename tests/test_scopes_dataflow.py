@@ -292,10 +292,12 @@ def test_equinox_block_list_instances_get_equal_flops():
                             lambda i: (*i.scope[len("Model/"):].partition("/")[::2], i.phase))
     # before: LayerNorm forward 101 k / 59.4 k / 17.4 k FLOP in the trial model (block k's first LayerNorm ops,
     # which read block k-1's output, went to block k-1)
-    for part, phase in (("LayerNorm", "forward"), ("Linear", "forward")):
+    # (up and down are called on one line: Linear_0 and Linear_1 by their columns)
+    for part, phase in (("LayerNorm", "forward"), ("Linear_0", "forward"), ("Linear_1", "forward")):
         per = [flops[(f"ResidualMLP_{k}", part, phase)] for k in range(3)]
         assert per[0] > 0 and per[0] == per[1] == per[2], (part, phase, per)
-    dots = [flops[(f"ResidualMLP_{k}", "Linear", "backward")] for k in range(3)]
+    dots = [flops[(f"ResidualMLP_{k}", "Linear_0", "backward")] + flops[(f"ResidualMLP_{k}", "Linear_1", "backward")]
+            for k in range(3)]
     assert max(dots) <= 1.1 * min(dots)  # XLA fuses the residual gradient's adds across blocks
     # (and the last block's residual add into the final LayerNorm: the blocks' own rows differ by that add)
 
@@ -714,3 +716,42 @@ def test_a_model_under_shard_map_has_the_scopes_it_has_under_jit(tmp_path):
         scopes[how] = Counter((ms.get(i.name).scope, ms.get(i.name).phase) for _, i in _executed(m)
                               if i.opcode == "dot" or (i.opcode == "fusion" and "dot" in i.name))
     assert scopes["jit"] == scopes["shard_map"] and any(sc.startswith("Block") for sc, _ in scopes["jit"])
+
+
+_TWO_CALLS_ON_ONE_LINE = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = nnx.Linear(16, 64, rngs=rngs)
+            self.down = nnx.Linear(64, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return self.down(jax.nn.relu(self.up(x)))
+
+    graphdef, params = nnx.split(Block(nnx.Rngs(0)))
+    f = jax.jit(lambda p, x: jnp.mean(nnx.merge(graphdef, p)(x) ** 2))
+    print(json.dumps(f.lower(params, jnp.ones((32, 16))).compile().as_text()))
+""")
+
+
+def test_two_calls_on_one_line_are_two_layers(tmp_path):
+    """``self.down(jax.nn.relu(self.up(x)))``: both Linears have one call site by file and line, and were one
+    layer (a s36 trial's GNN: its two update Linears one row, split when the user wrote them on two lines). The
+    frames' columns tell them apart: each matmul its own layer, numbered in the order they run (up first)."""
+    pytest.importorskip("flax")
+    script = tmp_path / "model.py"
+    script.write_text(_TWO_CALLS_ON_ONE_LINE)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    m, ms = _module(json.loads(out.stdout.strip().splitlines()[-1]))
+    dots = {}
+    for _, i in _executed(m):
+        inner = [i] if i.opcode == "dot" else [d for c in i.called for d in m.computations[c].instructions
+                                                if d.opcode == "dot"]
+        for d in inner:
+            dots[d.shape.dims] = ms.get(i.name).scope
+    assert dots[(32, 64)] == "Block/Linear_0" and dots[(32, 8)] == "Block/Linear_1", dots

@@ -58,7 +58,7 @@ import re
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from parsers.hlo import Computation, HloModule, Instruction, StackFrame
 from traceroof.layers import (COMBINED_SCOPE, DEFAULT_OPTIMIZER_PATTERN, NO_SCOPE, OTHER_PHASE, TOP_LEVEL, is_combined,
@@ -178,7 +178,7 @@ class _Frames:
         fits = {d: sum(1 for i, f in frames.items() if 0 <= f.parent_frame_id - d < i) for d in (0, 1)}
         self.offset = 1 if fits[1] > fits[0] else 0
         self._paths: dict[int, tuple[str, bool]] = {}
-        self.sites: dict[tuple[str, int], int] = {}  # call site (file, line) -> id in the paths' ``@<id>``
+        self.sites: dict[tuple[str, int, int], int] = {}  # call site (file, line, column) -> the paths' ``@<id>``
 
     def chain(self, fid: int) -> list[StackFrame]:
         """Frames from the innermost (``fid``) outwards."""
@@ -201,9 +201,9 @@ class _Frames:
         return self._paths[fid]
 
 
-def _model_path(chain: list[StackFrame]) -> list[tuple[str, tuple[str, int] | None]]:
+def _model_path(chain: list[StackFrame]) -> list[tuple[str, tuple[str, int, int] | None]]:
     """(class name, call site) of the model-class frames of a chain (innermost first), outermost first. The call
-    site (file, line) is the first model or user frame outside the class's methods (``self.stem(x)`` in
+    site (file, line, column) is the first model or user frame outside the class's methods (``self.stem(x)`` in
     ``Net.__call__``); None for the outermost class."""
     classes: list[list] = []  # [class, site]
     for f in chain:
@@ -214,7 +214,7 @@ def _model_path(chain: list[StackFrame]) -> list[tuple[str, tuple[str, int] | No
                                                    and not NOT_MODEL_FILES.search(f.file_name)))
         if classes and classes[-1][1] is None and (model or not library) \
                 and not (model and classes[-1][0] == m.group(1)):
-            classes[-1][1] = (f.file_name, f.line)
+            classes[-1][1] = (f.file_name, f.line, f.column)
         if model:
             if not classes or classes[-1][0] != m.group(1):
                 classes.append([m.group(1), None])
@@ -242,11 +242,14 @@ def _in_model_method(qualname_parts: list[str]) -> bool:
 _SITE = re.compile(r"(.+)@(\d+)")
 
 
-def _number_call_sites(infos: dict[str, ScopeInfo], sites: Mapping[tuple[str, int], int]) -> None:
+def _number_call_sites(infos: dict[str, ScopeInfo], sites: Mapping[tuple[str, int, int], int],
+                       schedule: Sequence[str] = ()) -> None:
     """Distinct instances of one class called from distinct places: a class called at two or more call sites
     under the same parent (``self.stem(x)`` and ``self.stage2(x)``, both ``ConvBNBlock``, in
     ``SmallConvNet.__call__``) becomes ``ConvBNBlock_0``, ``ConvBNBlock_1``, numbered in call-site order (file,
-    then line: the order of the calls in the caller's code); a class called from one place keeps its name.
+    then line: the order of the calls in the caller's code; two calls on one line, ``self.down(relu(self.up(x)))``,
+    told apart by their columns, in the order their first ops run in ``schedule``, the entry computation's
+    op names without its parameters); a class called from one place keeps its name.
 
     Why this naming: the metadata carries no attribute names (NNX / Equinox write no scopes) and the user's source
     is not read, so ``stem`` cannot be recovered; ``ConvBNBlock@net.py:24`` puts a line number where a reader
@@ -255,7 +258,14 @@ def _number_call_sites(infos: dict[str, ScopeInfo], sites: Mapping[tuple[str, in
     are repeated blocks and collapse into ``ConvBNBlock_*`` with the spread across instances (``_repeats``);
     instances of different shapes stay separate rows, so two different layers are never summed into one row
     that looks like one layer. A block list called in a loop has one call site: ``_frame_instances`` splits it."""
-    order = {i: site for site, i in sites.items()}
+    first_run: dict[int, int] = {}  # site id -> position in the schedule of the first op under it
+    for k, name in enumerate(schedule):
+        info = infos.get(name)
+        for seg in info.scope.split("/") if info is not None and "@" in info.scope else ():
+            m = _SITE.fullmatch(seg)
+            if m:
+                first_run.setdefault(int(m.group(2)), k)
+    order = {i: (site[0], site[1], first_run.get(i, len(schedule)), i) for site, i in sites.items()}
     parsed: dict[str, list[tuple[str, int | None]]] = {}
     for scope in {i.scope for i in infos.values() if "@" in i.scope}:
         segs = []
@@ -715,7 +725,8 @@ def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
                         changed = True
         if not changed:
             break
-    _number_call_sites(infos, frames.sites)
+    _number_call_sites(infos, frames.sites, [i.name for i in module.entry.instructions
+                                             if i.opcode not in ("parameter", "constant")])
     _combined_ops(module, infos)
     _loop_plumbing(module, infos)
     _gradient_accumulators(module, infos, opt_lib)
