@@ -755,3 +755,62 @@ def test_two_calls_on_one_line_are_two_layers(tmp_path):
         for d in inner:
             dots[d.shape.dims] = ms.get(i.name).scope
     assert dots[(32, 64)] == "Block/Linear_0" and dots[(32, 8)] == "Block/Linear_1", dots
+
+
+_BLOCK_LIST_ONE_LINE_MLP = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, optax
+    from flax import nnx
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.msg = nnx.Linear(32, 32, rngs=rngs)
+            self.upd1 = nnx.Linear(32, 64, rngs=rngs)
+            self.upd2 = nnx.Linear(64, 32, rngs=rngs)
+            self.norm = nnx.LayerNorm(32, rngs=rngs)
+
+        def __call__(self, x):
+            m = jax.nn.relu(self.msg(x))
+            return self.norm(x + self.upd2(jax.nn.relu(self.upd1(m))))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Linear(8, 32, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(4)])
+
+        def __call__(self, x):
+            x = self.embed(x)  # (so that block 0, too, computes its input's gradient)
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    model = Net(nnx.Rngs(0))
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, x):
+        loss, g = nnx.value_and_grad(lambda mdl: jnp.mean(mdl(x) ** 2))(model)
+        opt.update(model, g)
+        return loss
+
+    print(json.dumps(step.lower(model, opt, jnp.ones((16, 8))).compile().as_text()))
+""")
+
+
+def test_block_list_with_two_calls_on_one_line_splits_into_instances(tmp_path):
+    """s36 trial (NNX GNN, 4 blocks in an nnx.List called in a Python loop, ``upd2(relu(upd1(m)))`` on one line):
+    the two same-line Linears were one scope, and the trial's blocks stayed one row (``--expand`` changed nothing;
+    its program splits into 4 since the calls are told apart by column). This smaller block list split before too,
+    with each block's two Linears one scope: now 4 instances of 3 Linears each, one forward matmul each."""
+    pytest.importorskip("flax")
+    script = tmp_path / "model.py"
+    script.write_text(_BLOCK_LIST_ONE_LINE_MLP)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    m, ms = _module(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert ms.repeats == {f"Net/Block_{k}": "Net/Block_*" for k in range(4)}, ms.repeats
+    dots = Counter(ms.get(i.name).scope for _, i in _executed(m) if ms.get(i.name).phase == "forward"
+                   and (i.opcode == "dot" or any(d.opcode == "dot" for c in i.called for d in
+                                                 m.computations[c].instructions)))
+    assert dots == {"Net/Linear": 1, **{f"Net/Block_{k}/Linear_{j}": 1 for k in range(4) for j in range(3)}}, dots
