@@ -666,6 +666,17 @@ def test_unnamed_transpose_of_a_resized_input_is_the_backward_convolution_it_fee
     assert views  # the pattern is in the program
 
 
+def _run_user_file(folder, source: str):
+    """Run ``source`` as a user's script file in ``folder`` (stack frames of ``python -c`` code read as a
+    library's) and return the JSON it prints last."""
+    script = folder / "model.py"
+    script.write_text(source)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 _NNX_UNDER_SHARD_MAP = textwrap.dedent("""
     import json, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
@@ -703,12 +714,7 @@ def test_a_model_under_shard_map_has_the_scopes_it_has_under_jit(tmp_path):
     layers: shard_map backward, forward and the optimizer). The same step under jit alone and under shard_map now
     gives its matmuls the same scopes, the module's."""
     pytest.importorskip("flax")
-    script = tmp_path / "model.py"  # a user's file: frames of ``-c`` code read as a library's
-    script.write_text(_NNX_UNDER_SHARD_MAP)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    programs = json.loads(out.stdout.strip().splitlines()[-1])
+    programs = _run_user_file(tmp_path, _NNX_UNDER_SHARD_MAP)
     scopes = {}
     for how, text in programs.items():
         m, ms = _module(text)
@@ -742,12 +748,7 @@ def test_two_calls_on_one_line_are_two_layers(tmp_path):
     layer (a s36 trial's GNN: its two update Linears one row, split when the user wrote them on two lines). The
     frames' columns tell them apart: each matmul its own layer, numbered in the order they run (up first)."""
     pytest.importorskip("flax")
-    script = tmp_path / "model.py"
-    script.write_text(_TWO_CALLS_ON_ONE_LINE)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    m, ms = _module(json.loads(out.stdout.strip().splitlines()[-1]))
+    m, ms = _module(_run_user_file(tmp_path, _TWO_CALLS_ON_ONE_LINE))
     dots = {}
     for _, i in _executed(m):
         inner = [i] if i.opcode == "dot" else [d for c in i.called for d in m.computations[c].instructions
@@ -803,12 +804,7 @@ def test_block_list_with_two_calls_on_one_line_splits_into_instances(tmp_path):
     its program splits into 4 since the calls are told apart by column). This smaller block list split before too,
     with each block's two Linears one scope: now 4 instances of 3 Linears each, one forward matmul each."""
     pytest.importorskip("flax")
-    script = tmp_path / "model.py"
-    script.write_text(_BLOCK_LIST_ONE_LINE_MLP)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    m, ms = _module(json.loads(out.stdout.strip().splitlines()[-1]))
+    m, ms = _module(_run_user_file(tmp_path, _BLOCK_LIST_ONE_LINE_MLP))
     assert ms.repeats == {f"Net/Block_{k}": "Net/Block_*" for k in range(4)}, ms.repeats
     dots = Counter(ms.get(i.name).scope for _, i in _executed(m) if ms.get(i.name).phase == "forward"
                    and (i.opcode == "dot" or any(d.opcode == "dot" for c in i.called for d in

@@ -363,9 +363,8 @@ def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
     ours = (t["module"].astype(str).to_numpy() == p.module) & np.isin(t["hlo_op"].astype(str).to_numpy(),
                                                                       list(p.gradient_ops))
     hot = np.flatnonzero(ours & (execs >= 2))
-    pid = t["program_id"].to_numpy() if "program_id" in t else [None] * len(t)
-    hot = np.array([i for i in hot if not _stacked_per_iteration(x.programs.instruction(
-        t["module"].iloc[i], pid[i], t["hlo_op"].iloc[i]))], np.int64)
+    hot = np.array([i for i in hot if not _stacked_per_iteration(  # (the table has no program ids: by name)
+        x.programs.instruction(t["module"].iloc[i], None, t["hlo_op"].iloc[i]))], np.int64)
     if not len(hot):
         return []
     ops = tuple(t["hlo_op"].astype(str).to_numpy()[hot])
