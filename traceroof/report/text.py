@@ -28,6 +28,8 @@ def virtual_comm(s: Summary) -> str:
     are CPU threads (``Summary.virtual_devices``): their collectives' time is mostly devices waiting for each
     other on shared cores, not data movement; else ''."""
     return VIRTUAL_COMM if s.virtual_devices and s.devices > 1 and s.exposed_comm_per_step_s > 0 else ""
+
+
 SKEWED_MEAN_RATIO = 1.25  # mean / median above which the header shows the median step too
 
 
