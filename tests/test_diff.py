@@ -153,6 +153,25 @@ def test_cli_exit_codes_and_json(tmp_path):
     assert nolayer.returncode == 2
 
 
+def test_dumps_of_another_program_are_named_not_dropped(tmp_path):
+    """s36 trial: diff --hlo-new with another variant's dump exited 0 with the dump silently unused (analyze notes
+    it; diff showed no analysis notes). The figures stay the profile's own HLO's; the note names the option."""
+    args = ("fixtures/diff_base", "fixtures/diff_rerun", "--hlo-new", "fixtures/scan_mlp/hlo", "--chip", HOST_CHIP)
+    text = _cli(*args)
+    assert text.returncode == 0, text.stderr
+    assert "note (new): the HLO given (--hlo-new) describes none of the profiled programs" in text.stdout
+    doc = json.loads(_cli(*args, "--format", "json").stdout)
+    assert doc["input_notes"]["base"] == [] and len(doc["input_notes"]["new"]) == 1
+    plain = json.loads(_cli(*args[:2], "--chip", HOST_CHIP, "--format", "json").stdout)
+    assert plain["input_notes"] == {"base": [], "new": []} and plain["step"] == doc["step"]
+    from traceroof.report import render  # a saved report keeps the note it was written with
+
+    saved = tmp_path / "base.json"
+    saved.write_text(render(analyze(FIXTURES / "diff_base", hlo=FIXTURES / "scan_mlp" / "hlo", chip=HOST_CHIP),
+                            "json"))
+    assert load_side(saved).input_notes[0].startswith("the HLO given (--hlo) describes none")
+
+
 def test_collectives_match_on_kind_and_group():
     a = analyze(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
     stats = a.op_stats

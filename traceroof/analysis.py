@@ -40,6 +40,7 @@ from traceroof.utilization import (_step_durations, flop_utilization, overlappin
                                    shared_host_note, step_periods, utilization_notes)
 
 COST_DISAGREEMENT = 0.1  # libtpu vs traceroof per-op FLOPs differing by more than this are listed
+HLO_IGNORED = "the HLO given (--hlo) describes none of the profiled programs"  # a note's start: the dumps unused
 
 
 def resolve_chip(profile: Profile, chip: str | Path | Chip | None) -> tuple[Chip, str]:
@@ -125,7 +126,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
             raise HloMismatchError(f"none of the {join.events_total:,} op events match the HLO given (the profile "
                                    f"ran {', '.join(ran[:4])}){why}; pass the after-optimization dumps of the "
                                    "profiled run")
-        notes.append(f"the HLO given (--hlo) describes none of the profiled programs ({', '.join(ran[:4])}){why}: "
+        notes.append(f"{HLO_IGNORED} ({', '.join(ran[:4])}){why}: "
                      "ignored; the profile carries its own")
         ignored = sum(1 for m in profile.modules if str(m.source) in user)
         hlo_sources["HLO text dumps"] = hlo_sources.get("HLO text dumps", 0) - ignored

@@ -257,8 +257,10 @@ def diff(base: str, new: str, hlo_base: Sequence[str], hlo_new: Sequence[str], c
     from traceroof.report.diff import render_diff_html, render_diff_json, render_diff_text
 
     inputs = _protected(output, ([base], hlo_base, chip), ([new], hlo_new, None))
-    b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base, jobs=jobs, dask_address=dask)
-    n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new, jobs=jobs, dask_address=dask)
+    b = load_side(base, hlo_base, chip, depth, warmup_steps, label=base, jobs=jobs, dask_address=dask,
+                  hlo_option="--hlo-base")
+    n = load_side(new, hlo_new, chip, depth, warmup_steps, label=new, jobs=jobs, dask_address=dask,
+                  hlo_option="--hlo-new")
     result = compare(b, n)
     failed, why = gate(result, fail_above, layer)
     shown = why if fail_above is not None else ""

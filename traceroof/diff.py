@@ -17,7 +17,7 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -26,7 +26,7 @@ import pandas as pd
 
 from parsers.errors import FormatError, InputError
 from traceroof.memory_diff import memory_delta, memory_from_json
-from traceroof.analysis import Analysis, analyze
+from traceroof.analysis import HLO_IGNORED, Analysis, analyze
 from traceroof.breakdown import BREAKDOWN_COLUMNS, LABELS, breakdown_delta
 from traceroof.opstats import OP_KEY
 
@@ -52,6 +52,15 @@ class Side:
     step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # traceroof.breakdown rows
     memory: dict | None = None  # the JSON ``memory`` object (traceroof.memory)
     devices: int = 0  # devices that ran the profiled steps (0: unknown, a report without it)
+    input_notes: tuple[str, ...] = ()  # the analysis' notes that say input given was left out (:func:`input_notes`)
+
+
+def input_notes(notes: Sequence[object]) -> tuple[str, ...]:
+    """The notes of an analysis that say some input given was not used: hosts left out (``PARTIAL:``, a corrupt
+    host file) or ``--hlo`` dumps of none of the profiled programs (ignored). A diff shows them: its figures are
+    right, but not of everything the user passed (s36 trial: ``diff --hlo-new`` given the other variant's dump
+    exited 0 with the dump silently unused)."""
+    return tuple(n for n in notes if isinstance(n, str) and n.startswith(("PARTIAL:", HLO_IGNORED)))
 
 
 def side_from_analysis(a: Analysis, label: str) -> Side:
@@ -59,7 +68,7 @@ def side_from_analysis(a: Analysis, label: str) -> Side:
     s = a.summary
     return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
                 a.layers, a.op_stats, a.step_breakdown,
-                a.memory.to_json() if a.memory is not None else None, int(s.devices))
+                a.memory.to_json() if a.memory is not None else None, int(s.devices), input_notes(s.notes))
 
 
 def _number(value: object) -> float | None:
@@ -133,19 +142,22 @@ def side_from_json(path: Path) -> Side:
                 _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS),
                 _table(path, doc, "step_breakdown", BREAKDOWN_COLUMNS) if "step_breakdown" in doc else pd.DataFrame(),
                 memory_from_json(path, doc.get("memory")),
-                devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 0)
+                devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 0,
+                input_notes(s["notes"]) if isinstance(s.get("notes"), list) else ())
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
-              warmup_steps: int = 1, label: str = "", jobs: int | None = 1, dask_address: str | None = None
-              ) -> Side:
+              warmup_steps: int = 1, label: str = "", jobs: int | None = 1, dask_address: str | None = None,
+              hlo_option: str = "--hlo") -> Side:
     """Analyze a profile (anything ``analyze`` accepts; hosts read as :func:`traceroof.parallel.map_hosts` with
-    ``jobs`` / ``dask_address``) or read a saved JSON report."""
+    ``jobs`` / ``dask_address``) or read a saved JSON report. ``hlo_option``: the option that gave ``hlo``, as
+    the side's notes name it (``--hlo-new``)."""
     p = Path(path)
     if p.is_file() and p.suffix == ".json" and not p.name.endswith((".trace.json",)) and "hlo_stats" not in p.name:
         return side_from_json(p)
-    return side_from_analysis(analyze(path, hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, jobs=jobs,
+    side = side_from_analysis(analyze(path, hlo=hlo, chip=chip, depth=depth, warmup_steps=warmup_steps, jobs=jobs,
                                       dask_address=dask_address), label or str(path))
+    return replace(side, input_notes=tuple(n.replace("(--hlo)", f"({hlo_option})") for n in side.input_notes))
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,11 @@ def _unmatched(r: DiffResult, n: int = 10) -> pd.DataFrame:
                          "opcode": d["opcode"], "shape": d["shape"], "time/step": d["time_per_step_s"].map(fmt_time)})
 
 
+def _input_notes(r: DiffResult) -> list[tuple[str, str]]:
+    """(side, note) for each side's notes on input left out (:attr:`traceroof.diff.Side.input_notes`)."""
+    return [(side, n) for side, s in (("base", r.base), ("new", r.new)) for n in s.input_notes]
+
+
 def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False, wide: bool = False) -> str:
     """Terminal (or, with ``markdown``, Markdown) text of a diff: contributors, gate, layers, ops, unmatched. The
     terminal tables fit 120 columns unless ``wide`` (every cell in full, as ``analyze --wide``)."""
@@ -62,6 +67,7 @@ def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False,
            f"FLOPs per step {fmt_si(r.base.flops_per_step, 'FLOP')} -> {fmt_si(r.new.flops_per_step, 'FLOP')}"]
     out += [safe(memory_delta_line(r.memory))] if r.memory else []
     out += [f"warning: {safe(w)}" for w in r.warnings]
+    out += [f"note ({side}): {safe(n)}" for side, n in _input_notes(r)]
     out += [f"- {safe(c)}" for c in r.contributors]
     if gate_line:
         out.append(f"gate: {safe(gate_line)}")
@@ -81,6 +87,7 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
                                                           "standard_error_s", "noise")}),
         "work_ratio": clean_value(work_ratio(r.base, r.new)),  # FLOPs per step, all devices, new / base
         "warnings": list(r.warnings), "contributors": list(r.contributors),
+        "input_notes": {"base": list(r.base.input_notes), "new": list(r.new.input_notes)},
         "gate": {"failed": failed, "reason": gate_line},
         "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
         "step_breakdown": records(breakdown_delta(r.base.step_breakdown, r.new.step_breakdown)),
@@ -106,6 +113,7 @@ def render_diff_html(r: DiffResult, gate_line: str = "") -> str:
         "<h2>Summary</h2>",
         f"<p>base: {esc(r.base.label)} ({esc(r.base.chip)})<br>new: {esc(r.new.label)} ({esc(r.new.chip)})</p>",
         "".join(f"<p><b>warning:</b> {esc(w)}</p>" for w in r.warnings),
+        "".join(f"<p><b>note ({side}):</b> {esc(n)}</p>" for side, n in _input_notes(r)),
         "<ul>" + "".join(f"<li>{esc(c)}</li>" for c in r.contributors + (memory_delta_line(r.memory),) if c) + "</ul>",
         f"<p>gate: {esc(gate_line)}</p>" if gate_line else "",
         '<div id="layer-bars" class="chart"></div>',
