@@ -139,6 +139,28 @@ except KeyboardInterrupt:
     assert not (cache / "traceroof" / "host.toml").exists()  # nothing calibrated
 
 
+def test_the_analysis_process_takes_the_cached_calibration_as_it_is(monkeypatch, tmp_path):
+    """A cached calibration taken on a loaded machine is measured again by ``analyze`` on an idle machine; inside
+    a job's analysis process it is used as it is (with its note), and a corrupt one gives no roofline: the job
+    never calibrates."""
+    import traceroof.chips as chips
+    from traceroof.attach import _analysis_chip
+    from traceroof.chips import Calibration, calibration_toml
+
+    cache = tmp_path / "host.toml"
+    cache.write_text(calibration_toml(Calibration({"f32": 1e11}, 2e10, 1e10, "Test CPU", 2, "2026-01-02T03:04:05Z",
+                                                  "numpy", {}, 0.5, 0.5, chips.load_note(0.5, 0.5))))
+    monkeypatch.setattr(chips, "host_cache_path", lambda: cache)
+    monkeypatch.setattr(chips, "cpu_busy_share", lambda window_s=0.0: 0.0)  # idle: analyze would measure again
+    monkeypatch.setattr(chips, "calibrate", lambda: pytest.fail("calibrated inside the job's analysis"))
+    chip, note = _analysis_chip(None, "cpu")
+    assert chip.load_note and chip.calibrated_at == "2026-01-02T03:04:05Z" and note == ""
+    cache.write_text("corrupt = [")
+    chip, note = _analysis_chip(None, "cpu")
+    assert chip.id == "uncalibrated-host" and "attach never calibrates inside a job" in note
+    assert _analysis_chip("h100", "cpu") == ("h100", "")
+
+
 def test_attach_to_a_loop_that_never_blocks_puts_each_execution_in_its_own_step(tmp_path):
     """The README's loop without ``block_until_ready`` and a device slower than the host: when the window opens,
     steps launched before it are still queued and run inside the trace. They belong to no step; each step holds

@@ -126,11 +126,17 @@ class WindowReport:
 
 def _analysis_chip(chip: str | None, platform: str) -> tuple[object, str]:
     """The chip argument for the analysis and a note: ``chip`` when given; for a CPU job the cached host
-    calibration (``None``: the analysis reads the cache) or, when none is cached, a host chip with no figures."""
-    from traceroof.chips import Chip, host_cache_path
+    calibration as it is (read here: the analysis would measure one that is corrupt, or was taken on a loaded
+    machine, and the job never calibrates) or, when none can be read, a host chip with no figures."""
+    from traceroof.chips import Chip, ChipError, host_cache_path, load_chip_file
 
-    if chip is not None or platform != "cpu" or host_cache_path().is_file():
+    if chip is not None or platform != "cpu":
         return chip, ""
+    if host_cache_path().is_file():
+        try:
+            return load_chip_file(host_cache_path()), ""
+        except ChipError:
+            pass
     return Chip(id="uncalibrated-host", name="this host (not calibrated)", vendor="host", kind="cpu", aliases=(),
                 note="not calibrated: no roofline"), NO_CALIBRATION_NOTE
 

@@ -447,7 +447,9 @@ class Calibration:
     ``runs_per_figure``: timed runs behind each figure (its best counts); ``busy_share_before`` /
     ``busy_share_after``: share of the machine's CPU time (all cores) used by other work in the
     ``LOAD_SAMPLE_S`` before and after measuring (``/proc/stat``; else the 1-minute load average ÷ cores);
-    ``load_note``: a sentence saying the machine was loaded (figures may be low), empty when it was idle.
+    ``busy_share_during``: the same while measuring (the machine's busy time less this process's own CPU time;
+    NaN without ``/proc/stat``); ``load_note``: a sentence saying the machine was loaded (figures may be low),
+    empty when it was idle.
     """
 
     matmul_flops_per_s: dict[str, float]
@@ -461,6 +463,7 @@ class Calibration:
     busy_share_before: float = float("nan")
     busy_share_after: float = float("nan")
     load_note: str = ""
+    busy_share_during: float = float("nan")
 
 
 def _cpu_times() -> tuple[float, float] | None:
@@ -495,18 +498,46 @@ def cpu_busy_share(window_s: float = LOAD_SAMPLE_S) -> float:
     return max(0.0, min((b[0] - a[0]) / (b[1] - a[1]), 1.0))
 
 
-def load_note(busy_before: float, busy_after: float) -> str:
+class OtherWork:
+    """Measures the share (0..1) of the machine's CPU time that other processes used between :meth:`start` and
+    :meth:`share`, while this process works too: the machine's busy time (``/proc/stat``, clock ticks of
+    ``SC_CLK_TCK``) less this process's own CPU time (``os.times()``: every thread, XLA's included). NaN without
+    ``/proc/stat``. (A calibration whose own threads kept every core busy is not a loaded machine; another
+    process sharing the cores is, and the before/after samples miss work that ran only while measuring: the s36
+    trial's cached calibration read f32 matmuls a third low with no warning.)"""
+
+    def __init__(self) -> None:
+        self._machine, self._own_s = _cpu_times(), _own_cpu_s()
+
+    def share(self) -> float:
+        """Other work's share of the machine's CPU time since construction (NaN when unknown)."""
+        now = _cpu_times()
+        if self._machine is None or now is None or now[1] <= self._machine[1]:
+            return float("nan")
+        tick_s = 1.0 / os.sysconf("SC_CLK_TCK")
+        other_s = (now[0] - self._machine[0]) * tick_s - (_own_cpu_s() - self._own_s)
+        return max(0.0, min(other_s / ((now[1] - self._machine[1]) * tick_s), 1.0))
+
+
+def _own_cpu_s() -> float:
+    """User + system CPU seconds of this process (all its threads)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def load_note(busy_before: float, busy_after: float, busy_during: float = float("nan")) -> str:
     """The chip-note sentence for a calibration measured while other work used more than ``LOADED_BUSY_SHARE``
-    of the CPU (before or after it); empty otherwise."""
-    if not max(busy_before, busy_after, 0.0) > LOADED_BUSY_SHARE:  # NaN-safe: unknown load is no warning
+    of the CPU (before, during or after it); empty otherwise."""
+    if not max(busy_before, busy_after, busy_during, 0.0) > LOADED_BUSY_SHARE:  # NaN-safe: unknown is no warning
         return ""
     try:
         avg = f"; load average {os.getloadavg()[0]:.2f} on {os.cpu_count() or 1} CPUs"
     except (OSError, AttributeError):
         avg = ""
+    during = f"{busy_during:.0%} while measuring, " if busy_during == busy_during else ""
     return (f"the machine was loaded while calibrating ({busy_before:.0%} of CPU busy with other work before, "
-            f"{busy_after:.0%} after{avg}): the figures may be low; run `traceroof calibrate` again on an idle "
-            "machine")
+            f"{during}{busy_after:.0%} after{avg}): the figures may be low; run `traceroof calibrate` again on an "
+            "idle machine")
 
 
 def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: int = 1 << 28,
@@ -519,7 +550,8 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
     With JAX installed the matmuls and the vector chain run on XLA:CPU (what a CPU profile ran on; f32 and
     bf16); otherwise numpy runs them (f32 and f64, vector rate of numpy's in-cache add). The figures are a
     practical roof for this machine under its current load, not a datasheet: the CPU-busy share of other work
-    is sampled before and after (:func:`cpu_busy_share`) and a loaded machine is named in ``load_note``.
+    is sampled before and after (:func:`cpu_busy_share`) and during (:class:`OtherWork`), and a loaded machine
+    is named in ``load_note``.
     """
     import platform
 
@@ -539,6 +571,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
         return max(t_best, 1e-9)  # a clock that saw no time: never a division by zero
 
     busy_before = cpu_busy_share()
+    other = OtherWork()
     matmul: dict[str, float] = {}
     try:
         import jax
@@ -573,6 +606,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
     dst = np.empty_like(src)
     bw = 2 * src.nbytes / best("memory", lambda: np.copyto(dst, src))
     src = dst = np.zeros(0)  # release the copy buffers before the rest
+    busy_during = other.share()
     busy_after = cpu_busy_share()
     cpu = platform.processor() or platform.machine()
     try:
@@ -584,7 +618,7 @@ def calibrate(seconds_per_test: float = 0.5, matmul_n: int = 1024, copy_bytes: i
         pass
     return Calibration(matmul, vec, bw, cpu, os.cpu_count() or 1,
                        datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), engine, runs, busy_before,
-                       busy_after, load_note(busy_before, busy_after))
+                       busy_after, load_note(busy_before, busy_after, busy_during), busy_during)
 
 
 def _toml_str(text: str) -> str:
@@ -652,15 +686,19 @@ def calibration_drift(previous: Chip, cal: Calibration) -> list[str]:
 
 def host_chip(recalibrate: bool = False) -> Chip:
     """The calibrated host chip: read from the cache, measured (and cached) when absent, asked, or when the cached
-    file does not load (a corrupt or hand-edited cache is a cache miss, measured again and replaced). The cache is
-    written atomically (a temporary file renamed over it), so an interrupted write never leaves a torn file.
+    file does not load (a corrupt or hand-edited cache is a cache miss, measured again and replaced). A cached
+    calibration taken on a loaded machine (its ``load_note``) is measured again when the machine is idle now
+    (other work under ``LOADED_BUSY_SHARE`` of the CPU over ``LOAD_SAMPLE_S``), else kept with its note. The cache
+    is written atomically (a temporary file renamed over it), so an interrupted write never leaves a torn file.
 
     :raises ChipError: the cache cannot be written (its folder says where).
     """
     path = host_cache_path()
     if not recalibrate and path.is_file():
         try:
-            return load_chip_file(path)
+            cached = load_chip_file(path)
+            if not cached.load_note or not cpu_busy_share() < LOADED_BUSY_SHARE:  # NaN: unknown, kept
+                return cached
         except ChipError:
             pass  # re-measured below
     text = calibration_toml(calibrate())
