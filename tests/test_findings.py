@@ -163,6 +163,10 @@ def test_layout_copies_feeding_convolutions_get_convolution_advice():
 def test_exposed_collective_and_straggler():
     found = codes(fixture("sharded_mlp"))
     assert len(found["exposed-collective"]) == 3
+    # 8 threads of one host: waiting for each other on shared cores is no time to win (s36 trial: ranked high,
+    # 34 % "lost", under a header at 102 % of the host's roofline); the exposed time stays in the evidence
+    assert all(f.severity == "info" and math.isnan(f.lost_per_step_s) and f.evidence[0].startswith("exposed ")
+               for f in found["exposed-collective"])
     assert "collective-straggler" not in found  # 8 threads of one host: no device is last most of the time
     assert "exposed-collective" not in codes(fixture("transformer"))
 
