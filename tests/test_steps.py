@@ -149,6 +149,24 @@ JOB = textwrap.dedent("""
         json.dump({"flops": (cost[0] if isinstance(cost, list) else cost)["flops"]}, open(f"{out}/cut/facts.json", "w"))
         jax.profiler.start_trace(f"{out}/cutsole")  # a capture of one execution only, the stop a third through
         a = held_step(a, 0)
+    if "lambdas" in loops:  # programs whose PjitFunction names are not their module names
+        def scale_(a):
+            return a * 0.5
+
+        square = jax.jit(lambda a: jnp.tanh(a @ a))  # both jit__lambda: their launch events name the module only
+        mix = jax.jit(lambda a: jnp.sin(a) + a @ a.T)
+        shrink = jax.jit(scale_)  # jit_scale (the trailing _ dropped)
+        a = jnp.ones((192, 192)) / 192
+        jax.block_until_ready(shrink(mix(square(a))))
+        jax.profiler.start_trace(f"{out}/lambdas")
+        for i in range(5):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                a = shrink(mix(square(a)))
+        jax.block_until_ready(a)
+        jax.profiler.stop_trace()
+        costs = [f.lower(a).compile().cost_analysis() for f in (square, mix, shrink)]
+        json.dump({"flops": sum((c[0] if isinstance(c, list) else c)["flops"] for c in costs)},
+                  open(f"{out}/lambdas/facts.json", "w"))
     cost = train_step.lower(w, x).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     json.dump({"flops": cost["flops"]}, open(f"{out}/facts.json", "w"))
@@ -165,7 +183,7 @@ def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("job")
-    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut,generate")
+    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut,generate,lambdas")
     _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
     return root
 
@@ -191,6 +209,24 @@ def test_readme_loop_counts_every_step(job):
     runs = ev.dropna(subset=["step"]).groupby("step")["run_id"].nunique()
     assert (runs == 1).all()
     assert s.step_time_mean_s > 0 and s.host_step_time_mean_s > 0
+
+
+def test_launches_of_lambdas_and_renamed_functions_are_tied_to_their_executions(job):
+    """Two jax.jit(lambda ...) programs are both jit__lambda (their launch events name the module only, each
+    program counts its own run ids) and a function ``scale_`` compiles to jit_scale, while its PjitFunction event
+    says ``scale_``: 92.5 % of such a loop's op time was "not tied to its launch" and left out of the steps (a
+    user's MFU counted one program of three). Each step holds one execution of each program; FLOPs per step are
+    XLA's cost_analysis of the three."""
+    run = job / "run" / "lambdas"
+    a = analyze(run, chip=str(HOST_CHIP))
+    s = a.summary
+    assert not any("tied to its launch" in n or "launched outside the steps" in n for n in s.notes), s.notes
+    assert s.steps_used == (1, 2, 3, 4)
+    flops = json.loads((run / "facts.json").read_text())["flops"]
+    assert s.flops_per_step == pytest.approx(flops, rel=1e-6)
+    ev = load_profile(discover([run], [])).events().dropna(subset=["step"])
+    per_step = ev.groupby(["step", "program_id"])["run_id"].nunique()
+    assert len(ev["program_id"].unique()) == 3 and (per_step == 1).all() and len(per_step) == 3 * 5
 
 
 def test_readme_loop_equals_blocking_loop(job):

@@ -52,6 +52,18 @@ def _name_matches(names: pd.Series, pattern: re.Pattern) -> tuple[np.ndarray, li
     return rows, [tried[c] for c in codes[rows].tolist()]
 
 
+def jit_module_name(fn: str) -> str:
+    """The HLO module name of ``jax.jit(fn)`` from the name in its ``PjitFunction(<name>)`` event: ``jit_`` and
+    the name with characters other than letters, digits, ``_``, ``.`` and ``-`` made ``_`` (JAX's
+    ``mlir.sanitize_name``) and trailing ``_`` dropped, as the compiled module shows (checked with jax 0.10:
+    ``<lambda>`` -> ``jit__lambda``, ``step_`` -> ``jit_step``, a callable object's ``<unnamed function>`` ->
+    ``jit__unnamed_function``)."""
+    return "jit_" + _UNSAFE_NAME.sub("_", fn).rstrip("_")
+
+
+_UNSAFE_NAME = re.compile(r"[^\w.-]")
+
+
 def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
     """The launch events among a host's events, with the module each launched where it can be told.
 
@@ -88,7 +100,7 @@ def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
             active = active[(jj > stop[active]) & (pend[np.maximum(jj, 0)] < e[active])]
             j[active] -= 1
         found = j > stop
-        module[todo[found]] = [f"jit_{fn[k]}" for k in j[found].tolist()]
+        module[todo[found]] = [jit_module_name(fn[k]) for k in j[found].tolist()]
     order = np.argsort(o_start, kind="stable")
     return pd.DataFrame({"line_id": o_line[order], "start_ps": o_start[order], "end_ps": o_end[order],
                          "module": module[order]})
@@ -168,25 +180,64 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
     for k in present:  # (each module's events are matched on their own: the order does not matter)
         mine, name = np.flatnonzero(module == k), str(names[k])
         starts = lau_start[lau_module == name] if name else lau_start[:0]
-        if not len(starts) or (pid[mine] != pid[mine[0]]).any():  # several programs share the name: ambiguous
+        found = _launch_counter(pid[mine], run[mine], start[mine], len(starts)) if len(starts) else None
+        if found is None:
             continue
-        run_keys, at = sorted_codes(run[mine])
-        first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
-        np.minimum.at(first_start, at, start[mine])
-        runs = _unwrapped(run_keys)
-        if runs.max() - runs.min() > RUN_ID_GAP_FACTOR * (len(runs) + len(starts)):  # not one launch counter
-            continue
+        runs, at, first_start = found
         order = np.argsort(runs, kind="stable")
         runs, first_start = runs[order], first_start[order]
         o, _ = _best_offset(runs - runs[0], first_start, starts,
                             last_cut=bool(_cut_short(np.bincount(at, minlength=len(runs))[order])[-1]))
         idx = o + (runs - runs[0])
         ok = (idx >= 0) & (idx < len(starts))
-        when = np.full(len(run_keys), np.nan)
+        when = np.full(len(runs), np.nan)
         when[order[ok]] = starts[idx[ok]]
         matched += int(ok.sum())
         out[mine if isinstance(rows, slice) else rows[mine]] = when[at]
     return out, matched
+
+
+def _launch_counter(pid: np.ndarray, run: np.ndarray, start: np.ndarray, launches: int
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The executions of one module name's op events (``pid``, ``run``, ``start``: program id, run id and start
+    of each): (each execution's place in the name's launch order, each event's execution, each execution's first
+    op start), or ``None`` where the order cannot be told.
+
+    One program: its run ids count its launches (unwrapped; ``None`` when they span more than
+    ``RUN_ID_GAP_FACTOR`` x the executions and ``launches``: not one counter). Several programs under one name
+    (two ``jax.jit(lambda ...)`` are both ``jit__lambda``; the launch events carry the name only): each program
+    counts its own launches, so their launches interleave under the name; the executions are ordered by their
+    first op's start, the launch order when each device runs its executions in launch order, and ``None`` unless
+    that order keeps every program's run-id order and each program's run ids are consecutive.
+    """
+    never = np.iinfo(np.int64).max
+    programs = np.unique(pid)
+    if len(programs) == 1:
+        run_keys, at = sorted_codes(run)
+        first_start = np.full(len(run_keys), never)
+        np.minimum.at(first_start, at, start)
+        runs = _unwrapped(run_keys)
+        return None if runs.max() - runs.min() > RUN_ID_GAP_FACTOR * (len(runs) + launches) else \
+            (runs, at, first_start)
+    at = np.empty(len(pid), np.int64)
+    firsts: list[np.ndarray] = []
+    n = 0
+    for p in programs:
+        sel = np.flatnonzero(pid == p)
+        run_keys, mine = sorted_codes(run[sel])
+        runs = _unwrapped(run_keys)
+        order = np.argsort(runs, kind="stable")
+        first_start = np.full(len(run_keys), never)
+        np.minimum.at(first_start, mine, start[sel])
+        if runs[order[-1]] - runs[order[0]] + 1 != len(runs) or (np.diff(first_start[order]) < 0).any():
+            return None
+        at[sel] = mine + n
+        firsts.append(first_start)
+        n += len(run_keys)
+    first_start = np.concatenate(firsts)
+    rank = np.empty(n, np.int64)
+    rank[np.argsort(first_start, kind="stable")] = np.arange(n)
+    return rank, at, first_start
 
 
 def _cut_short(counts: np.ndarray) -> np.ndarray:
