@@ -111,7 +111,7 @@ def _xspace_events(xs) -> tuple[pd.DataFrame, pd.DataFrame, str, str, str, dict]
         ends = _name_mask(both["name"], r"end: ")
         end_events = _take(both, ends, ("line_id", "start_ps", "duration_ps", "_c"))  # what the async ends use
         launch_rows = _take(both, _name_mask(both["name"], HOST_EVENT_NAMES) & ~ends & no_op,
-                            ("line_id", "name", "start_ps", "duration_ps"))
+                            ("line_id", "name", "start_ps", "duration_ps", "run_id"))
         op_rows = ~no_op & (both["start_ps"] != AGGREGATE_START_PS)
         keep = ("line_id", "start_ps", "duration_ps", "hlo_op", "hlo_module", "program_id", "device_ordinal",
                 "run_id", "_p")

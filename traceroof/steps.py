@@ -67,10 +67,12 @@ _UNSAFE_NAME = re.compile(r"[^\w.-]")
 def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
     """The launch events among a host's events, with the module each launched where it can be told.
 
-    ``events``: ``line_id``, ``name``, ``start_ps``, ``duration_ps`` (launch events and ``PjitFunction(...)``
-    events, any order; a DataFrame or equally long arrays by name). Returns ``line_id``, ``start_ps``, ``end_ps``,
-    ``module`` (the module named in the event, else ``jit_<fn>`` of the innermost enclosing ``PjitFunction(<fn>)``
-    on the same line, else '').
+    ``events``: ``line_id``, ``name``, ``start_ps``, ``duration_ps`` and optionally ``run_id`` (launch events and
+    ``PjitFunction(...)`` events, any order; a DataFrame or equally long arrays by name). Returns ``line_id``,
+    ``start_ps``, ``end_ps``, ``module`` (the module named in the event, else :func:`jit_module_name` of the
+    innermost enclosing ``PjitFunction(<fn>)`` on the same line, else '') and, when given, ``run_id`` (float64, NaN
+    where the event has none: PjRt's ``Execute`` events of multi-device programs carry the run id of the execution
+    they launch, its single-device ``ExecuteHelperOnSingleDevice`` events do not).
     """
     line = np.asarray(events["line_id"], np.int64)
     ev_start = np.asarray(events["start_ps"], np.int64)
@@ -102,8 +104,11 @@ def launch_events(events: Mapping[str, Any]) -> pd.DataFrame:
         found = j > stop
         module[todo[found]] = [jit_module_name(fn[k]) for k in j[found].tolist()]
     order = np.argsort(o_start, kind="stable")
-    return pd.DataFrame({"line_id": o_line[order], "start_ps": o_start[order], "end_ps": o_end[order],
-                         "module": module[order]})
+    out = pd.DataFrame({"line_id": o_line[order], "start_ps": o_start[order], "end_ps": o_end[order],
+                        "module": module[order]})
+    if "run_id" in events:
+        out["run_id"] = as_float64(events["run_id"])[lau][order]
+    return out
 
 
 def _unwrapped(run_ids: np.ndarray) -> np.ndarray:
@@ -150,10 +155,12 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
 
     ``ops``: one host's op events with ``program_id``, ``module``, ``run_id`` (nullable), ``start_ps`` (a
     DataFrame or equally long arrays by name).
-    ``launches``: :func:`launch_events` of the same host. Executions of each module, ordered by run id, are
-    matched to the launches of that module (by name) in time order; the alignment (which launch the first
-    execution had: the profile may start after some launches and stop before some executions ran) is the one
-    under which the most launches precede their execution's first op (:func:`_best_offset`).
+    ``launches``: :func:`launch_events` of the same host. Where a module's launches carry run ids and some equal
+    its executions' (:func:`_by_run_id`), each execution takes the launch of its run id. Otherwise the executions
+    of each module, ordered by run id (:func:`_launch_counter`), are matched to the launches of that module (by
+    name) in time order; the alignment (which launch the first execution had: the profile may start after some
+    launches and stop before some executions ran) is the one under which the most launches precede their
+    execution's first op (:func:`_best_offset`).
     """
     n = len(ops["start_ps"])
     out = np.full(n, np.nan)
@@ -176,10 +183,18 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
     run, start, pid = rid[rows].astype(np.int64), np.asarray(ops["start_ps"], np.int64)[rows], pid[rows]
     lau_module = launches["module"].to_numpy(object)
     lau_start = launches["start_ps"].to_numpy(np.int64)
+    lau_run = launches["run_id"].to_numpy(np.float64) if "run_id" in launches else None
     matched = 0
     for k in present:  # (each module's events are matched on their own: the order does not matter)
         mine, name = np.flatnonzero(module == k), str(names[k])
-        starts = lau_start[lau_module == name] if name else lau_start[:0]
+        on = lau_module == name
+        starts = lau_start[on] if name else lau_start[:0]
+        exact = _by_run_id(run[mine], lau_run[on], starts) if lau_run is not None and len(starts) else None
+        if exact is not None:
+            when_ev, executions = exact
+            matched += executions
+            out[mine if isinstance(rows, slice) else rows[mine]] = when_ev
+            continue
         found = _launch_counter(pid[mine], run[mine], start[mine], len(starts)) if len(starts) else None
         if found is None:
             continue
@@ -195,6 +210,24 @@ def launch_times(ops: Mapping[str, Any], launches: pd.DataFrame) -> tuple[np.nda
         matched += int(ok.sum())
         out[mine if isinstance(rows, slice) else rows[mine]] = when[at]
     return out, matched
+
+
+def _by_run_id(run: np.ndarray, launch_run: np.ndarray, launch_start: np.ndarray) -> tuple[np.ndarray, int] | None:
+    """Each op event's launch time by run id (``run``: the events' run ids; ``launch_run``, ``launch_start``: the
+    module's launches, NaN where a launch carries none; the earliest launch of a run id counts), NaN for an
+    event whose run id no launch carries (launched before the trace started), and how many executions were
+    matched; ``None`` when no event's run id is a launch's (launches without run ids, or numbered otherwise)."""
+    known = ~np.isnan(launch_run)
+    if not known.any():
+        return None
+    keys, starts = launch_run[known].astype(np.int64), launch_start[known]
+    order = np.lexsort((starts, keys))
+    keys, starts = keys[order], starts[order]
+    at = np.minimum(np.searchsorted(keys, run), len(keys) - 1)  # the first (earliest) launch of each run id
+    hit = keys[at] == run
+    if not hit.any():
+        return None
+    return np.where(hit, starts[at], np.nan), len(np.unique(run[hit]))
 
 
 def _launch_counter(pid: np.ndarray, run: np.ndarray, start: np.ndarray, launches: int
