@@ -112,6 +112,12 @@ def test_combined_all_reduce_takes_the_scope_its_parts_share(data_parallel):
     assert parse_scope(name) == (COMBINED_SCOPE, "backward")
     assert parse_scope("jit(step)/(transpose(jvp(mlp))/up/dot_general:transpose(jvp(mlp))/down/dot_general)") \
         == ("mlp", "backward")
+    # the s37 trial's pmap step, verbatim: the user's pmean of 20 gradients (no scope) and one BatchNorm psum
+    # were one all-reduce, read as bn_init's backward; a minority without a scope (the loss) is left out
+    pmean = "jit(_fun)/shard_map/(" + "psum:" * 20 + "transpose(jvp(ResNet))/bn_init/psum)"
+    assert parse_scope(pmean) == (COMBINED_SCOPE, "backward")
+    assert parse_scope("jit(train_step)/(transpose(jvp(mlp))/up/dot_general:transpose(jvp(mlp))/down/dot_general:"
+                       "jvp()/reduce_sum)") == ("mlp", "backward")
     m, ms = _module(data_parallel["True"])
     combined = [i for _, i in _executed(m) if i.opcode == "all-reduce" and "/(" in i.metadata.op_name]
     assert combined

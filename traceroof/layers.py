@@ -151,7 +151,10 @@ def is_combined(op_name: str) -> bool:
 def _combined_scope(segs: list[str], optimizer_pattern: str) -> tuple[str, str]:
     """Scope and phase of an op XLA's combiner made from several (``jit(step)/(a/dot:b/dot:jvp()/reduce_sum)``:
     one tuple all-reduce of many layers' gradients): the scope the parts share (their common leading segments),
-    else :data:`COMBINED_SCOPE`; the phase of the parts when they agree, else the latest of them in a step."""
+    else :data:`COMBINED_SCOPE`; parts without a scope (a loss reduction's ``jvp()/reduce_sum``) are left out
+    while they are fewer than half the parts, else the op is :data:`COMBINED_SCOPE` too (s37 trial: a pmap step's
+    ``pmean`` of 20 gradients at top level combined with one BatchNorm psum read as that BatchNorm's backward);
+    the phase of the parts when they agree, else the latest of them in a step."""
     prefix = "/".join(segs[:-1])
     parts, depth, cur = [], 0, []
     for ch in segs[-1][1:-1]:  # split on ':' outside parentheses
@@ -169,7 +172,7 @@ def _combined_scope(segs: list[str], optimizer_pattern: str) -> tuple[str, str]:
             break
         common.append(level[0])
     phase = max((ph for _, ph in parsed), key=lambda ph: PHASE_ORDER.get(ph, 0))
-    if len(scoped) == 1 or common:
+    if 2 * len(scoped) >= len(parsed) and (len(scoped) == 1 or common):
         return "/".join(common) if len(scoped) > 1 else "/".join(scoped[0]), phase
     return (COMBINED_SCOPE if scoped else TOP_LEVEL), phase
 
