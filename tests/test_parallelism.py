@@ -738,3 +738,67 @@ def test_gradients_reduced_inside_a_recurrent_loop_are_data_parallel() -> None:
     assert (row.size, row.strategy) == (8, "data") and "activations" not in row.evidence, row
     in_loop = [pc for pc in mesh.collectives if pc.computation != m.entry.name and pc.collective.kind == "all-reduce"]
     assert in_loop  # the case this is about: the loop body's all-reduces
+
+
+_SYNC_BN_DP = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    class Net(nn.Module):  # the Flax ImageNet example's ResNet: BatchNorm statistics averaged over the devices
+        axis: str | None
+
+        @nn.compact
+        def __call__(self, x):
+            norm = lambda **k: nn.BatchNorm(use_running_average=False, axis_name=self.axis, **k)
+            x = nn.relu(norm(name="bn_init")(nn.Conv(16, (3, 3), use_bias=False, name="conv_init")(x)))
+            for width in (32, 64):  # blocks with a projected residual
+                y = nn.relu(norm()(nn.Conv(width, (3, 3), (2, 2), use_bias=False)(x)))
+                y = norm()(nn.Conv(width, (3, 3), use_bias=False)(y))
+                x = nn.relu(y + norm(name=f"norm_proj{width}")(nn.Conv(width, (1, 1), (2, 2), use_bias=False)(x)))
+            return nn.Dense(10)(x.mean(axis=(1, 2)))
+
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    def step(model, v, o, x, y, pmean):
+        def loss(p):
+            logits, s = model.apply({"params": p, "batch_stats": v["batch_stats"]}, x, mutable=["batch_stats"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), s
+        (_, s), g = jax.value_and_grad(loss, has_aux=True)(v["params"])
+        u, o = tx.update(pmean(g), o, v["params"])
+        return {"params": optax.apply_updates(v["params"], u), **s}, o
+
+    x, y = jnp.ones((8, 16, 16, 16, 3)), jnp.zeros((8, 16), jnp.int32)
+    v = Net(None).init(jax.random.PRNGKey(0), x[0])
+    if sys.argv[1] == "pmap":
+        net = Net("batch")
+        f = jax.pmap(lambda v, o, x, y: step(net, v, o, x, y, lambda g: jax.lax.pmean(g, "batch")), "batch")
+        rep = lambda t: jax.tree.map(lambda a: jnp.broadcast_to(a, (8, *a.shape)), t)
+        print(f.lower(rep(v), rep(tx.init(v["params"])), x, y).compile().as_text())
+    else:  # jit over a data mesh: XLA's partitioner all-reduces the gradients and the statistics
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        put = lambda t, spec: jax.device_put(t, NamedSharding(mesh, spec))
+        f = jax.jit(lambda v, o, x, y: step(Net(None), v, o, x, y, lambda g: g))
+        xs, ys = put(x.reshape(128, 16, 16, 3), P("data")), put(y.reshape(128), P("data"))
+        print(f.lower(put(v, P()), put(tx.init(v["params"]), P()), xs, ys).compile().as_text())
+""")
+
+
+@pytest.mark.parametrize("how", ["pmap", "jit"])
+def test_batch_norm_statistics_beside_gradients_are_data_parallel(how: str) -> None:
+    """s37 trial: a data-parallel ResNet with cross-replica BatchNorm was called tensor-parallel. XLA's combiner
+    joined the weight gradients (306 kB) and a BatchNorm psum that flows on into the backward convolutions into
+    one all-reduce, read whole as activations; and the statistics all-reduced in the forward pass (3 kB,
+    activations of no weight's shape) outweighed no gradients. Each part of a combined collective is read by its
+    own data flow, and an axis is tensor-parallel only when its activations outweigh its gradients."""
+    out = subprocess.run([sys.executable, "-c", _SYNC_BN_DP, how], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (m,) = parse_hlo_text(out.stdout)
+    mesh = recover_mesh(m)
+    (row,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
+    assert (row.size, row.strategy) == (8, "data"), row
+    combined = [pc for pc in mesh.collectives if pc.collective.kind == "all-reduce"
+                and len(m.computations[pc.computation].by_name[pc.name].shape.leaves()) > 1]
+    assert combined  # the case this is about: XLA combined the reductions

@@ -11,7 +11,9 @@ chapter, §12.4.3):
   tensor-parallel over its expert axis) keeps that strategy for the book's arithmetic, and its evidence starts
   ``also tensor parallelism`` (or ``sequence``);
 * ``tensor``: activations (arrays that are no weight's shape) all-reduced / all-gathered / reduce-scattered over
-  the axis inside a layer (Megatron: ``In[B, D_Y]`` gathered, ``Out`` reduce-scattered or all-reduced);
+  the axis inside a layer (Megatron: ``In[B, D_Y]`` gathered, ``Out`` reduce-scattered or all-reduced), more bytes
+  of them than of gradients (cross-replica BatchNorm's statistics beside a data axis' gradients are no tensor
+  parallelism);
   ``sequence`` when the activations are gathered along a token dimension rather than the feature dimension;
 * ``fsdp``: weights (entry parameters or their shards) all-gathered over the axis before a matmul uses them,
   gradients reduced over it;
@@ -21,7 +23,8 @@ chapter, §12.4.3):
 
 "Weights" are the step's state: entry parameters that are aliased to outputs (donated) or returned with the same
 shape; a collective may carry weights (or their gradients) when one of its arrays has a weight's local, global or
-partially gathered shape (size-1 dimensions dropped). A shape can match by coincidence (an MoE step's
+partially gathered shape (size-1 dimensions dropped). The parts of a combined all-reduce or reduce-scatter (one
+tuple of many: XLA's combiner) are judged one by one, each by what reads it. A shape can match by coincidence (an MoE step's
 ``f32[4,32,64]`` activations are its ``[4,128,64]`` expert weights cut 4 ways on their rows), so the data flow and
 the op's phase (:func:`traceroof.scopes.assign_scopes`) decide: an all-gather of an array computed by a matmul in
 the forward or backward pass gathers activations (a weight, its shard or cast comes straight from the
@@ -36,12 +39,13 @@ from __future__ import annotations
 import itertools
 import math
 import re
+from collections import ChainMap
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from parsers.hlo import Computation, HloModule, Instruction, Shape
 from traceroof.mesh import Mesh, PlacedCollective
-from traceroof.scopes import ModuleScopes, assign_scopes
+from traceroof.scopes import ModuleScopes, _tuple_index, assign_scopes
 
 STRATEGIES = ("data", "fsdp", "tensor", "sequence", "pipeline", "expert", "unknown")
 GRADIENT_KINDS = ("grads_all_reduced", "grads_reduce_scattered", "grads_all_reduce_sliced")  # evidence kinds
@@ -95,7 +99,7 @@ def _calls_opcode(module: HloModule, inst: Instruction, opcodes: tuple[str, ...]
     return False
 
 
-def _reaches(module: HloModule, comp: Computation, users: dict[str, list[Instruction]], start: Instruction,
+def _reaches(module: HloModule, comp: Computation, users: Mapping[str, list[Instruction]], start: Instruction,
              opcodes: tuple[str, ...], hops: int) -> bool:
     """A value reaches an instruction of ``opcodes`` (or a fusion holding one) within ``hops`` users."""
     frontier, seen = [start], {start.name}
@@ -208,11 +212,38 @@ def collect_evidence(module: HloModule, mesh: Mesh, params: list[StateParam]) ->
         comp = module.computations[pc.computation]
         inst = comp.by_name[pc.name]
         users = users_of.setdefault(comp.name, comp.users())
-        kind = _evidence_kind(module, comp, users, inst, pc, shapes, flow)
         nbytes = max(pc.collective.bytes_in, pc.collective.bytes_out) * pc.executions
-        for axis in pc.axes:
-            out[axis].add(kind, nbytes, pc.name)
+        for kind, share in _kinds(module, comp, users, inst, pc, shapes, flow):
+            for axis in pc.axes:
+                out[axis].add(kind, nbytes * share, pc.name)
     return out
+
+
+def _kinds(module: HloModule, comp: Computation, users: dict[str, list[Instruction]], inst: Instruction,
+           pc: PlacedCollective, shapes: set[tuple[int, ...]], flow: _Flow) -> list[tuple[str, float]]:
+    """The evidence kinds of a collective with the share of its bytes each: one kind, or, for an all-reduce or
+    reduce-scatter of a tuple whose parts are read by get-tuple-element (XLA's combiner joins many into one), a
+    kind per part from that part's own data flow (s37 trial: a pmap step's 306 kB of weight gradients combined
+    with BatchNorm's psums, one of which flows on into the backward convolutions, read as activations: a
+    data-parallel ResNet called tensor-parallel)."""
+    parts = inst.shape.tuple_shapes
+    uses = users.get(inst.name, [])
+    if pc.collective.kind not in ("all-reduce", "reduce-scatter") or not parts or len(parts) < 2 \
+            or any(p.tuple_shapes is not None for p in parts) or not uses \
+            or any(u.opcode != "get-tuple-element" for u in uses):
+        return [(_evidence_kind(module, comp, users, inst, pc, shapes, flow), 1.0)]
+    total = sum(p.byte_size() for p in parts) or 1
+    out: dict[str, float] = {}
+    largest = max(range(len(parts)), key=lambda k: parts[k].byte_size())
+    for k, part in enumerate(parts):
+        mine = ChainMap({inst.name: [u for u in uses if _tuple_index(u) == k]}, users)
+        kind = _evidence_kind(module, comp, mine, inst, pc, shapes, flow, [part] if part.dims else [])
+        out[kind] = out.get(kind, 0.0) + part.byte_size() / total
+        if k == largest:
+            main = kind
+    if "scalars" in out and main != "scalars":  # a loss riding along a gradient reduction is counted with it
+        out[main] += out.pop("scalars")
+    return list(out.items())
 
 
 FLOW_HOPS = 8  # how far a collective's data flow is followed to a matmul (fusions, converts, reshapes between)
@@ -258,10 +289,13 @@ class _Flow:
         return False
 
 
-def _evidence_kind(module: HloModule, comp: Computation, users: dict[str, list[Instruction]], inst: Instruction,
-                   pc: PlacedCollective, shapes: set[tuple[int, ...]], flow: _Flow) -> str:
+def _evidence_kind(module: HloModule, comp: Computation, users: Mapping[str, list[Instruction]], inst: Instruction,
+                   pc: PlacedCollective, shapes: set[tuple[int, ...]], flow: _Flow,
+                   part: list[Shape] | None = None) -> str:
+    """The evidence kind of a collective (module docstring rules), or of one ``part`` of its tuple (its shape;
+    ``users`` then gives the collective only that part's readers)."""
     c = pc.collective
-    leaves = _leaves(inst) or [s for s in inst.operand_shapes if s is not None]
+    leaves = part if part is not None else _leaves(inst) or [s for s in inst.operand_shapes if s is not None]
     arrays = [s for s in leaves if s.elements > SCALAR_ELEMENTS]
     if not arrays:
         return "scalars"
@@ -327,7 +361,7 @@ def classify_axes(mesh: Mesh, evidence: dict[str, AxisEvidence]) -> list[AxisStr
             strategy = "expert" if b.get("all_to_all") else "pipeline"
             if acts > b.get("weights_gathered", 0.0):  # the axis splits layers too (an MoE's attention heads)
                 also = f"also {inside} parallelism (activations inside layers); "
-        elif acts > b.get("weights_gathered", 0.0):
+        elif acts > b.get("weights_gathered", 0.0) and acts > grads:  # (SyncBN's statistics beside DP gradients)
             strategy = inside
         elif b.get("weights_gathered"):
             strategy = "fsdp"
