@@ -28,6 +28,23 @@ def test_every_op_event_joins(transformer, scan):
         assert all("asynchronous thunks" in n or "ops overlapped" in n for n in a.summary.notes), a.summary.notes
 
 
+def test_warm_up_that_excludes_every_step_is_refused():
+    """s37 trial: --warmup-steps 6 on a 6-step profile excluded none, the compiling step included (500 ms against
+    193 ms), with exit 0 and a note at the bottom. Asking for more warm-up than there are steps is an error; the
+    default of one step on a one-step profile keeps its note."""
+    from click.testing import CliRunner
+
+    from parsers.errors import InputError
+    from traceroof.cli import main
+
+    n = facts("transformer")["steps_profiled"]
+    with pytest.raises(InputError, match=f"--warmup-steps {n} excludes all {n} marked step"):
+        analyze(FIXTURES / "transformer", chip=HOST_CHIP, warmup_steps=n)
+    r = CliRunner().invoke(main, ["analyze", "fixtures/transformer", "--chip", HOST_CHIP, "--warmup-steps", str(n)])
+    assert r.exit_code == 2 and f"pass at most {n - 1}" in r.output
+    assert analyze(FIXTURES / "transformer", chip=HOST_CHIP, warmup_steps=n - 1).summary.steps_used == (n - 1,)
+
+
 def test_steps_from_step_trace_annotations(transformer):
     s = transformer.summary
     assert s.step_annotation == "train" and s.steps_total == facts("transformer")["steps_profiled"]

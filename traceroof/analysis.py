@@ -12,6 +12,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from parsers.errors import InputError
 from parsers.hlo import HloModule
 from parsers import storage
 from parsers.storage import Location, is_url
@@ -211,6 +212,10 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         warmup_steps = 0
     all_steps = sorted(set(int(s) for s in steps["step"].dropna()))
     if len(all_steps) <= warmup_steps and warmup_steps:
+        if warmup_steps > 1:  # asked for: keeping every step (the compiling one too) would answer another question
+            raise InputError(f"--warmup-steps {warmup_steps} excludes all {len(all_steps)} marked step(s) of "
+                             f"{profile.inputs.description}; pass at most {max(len(all_steps) - 1, 0)}, or profile "
+                             "more steps")
         notes.append(f"only {len(all_steps)} step(s) marked: none excluded as warm-up")
         warmup_steps = 0
     used = steps_with_ops(tuple(all_steps[warmup_steps:]), ops["step"], profile.step_annotation,
