@@ -125,6 +125,7 @@ def read_host(task: HostTask) -> HostEvents:
         tj = read_trace_json(task.path)
         read_notes += tj.notes
         if tj.maybe_truncated:
+            counts["trace_cap_events"] = len(tj.complete_events)
             read_notes.append(f"{storage.name(task.path)} holds exactly {len(tj.complete_events):,} events, a "
                               "trace-viewer cap: events were probably dropped; analyze the .xplane.pb instead")
         ev, steps, ann = _trace_json_events(tj, task.path, counts)

@@ -241,6 +241,10 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
             raise InputError(f"{inputs.description}: {counts['launches']} program launches but no XLA op events: "
                              "the work ran after the trace stopped; call jax.block_until_ready() on the last "
                              "step's outputs before jax.profiler.stop_trace()")
+        if counts.get("trace_cap_events"):  # s37 trial: a heavy Python tracer filled the export's cap first
+            raise InputError(f"{inputs.description}: holds exactly {counts['trace_cap_events']:,} events, the cap "
+                             "of the trace viewer's export, and no XLA op event among them (the events kept were "
+                             "others, e.g. Python tracer calls): analyze the .xplane.pb the profiler wrote beside it")
         raise InputError(f"{inputs.description}: the profile holds no XLA op events (no hlo_op stats); "
                          "profile a jitted JAX/XLA program")
     if counts.get("long_ops"):
