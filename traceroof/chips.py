@@ -499,7 +499,7 @@ def cpu_busy_share(window_s: float = LOAD_SAMPLE_S) -> float:
 
 
 class OtherWork:
-    """Measures the share (0..1) of the machine's CPU time that other processes used between :meth:`start` and
+    """Measures the share (0..1) of the machine's CPU time that other processes used from its construction to
     :meth:`share`, while this process works too: the machine's busy time (``/proc/stat``, clock ticks of
     ``SC_CLK_TCK``) less this process's own CPU time (``os.times()``: every thread, XLA's included). NaN without
     ``/proc/stat``. (A calibration whose own threads kept every core busy is not a loaded machine; another

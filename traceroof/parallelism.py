@@ -24,11 +24,11 @@ chapter, §12.4.3):
 "Weights" are the step's state: entry parameters that are aliased to outputs (donated) or returned with the same
 shape; a collective may carry weights (or their gradients) when one of its arrays has a weight's local, global or
 partially gathered shape (size-1 dimensions dropped). The parts of a combined all-reduce or reduce-scatter (one
-tuple of many: XLA's combiner) are judged one by one, each by what reads it. A shape can match by coincidence (an MoE step's
-``f32[4,32,64]`` activations are its ``[4,128,64]`` expert weights cut 4 ways on their rows), so the data flow and
-the op's phase (:func:`traceroof.scopes.assign_scopes`) decide: an all-gather of an array computed by a matmul in
-the forward or backward pass gathers activations (a weight, its shard or cast comes straight from the
-parameters; updated weights are gathered in the optimizer phase); an all-reduce or reduce-scatter is of weight
+tuple of many: XLA's combiner) are judged one by one, each by what reads it. A shape can match by coincidence (an
+MoE step's ``f32[4,32,64]`` activations are its ``[4,128,64]`` expert weights cut 4 ways on their rows), so the
+data flow and the op's phase (:func:`traceroof.scopes.assign_scopes`) decide: an all-gather of an array computed
+by a matmul in the forward or backward pass gathers activations (a weight, its shard or cast comes straight from
+the parameters; updated weights are gathered in the optimizer phase); an all-reduce or reduce-scatter is of weight
 gradients only outside the forward pass and when its result feeds no matmul (the optimizer is elementwise; an
 activation's gradient flows on into the next matmul). The backward pass is what JAX names ``transpose(...)`` in
 the op metadata.
