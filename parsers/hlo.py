@@ -297,6 +297,13 @@ class Instruction:
         return int(text) if self.opcode == "parameter" and text.isdigit() and text.isascii() else -1
 
     @property
+    def tuple_index(self) -> int:
+        """The element a ``get-tuple-element`` reads (its ``index``); -1 when absent or not one integer (the
+        parsers check it: :data:`INT_LIST_ATTRS`)."""
+        index = self.attr_ints("index")
+        return index[0] if len(index) == 1 else -1
+
+    @property
     def fusion_kind(self) -> str:
         """``kLoop`` / ``kInput`` / ``kOutput`` / ``kCustom`` of a fusion ('' otherwise)."""
         return self.attrs.get("kind", "")

@@ -172,6 +172,22 @@ def test_dumps_of_another_program_are_named_not_dropped(tmp_path):
     assert load_side(saved).input_notes[0].startswith("the HLO given (--hlo) describes none")
 
 
+def test_a_host_left_out_of_one_side_is_named(tmp_path):
+    """A run directory whose host1 file is truncated (a partial report of host0) compared with the whole run: the
+    diff says the new side covers one host of two."""
+    import shutil
+
+    run = tmp_path / "logdir" / "plugins" / "profile" / "run"
+    shutil.copytree(next((FIXTURES / "multihost_dp8" / "logdir" / "plugins" / "profile").iterdir()), run)
+    host1 = run / "host1.xplane.pb"
+    host1.write_bytes(host1.read_bytes()[: host1.stat().st_size // 2])
+    r = _cli("fixtures/multihost_dp8/logdir", str(run), "--chip", HOST_CHIP, "--format", "json")
+    assert r.returncode == 0, r.stderr
+    notes = json.loads(r.stdout)["input_notes"]
+    assert notes["base"] == [] and len(notes["new"]) == 1
+    assert notes["new"][0].startswith("PARTIAL: 1 of 2 hosts' profiles cannot be read") and "host1" in notes["new"][0]
+
+
 def test_collectives_match_on_kind_and_group():
     a = analyze(FIXTURES / "sharded_mlp", chip=HOST_CHIP)
     stats = a.op_stats

@@ -29,6 +29,7 @@ from traceroof.memory_diff import memory_delta, memory_from_json
 from traceroof.analysis import HLO_IGNORED, Analysis, analyze
 from traceroof.breakdown import BREAKDOWN_COLUMNS, LABELS, breakdown_delta
 from traceroof.opstats import OP_KEY
+from traceroof.profile import PARTIAL
 
 NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
 METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",
@@ -60,7 +61,7 @@ def input_notes(notes: Sequence[object]) -> tuple[str, ...]:
     host file) or ``--hlo`` dumps of none of the profiled programs (ignored). A diff shows them: its figures are
     right, but not of everything the user passed (s36 trial: ``diff --hlo-new`` given the other variant's dump
     exited 0 with the dump silently unused)."""
-    return tuple(n for n in notes if isinstance(n, str) and n.startswith(("PARTIAL:", HLO_IGNORED)))
+    return tuple(n for n in notes if isinstance(n, str) and n.startswith((PARTIAL, HLO_IGNORED)))
 
 
 def side_from_analysis(a: Analysis, label: str) -> Side:

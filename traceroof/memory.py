@@ -51,7 +51,7 @@ from parsers.hlo import Computation, HloModule, Instruction
 from traceroof.codes import first_rows, group_codes
 from traceroof.cost import trip_count
 from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
-from traceroof.scopes import ModuleScopes, _alias_outputs, _tuple_index, assign_scopes, while_body
+from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes, while_body
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "gradients", "activations", "outputs", "other")
 TOP_BUFFERS = 8
@@ -343,7 +343,7 @@ def _slot_value(module: HloModule, loops: _Loops, loop: Instruction, k: int, see
     if src is not None and src.opcode == "get-tuple-element" and src.operands:  # an outer loop's slot
         outer = loops.by_body_param.get(src.operands[0])
         if outer is not None:
-            return _slot_value(module, loops, outer, _tuple_index(src), seen)
+            return _slot_value(module, loops, outer, src.tuple_index, seen)
     return src.name if src is not None else None
 
 
@@ -381,7 +381,7 @@ def _carried_unchanged(module: HloModule, loop: Instruction) -> set[int]:
         while x is not None and x.opcode in ("bitcast", "copy") and x.operands:
             x = body.by_name.get(x.operands[0])
         src = body.by_name.get(x.operands[0]) if x is not None and x.operands else None
-        if (x is not None and x.opcode == "get-tuple-element" and _tuple_index(x) == i
+        if (x is not None and x.opcode == "get-tuple-element" and x.tuple_index == i
                 and src is not None and src.opcode == "parameter"):
             out.add(i)
     return out
@@ -422,9 +422,9 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
             if param is None:
                 continue
             unchanged = loops.unchanged[w.name]
-            slots = {i.name: _slot_value(module, loops, w, _tuple_index(i), set()) for i in body.instructions
+            slots = {i.name: _slot_value(module, loops, w, i.tuple_index, set()) for i in body.instructions
                      if i.opcode == "get-tuple-element" and i.operands[:1] == (param.name,)
-                     and _tuple_index(i) in unchanged}
+                     and i.tuple_index in unchanged}
             body_seeds = tuple({n for n, v in slots.items() if v in d} for d in derived)
             if comp is entry and body.root is not None and any(  # the micro-batch loop: one micro-batch live
                     scopes.get(r).how == "accumulate" for r in body.root.operands):
@@ -470,7 +470,7 @@ def _saved_in(module: HloModule, comp: Computation, scopes: ModuleScopes, exclud
                 skip |= {k for k, r in enumerate(body.root.operands) if scopes.get(r).phase == "backward"}
         for i, element in enumerate(inst.shape.tuple_shapes):
             if i not in skip and read_by_backward([u for u in readers if u.opcode != "get-tuple-element"
-                                                   or _tuple_index(u) == i]):
+                                                   or u.tuple_index == i]):
                 total += data_bytes(element)
     return total
 

@@ -45,7 +45,7 @@ from typing import Callable, Iterable, Mapping
 
 from parsers.hlo import Computation, HloModule, Instruction, Shape
 from traceroof.mesh import Mesh, PlacedCollective
-from traceroof.scopes import ModuleScopes, _tuple_index, assign_scopes
+from traceroof.scopes import ModuleScopes, assign_scopes
 
 STRATEGIES = ("data", "fsdp", "tensor", "sequence", "pipeline", "expert", "unknown")
 GRADIENT_KINDS = ("grads_all_reduced", "grads_reduce_scattered", "grads_all_reduce_sliced")  # evidence kinds
@@ -236,7 +236,7 @@ def _kinds(module: HloModule, comp: Computation, users: dict[str, list[Instructi
     out: dict[str, float] = {}
     largest = max(range(len(parts)), key=lambda k: parts[k].byte_size())
     for k, part in enumerate(parts):
-        mine = ChainMap({inst.name: [u for u in uses if _tuple_index(u) == k]}, users)
+        mine = ChainMap({inst.name: [u for u in uses if u.tuple_index == k]}, users)
         kind = _evidence_kind(module, comp, mine, inst, pc, shapes, flow, [part] if part.dims else [])
         out[kind] = out.get(kind, 0.0) + part.byte_size() / total
         if k == largest:

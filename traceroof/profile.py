@@ -33,6 +33,7 @@ from traceroof.memory import NO_ALLOCATOR_EVENTS, AllocatorPeak, merge_allocator
 from traceroof.parallel import map_hosts
 from traceroof.units import fmt_list
 
+PARTIAL = "PARTIAL:"  # how the note and the input line begin when hosts' files are left out (read_host_or_skip)
 MAX_HOST_SKEW_PS = DURATION_LIMIT_PS  # hosts whose profile_start_time differ by more are not aligned (13 days)
 
 
@@ -104,11 +105,11 @@ def load_profile(inputs: Inputs, jobs: int | None = 1, dask_address: str | None 
         raise FormatError(bad[0].error)
     if bad:  # the header's input line says so too
         names = fmt_list(b.name for b in bad)
-        inputs = replace(inputs, description=f"{inputs.description} (PARTIAL: {len(hosts)} of {len(tasks)} hosts; "
+        inputs = replace(inputs, description=f"{inputs.description} ({PARTIAL} {len(hosts)} of {len(tasks)} hosts; "
                                              f"unreadable: {names})")
     profile = merge_hosts(inputs, hosts)
     if bad:
-        profile.notes.insert(0, f"PARTIAL: {len(bad)} of {len(tasks)} hosts' profiles cannot be read and are left "
+        profile.notes.insert(0, f"{PARTIAL} {len(bad)} of {len(tasks)} hosts' profiles cannot be read and are left "
                                 f"out ({names}); every figure covers the other {len(hosts)} hosts only. "
                                 f"{bad[0].error}")
     return profile

@@ -69,7 +69,7 @@ class OneHotMasks:
             called = self.module.computations.get(src.called[0]) if src is not None and src.opcode == "fusion" \
                 and src.called else None
             root = called.root if called is not None else None
-            index = int(inst.attrs.get("index", "-1")) if inst.attrs.get("index", "").isdigit() else -1
+            index = inst.tuple_index
             return root is not None and root.opcode == "tuple" and 0 <= index < len(root.operands) \
                 and self._operand_is(test, called, root, index, depth)
         return None

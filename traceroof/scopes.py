@@ -583,7 +583,7 @@ def _gradient_results(module: HloModule, infos: dict[str, ScopeInfo], moves_only
                     if o in comp.by_name and comp.by_name[o].opcode not in ("constant", "iota")]
             if inst.opcode == "get-tuple-element" and data and _collective(data[0].opcode) \
                     and len(data[0].operands) > 1:
-                k = _tuple_index(inst)
+                k = inst.tuple_index
                 src = data[0]
                 data = [comp.by_name[src.operands[k]]] if 0 <= k < len(src.operands) \
                     and src.operands[k] in comp.by_name else []
@@ -876,7 +876,7 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
             slot_reads: dict[int, list[Instruction]] = {}
             for inst in body.instructions:
                 if inst.opcode == "get-tuple-element" and inst.operands[:1] == (param.name,):
-                    slot_reads.setdefault(_tuple_index(inst), []).append(inst)
+                    slot_reads.setdefault(inst.tuple_index, []).append(inst)
             init = comp.by_name.get(w.operands[0])
             for k, r_name in enumerate(body.root.operands):
                 r = body.by_name.get(r_name)
@@ -895,17 +895,13 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
                     for n in _constant_chain(module, comp, init.operands[k]):
                         infos[n] = label
                 for g in users.get(w.name, ()):
-                    if g.opcode == "get-tuple-element" and _tuple_index(g) == k:
+                    if g.opcode == "get-tuple-element" and g.tuple_index == k:
                         infos[g.name] = label
 
 
 def while_body(module: HloModule, inst: Instruction) -> Computation | None:
     """The body computation of a ``while`` instruction (``None`` for other instructions or a missing body)."""
     return module.computations.get(inst.attrs.get("body", "").strip().lstrip("%")) if inst.opcode == "while" else None
-
-
-def _tuple_index(inst: Instruction) -> int:
-    return int(inst.attrs.get("index", "-1").strip() or -1)
 
 
 def _constant_chain(module: HloModule, comp: Computation, name: str) -> list[str]:

@@ -5,10 +5,9 @@ of donated state before it is updated in place (``donation-copy``)."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import numpy as np
-
-from typing import Any
 
 from parsers.hlo import HloModule, Instruction
 from traceroof.findings.hlo_graph import ModuleIndex
