@@ -189,6 +189,49 @@ def test_host_bound_and_device_idle_from_the_step_breakdown():
     assert "host-bound" not in codes(fixture("transformer")) and "device-idle" not in codes(fixture("transformer"))
 
 
+def test_recompile_tells_a_first_compile_from_a_cache_miss_and_from_compiling_every_step():
+    """Synthetic step breakdowns (2 devices per step, steps 1-4 used after warm-up step 0) and op tables: a step
+    whose device waits on the host while it compiles is named, with advice that follows what ran there."""
+    from types import SimpleNamespace
+
+    from traceroof.findings import FindingInputs
+    from traceroof.findings.rules_compile import compiling_steps, recompile
+
+    def run(compile_share, programs):
+        steps = [1, 2, 3, 4]
+        b = pd.DataFrame({"step": [s for s in steps for _ in (0, 1)], "device": ["h/cpu:0", "h/cpu:1"] * 4,
+                          "step_time_s": [0.5 if compile_share[s - 1] else 0.1 for s in steps for _ in (0, 1)],
+                          "host_bound_s": [0.4 if compile_share[s - 1] else 0.01 for s in steps for _ in (0, 1)],
+                          "host_bound_compile_share": [compile_share[s - 1] for s in steps for _ in (0, 1)]})
+        ops = pd.DataFrame([(m, pid, st, t, f"{m}.op{k}") for m, pid, st, t, n in programs for k in range(n)],
+                           columns=["module", "program_id", "step", "start_ps", "hlo_op"])
+        ops["step"] = pd.array(ops["step"], "Int64")
+        x = FindingInputs(SimpleNamespace(step_breakdown=b, ops=ops, steps=pd.DataFrame({"step": range(5)})),
+                          pd.DataFrame())
+        return compiling_steps(b), recompile(x)
+
+    # step 1 first runs the train step (compiled inside the trace): compile it ahead, or leave the step out
+    hit, (f,) = run([0.9, None, None, None], [("jit_train", 5, 1, 10, 40), ("jit_train", 5, 2, 30, 40)])
+    assert list(hit.index) == [1] and hit.loc[1, "compile_s"] == pytest.approx(0.36)
+    assert f.title.endswith("first run: jit_train (step 1)") and f.advice.endswith("--warmup-steps 2")
+    assert "lower(*args).compile()" in f.advice and f.lost_per_step_s == pytest.approx(0.4 / 4)
+    # step 3 first runs two eager ops (Keras' metrics at the end of an epoch): no warm-up cuts a middle step
+    hit, (f,) = run([None, None, 0.9, None], [("jit_train", 5, 1, 10, 40), ("jit_equal", 7, 3, 31, 1),
+                                              ("jit__where", 8, 3, 32, 1)])
+    assert f.title.endswith("first run: jit__where (step 3), jit_equal (step 3)")
+    assert "run eagerly, outside jit" in f.advice and "--warmup-steps" not in f.advice
+    # a compile in every step: a cache miss each call, no warm-up advice
+    hit, (f,) = run([0.8] * 4, [("jit_train", 5 + s, s, 10 * s, 40) for s in range(1, 5)])
+    assert f.title.startswith("4 of 4 steps waited on tracing and compiling (1.600 s in all, steps 1, 2, 3, 4")
+    assert "compiled again: jit_train (step 2), jit_train (step 3), jit_train (step 4)" in f.title
+    assert "JAX_EXPLAIN_CACHE_MISSES" in f.advice and "--warmup-steps" not in f.advice
+    # compiling with no new program; a share under 10 % of the step is not a compile
+    hit, (f,) = run([None, 0.5, None, None], [("jit_train", 5, 1, 10, 40)])
+    assert "no program of the profile first ran there" in f.advice and "step 2 waited 400.000 ms" in f.title
+    hit, found = run([None, 0.05, None, None], [("jit_train", 5, 1, 10, 40)])
+    assert hit.empty and found == []
+
+
 def test_a_combined_gradient_all_reduce_points_at_the_gradient_call():
     """XLA's combiner makes one all-reduce of every layer's gradient and keeps the first part's metadata: its
     "your code" line was that layer's matmul (generate_parallel.py's _block). It is now the innermost line the

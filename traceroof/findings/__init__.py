@@ -16,6 +16,7 @@ from traceroof.findings.record import Finding, FindingInputs, Rule, as_record
 from traceroof.findings.rules_compute import (dtype_upcast, faster_than_roofline, mxu_alignment, opaque_custom_call,
                                               small_matmul)
 from traceroof.findings.rules_memory import layout_copy, memory_bound_chain, remat_cost, tile_padding
+from traceroof.findings.rules_compile import recompile
 from traceroof.findings.rules_optimizer import discarded_update, donation_copy
 from traceroof.findings.rules_system import (collective_straggler, comm_bound_axis, device_idle, exposed_collective,
                                              gradients_reduced_in_loop, host_bound, outlier_executions)
@@ -35,6 +36,7 @@ RULES: dict[str, Rule] = {
     "gradients-in-loop": gradients_reduced_in_loop,
     "host-bound": host_bound,
     "device-idle": device_idle,
+    "recompile": recompile,
     "remat-cost": remat_cost,
     "discarded-update": discarded_update,
     "donation-copy": donation_copy,
@@ -56,6 +58,7 @@ CODES: dict[str, str] = {
     "gradients-in-loop": "weight gradients reduced over a data / FSDP axis inside a loop, many times per step",
     "host-bound": "the device idle while the host works (step breakdown, else op coverage of the step)",
     "device-idle": "the device idle with no host work in the way: launch gaps and time between programs",
+    "recompile": "steps spent tracing and compiling a program again (jit cache misses) or for the first time",
     "remat-cost": "time recomputing the forward pass, and the memory keeping it would take",
     "discarded-update": "an optimizer update computed on every micro-step and kept on every k-th (optax.MultiSteps)",
     "donation-copy": "donated state XLA copies every step before updating it in place (donate_argnums)",

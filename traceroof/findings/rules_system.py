@@ -19,6 +19,7 @@ import pandas as pd
 
 from parsers.hlo import Computation, Instruction
 from traceroof.findings.hlo_graph import ModuleIndex
+from traceroof.findings.rules_compile import compiling_steps
 from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, fmt_s, make, mean_of,
                                        share, total)
 from traceroof.opstats import OUTLIER_RATIO
@@ -149,9 +150,11 @@ def host_bound(x: FindingInputs) -> list[Finding]:
         if not need <= set(b.columns):
             return []
         step = mean_of(b["step_time_s"])
-        lost = mean_of(b["host_bound_s"])
+        compiling = b["step"].isin(compiling_steps(b).index).to_numpy(bool) if "step" in b else False
+        lost = mean_of(b["host_bound_s"].where(~compiling, 0.0))  # a compiling step's wait is recompile's
         if not (step > 0 and lost >= HOST_BOUND_SHARE_MIN * step):
             return []
+        b = b[~compiling] if np.any(compiling) else b
         extra = [f"{c.removesuffix('_s').replace('_', ' ')} {fmt_s(mean_of(b[c]))}"
                  for c in ("compute_s", "exposed_comm_s", "launch_gap_s", "outside_program_s") if c in b]
         shares = [c for c in b.columns if c.startswith("host_bound_") and c.endswith("_share")]
