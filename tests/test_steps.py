@@ -28,8 +28,8 @@ from traceroof.discovery import discover  # noqa: E402
 from traceroof.profile import load_profile  # noqa: E402
 from traceroof.hlo_source import HloMismatchError  # noqa: E402
 from parsers.errors import InputError  # noqa: E402
-from traceroof.steps import (_best_offset, _schedule_cut, _unwrapped, assign_steps, entry_schedule,  # noqa: E402
-                             launch_times, left_out_executions)
+from traceroof.steps import (_best_offset, _schedule_cut, _unwrapped, assign_steps,  # noqa: E402
+                             dominant_program_steps, entry_schedule, launch_times, left_out_executions)
 
 HOST_CHIP = Path(__file__).resolve().parents[1] / "fixtures" / "fixture_host.toml"
 
@@ -334,6 +334,18 @@ def test_a_generation_without_markers_steps_on_its_decode_executions(job):
     (outside,) = [n for n in s.notes if "launched outside the steps" in n]
     share = re.match(r"1 execution\(s\) \(([0-9.]+)% of op time\)", outside)
     assert share and float(share.group(1)) > 50, outside  # the prefill: most of the op time
+
+
+def test_steps_of_an_unmarked_loop_name_their_program_when_others_share_its_name():
+    """Two jax.jit(lambda ...) in an unmarked loop are both jit__lambda: "each execution of jit__lambda is a
+    step" named neither; the program id tells them apart (a unique name stays as it is)."""
+    ops = pd.DataFrame({"host": "h", "module": ["jit__lambda"] * 4 + ["jit_h"] * 2, "program_id": [6, 6, 9, 9, 3, 3],
+                        "run_id": [1, 3, 2, 4, 5, 6], "start_ps": [0, 20, 10, 30, 40, 50],
+                        "duration_ps": [9, 9, 5, 5, 1, 1]})
+    steps, label = dominant_program_steps(ops, ops["start_ps"].to_numpy(np.int64))
+    assert label == "jit__lambda (program 6)" and steps["start_ps"].tolist() == [0, 20]
+    ops["module"] = ["jit__lambda"] * 2 + ["jit_g"] * 2 + ["jit_h"] * 2
+    assert dominant_program_steps(ops, ops["start_ps"].to_numpy(np.int64))[1] == "jit__lambda"
 
 
 def test_loop_that_never_blocks_gets_no_empty_steps(job):

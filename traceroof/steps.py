@@ -453,7 +453,8 @@ def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.D
     own, its decode executions do) is a step, spanning from its launch (or first op) to the next one's; the last
     ends at the host's last op end.
 
-    Returns the steps table (``host``, ``step``, ``start_ps``, ``end_ps``) and the program's module name; an
+    Returns the steps table (``host``, ``step``, ``start_ps``, ``end_ps``) and the program's module name, with
+    its program id when other programs share the name (two ``jax.jit(lambda ...)`` are both ``jit__lambda``); an
     empty table when the program's executions carry no run ids to tell them apart."""
     g = ops.groupby(["module", "program_id"], observed=True, dropna=False)
     dur = g["duration_ps"].sum()
@@ -483,7 +484,8 @@ def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.D
         rows.append(pd.DataFrame({"host": host, "step": np.arange(len(starts)), "start_ps": starts, "end_ps": ends}))
     steps = pd.concat(rows, ignore_index=True)
     steps["step"] = steps["step"].astype("Int64")
-    return steps, str(module)
+    shared = not pd.isna(pid) and (g.size().index.get_level_values(0) == module).sum() > 1
+    return steps, f"{module} (program {int(pid)})" if shared else str(module)
 
 
 def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, when_ps: np.ndarray, end_ps: np.ndarray,
