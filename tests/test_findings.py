@@ -249,6 +249,27 @@ def test_remat_cost():
     assert "remat-cost" not in codes(fixture("transformer"))
 
 
+def test_remat_cost_of_a_checkpointed_solver_loop_names_its_checkpoints():
+    """The forward an Equinox checkpointed loop (diffrax's RecursiveCheckpointAdjoint) recomputes is no
+    jax.checkpoint policy's: the advice is the adjoint's checkpoint count (s38 trial: 'save_only_these_names ...
+    nn.remat' for a diffrax Neural ODE)."""
+    from types import SimpleNamespace
+
+    from traceroof.findings import FindingInputs
+    from traceroof.findings.rules_memory import remat_cost
+
+    counted = pd.DataFrame({"phase": ["remat", "forward"], "scope": ["outer-loop/checkpointed-bwd", "outer-loop"],
+                            "measured_s": [0.03, 0.05], "flops": [6e7, 3e7], "module": "jit_step",
+                            "program_id": 1, "hlo_op": ["ynn_fusion.4", "ynn_fusion.7"], "source": ""})
+    summary = SimpleNamespace(step_time_mean_s=0.1)
+    x = FindingInputs(SimpleNamespace(summary=summary, per_step_divisor=1.0, memory=None), counted)
+    (f,) = remat_cost(x)
+    assert "RecursiveCheckpointAdjoint(checkpoints=n)" in f.advice and "checkpoint_policies" not in f.advice
+    assert f.lost_per_step_s == pytest.approx(0.03) and "diffrax docs" in f.source
+    (g,) = remat_cost(FindingInputs(x.analysis, counted.assign(scope=["layers/Dense_0", "layers"])))
+    assert "checkpoint_policies" in g.advice  # a jax.checkpoint-ed scope keeps the policy advice
+
+
 def test_opaque_custom_call(tmp_path):
     (f,) = codes(tpu_program(tmp_path, 128, custom_call=True))["opaque-custom-call"]
     assert f.ops == ("cc",) and f.severity == "info" and math.isnan(f.lost_per_step_s)

@@ -76,3 +76,32 @@ def test_shard_map_is_no_scope():
     layers = set(a.layers["layer"].astype(str))
     assert {"stage_block", "send_activations"} <= layers and not any(x.startswith("shard_map/") for x in layers)
     assert all(f'named_scope("{x}")' in source for x in ("stage_block", "send_activations"))
+
+
+def test_a_checkpointed_loop_re_linearized_in_its_backward_is_remat():
+    """Equinox's checkpointed while loop (diffrax's default adjoint) linearizes its body again inside the
+    backward (``transpose(jvp(checkpointed-bwd))/while/body/jvp(MLP)/...``): forward work recomputed there, not
+    the backward; s38 trial (a diffrax Neural ODE) counted it as model FLOPs, MFU twice XLA's analytic figure.
+    The gradient of a real loop compiled here: each of the MLP's 3 matmuls runs once forward, once recomputed and
+    twice backward (input and weight gradients)."""
+    jax = pytest.importorskip("jax")
+    eqx = pytest.importorskip("equinox")
+    from equinox.internal import while_loop
+
+    from parsers.hlo_text import parse_hlo_text
+
+    mlp = eqx.nn.MLP(4, 4, 32, 2, key=jax.random.PRNGKey(0))
+    params, static = eqx.partition(mlp, eqx.is_array)
+
+    def loss(p, y):
+        model = eqx.combine(p, static)
+        body = lambda c: (c[0] + 1, c[1] + 0.1 * jax.vmap(model)(c[1]))  # noqa: E731
+        _, y = while_loop(lambda c: c[0] < 8, body, (0, y), max_steps=8, kind="checkpointed", checkpoints=2)
+        return (y ** 2).sum()
+
+    text = jax.jit(jax.grad(loss)).lower(params, jax.numpy.ones((16, 4))).compile().as_text()
+    (module,) = parse_hlo_text(text)
+    phases = [parse_scope(i.metadata.op_name)[1] for c in module.computations.values() for i in c.instructions
+              if i.opcode == "dot"]
+    assert sorted(phases) == ["backward"] * 6 + ["forward"] * 3 + ["remat"] * 3
+    assert parse_scope("jit(f)/transpose(jvp(Net))/Dense_0/dot_general")[1] == "backward"  # no jvp inside: as it was

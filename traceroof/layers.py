@@ -137,9 +137,21 @@ def parse_scope(op_name: str, optimizer_pattern: str = DEFAULT_OPTIMIZER_PATTERN
         scopes.append(inner)
     path = "/".join(scopes) or TOP_LEVEL
     phase = phase_of(scopes, backward, optimizer_pattern)
-    if phase == "backward" and "rematted_computation" in segs:
+    if phase == "backward" and ("rematted_computation" in segs or _linearized_in_backward(segs[:-1])):
         return path, "remat"  # forward recomputed inside the backward pass (jax.checkpoint)
     return path, phase
+
+
+def _linearized_in_backward(segs: list[str]) -> bool:
+    """Whether a ``jvp(...)`` scope lies under the innermost ``transpose(...)`` one: forward work linearized again
+    inside a backward pass, i.e. recomputed there. A checkpointed loop whose backward re-runs its forward from
+    saved states names its ops so (diffrax's RecursiveCheckpointAdjoint: ``transpose(jvp(diffeqsolve))/
+    outer-loop/checkpointed-bwd/while/body/jvp(checkpointed-fwd)/.../eqx.nn.MLP/...`` recomputes the states and
+    ``.../transpose(jvp(checkpointed-bwd))/while/body/jvp(eqx.nn.MLP)/...`` linearizes the vector field again;
+    s38 trial: two of its four matmuls per evaluation counted as model FLOPs, MFU x2); the backward proper is
+    ``transpose(jvp(eqx.nn.MLP))/...``. ``segs``: the scope segments, the primitive left out."""
+    last = max((i for i, s in enumerate(segs) if s.startswith("transpose(")), default=-1)
+    return last >= 0 and any(s.startswith("jvp(") for s in segs[last + 1:])
 
 
 def is_combined(op_name: str) -> bool:

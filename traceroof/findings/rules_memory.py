@@ -8,6 +8,8 @@ copies that only change the layout ("retiling") move bytes for no math (§9.2.2 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from parsers.hlo import Instruction, is_retiling
@@ -22,6 +24,17 @@ LAYOUT_SOURCE = (f"{BOOK} §9.2.2 (layouts and retiling copies); XProf static HL
 CHAIN_SOURCE = (f"{BOOK} §9 (reading XLA's fusions in the HLO); XProf HLO op stats (unfused element-wise work)")
 REMAT_SOURCE = (f"{BOOK} §4.3.2 (block remat costs about one extra forward pass); JAX docs, gradient "
                 "checkpointing (jax.checkpoint policies)")
+# Equinox's checkpointed while loop (equinox/internal/_loop/checkpointed.py names its loops checkpointed-fwd,
+# -bwd and -no-vjp), which diffrax's RecursiveCheckpointAdjoint runs the solver in: its backward re-runs the
+# forward from the states it saved
+CHECKPOINTED_LOOP = re.compile(r"(?:^|/)checkpointed-(?:fwd|bwd|no-vjp)(?:/|$)")
+CHECKPOINTED_LOOP_ADVICE = (
+    "an Equinox checkpointed while loop (diffrax's default RecursiveCheckpointAdjoint) recomputes its forward from "
+    "the states it saved: if memory allows, save more and recompute less: diffrax.RecursiveCheckpointAdjoint("
+    "checkpoints=n), n up to the number of solver steps (the default is about log(max_steps)); "
+    "eqx.internal.while_loop(..., kind='checkpointed', checkpoints=n) for a loop of your own")
+CHECKPOINTED_LOOP_SOURCE = ("diffrax docs, RecursiveCheckpointAdjoint (memory ~ checkpoints x the state; more "
+                            "checkpoints speed up backpropagation); Stumm & Walther 2010, online checkpointing")
 
 PADDING_THRESHOLD = 0.25  # flag ops whose padded bytes exceed logical bytes by more than this fraction
 LAYOUT_SHARE_MIN = 0.005  # layout-copy fires when those copies take this share of the step
@@ -208,6 +221,8 @@ def remat_cost(x: FindingInputs) -> list[Finding]:
                 f"keeping them instead: about {fmt_bytes(held)} more activations per device (the recomputed values "
                 "the backward reads; XLA may keep more where it fuses less)" if held else ""]
     title = f"recomputing the forward pass (remat) takes {fmt_s(t)} per step"
+    if any(CHECKPOINTED_LOOP.search(str(sc)) for sc in set(c.text("scope")[rows]) if sc is not None):
+        return [make(x, "remat-cost", title, t, CHECKPOINTED_LOOP_ADVICE, CHECKPOINTED_LOOP_SOURCE, evidence, rows)]
     return [make(x, "remat-cost", title, t, _remat_advice(_recomputed_dots(x, rows)), REMAT_SOURCE, evidence, rows)]
 
 
