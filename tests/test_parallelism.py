@@ -802,3 +802,16 @@ def test_batch_norm_statistics_beside_gradients_are_data_parallel(how: str) -> N
     combined = [pc for pc in mesh.collectives if pc.collective.kind == "all-reduce"
                 and len(m.computations[pc.computation].by_name[pc.name].shape.leaves()) > 1]
     assert combined  # the case this is about: XLA combined the reductions
+
+
+def test_unknown_tokens_are_said_so_not_printed_as_nan() -> None:
+    """A Neural ODE's inputs are states of width 2, no token ids and no rows of width D (s38 trial: 'nan tokens per
+    step (nan per device)')."""
+    from traceroof.mesh_book import ModelSizes, _mesh_notes
+
+    sizes = ModelSizes(64, 64, 1, math.nan, math.nan, "f32", 4, 8192, 32768, 65536)
+    first = _mesh_notes(sizes, [], {}, 1e12, 8)[0]
+    assert "tokens per step unknown (no input of the step is token ids or rows of width D)" in first
+    assert "nan" not in first
+    known = _mesh_notes(sizes.__class__(64, 64, 1, 4096.0, 512.0, "f32", 4, 8192, 32768, 65536), [], {}, 1e12, 8)[0]
+    assert "4,096 tokens per step (512 per device)" in known
