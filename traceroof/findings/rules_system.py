@@ -19,9 +19,9 @@ import pandas as pd
 
 from parsers.hlo import Computation, Instruction
 from traceroof.findings.hlo_graph import ModuleIndex
-from traceroof.findings.rules_compile import compiling_steps
 from traceroof.findings.record import (BOOK, MAX_OPS, Finding, FindingInputs, fmt_s, make, mean_of,
                                        share, total)
+from traceroof.findings.rules_compile import compiling_steps
 from traceroof.opstats import OUTLIER_RATIO
 from traceroof.units import fmt_bytes, fmt_list
 
