@@ -105,3 +105,5 @@ def test_a_checkpointed_loop_re_linearized_in_its_backward_is_remat():
               if i.opcode == "dot"]
     assert sorted(phases) == ["backward"] * 6 + ["forward"] * 3 + ["remat"] * 3
     assert parse_scope("jit(f)/transpose(jvp(Net))/Dense_0/dot_general")[1] == "backward"  # no jvp inside: as it was
+    # a jax.checkpoint-ed scope's backward repeats its scope: the backward, not a recompute (test_numbers' MFU)
+    assert parse_scope("jit(loss)/transpose(jvp(layer_0))/jvp(layer_0)/checkpoint/mlp/dot_general")[1] == "backward"

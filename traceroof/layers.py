@@ -149,9 +149,14 @@ def _linearized_in_backward(segs: list[str]) -> bool:
     outer-loop/checkpointed-bwd/while/body/jvp(checkpointed-fwd)/.../eqx.nn.MLP/...`` recomputes the states and
     ``.../transpose(jvp(checkpointed-bwd))/while/body/jvp(eqx.nn.MLP)/...`` linearizes the vector field again;
     s38 trial: two of its four matmuls per evaluation counted as model FLOPs, MFU x2); the backward proper is
-    ``transpose(jvp(eqx.nn.MLP))/...``. ``segs``: the scope segments, the primitive left out."""
+    ``transpose(jvp(eqx.nn.MLP))/...``. A jax.checkpoint-ed scope's backward repeats its own scope,
+    ``transpose(jvp(layer_0))/jvp(layer_0)/checkpoint/...``: that is the backward (its recompute is
+    ``rematted_computation``). ``segs``: the scope segments, the primitive left out."""
     last = max((i for i, s in enumerate(segs) if s.startswith("transpose(")), default=-1)
-    return last >= 0 and any(s.startswith("jvp(") for s in segs[last + 1:])
+    if last < 0:
+        return False
+    own = _unwrap(segs[last])[0]
+    return any(s.startswith("jvp(") and _unwrap(s)[0] != own for s in segs[last + 1:])
 
 
 def is_combined(op_name: str) -> bool:
