@@ -307,6 +307,17 @@ def test_the_step_that_compiled_again_is_named_not_blamed_on_the_host(pmap_run):
     assert f.evidence == (f"jit__fun: program {ids[1]} first ran in step 1, after program(s) {ids[0]} of that name",)
     assert "JAX_EXPLAIN_CACHE_MISSES=1" in f.advice and "--warmup-steps 2" in f.advice
     assert f.lost_per_step_s == pytest.approx(b.loc[1, "host_bound_s"] / 4)  # step 1's wait, per used step
+    # the profile's own compile events, read raw: XLA compiled twice, the second time inside step 1
+    import glob
+    from parsers.xspace import read_xspace
+
+    (cpu,) = [p for p in read_xspace(glob.glob(f"{pmap_run}/plugins/profile/*/*.xplane.pb")[0]).planes
+              if p.name.startswith("/host:CPU")]
+    raw = pd.DataFrame(cpu.columns())
+    compiles = raw.loc[raw["name"].astype(str) == "PjRtCpuClient::Compile", "start_ps"].to_numpy()
+    during = {int(r.step): int(((compiles >= r.start_ps) & (compiles < r.end_ps)).sum())
+              for r in a.steps.itertuples() if 1 <= r.step <= 4}
+    assert during == {1: 1, 2: 0, 3: 0, 4: 0}, during
     # host-bound judges the other steps' waits alone (Python's per-call work in a 1 ms pmap step may be one)
     rows = a.step_breakdown
     rest = rows["host_bound_s"].where(rows["step"] != 1, 0.0).mean()

@@ -279,12 +279,12 @@ def _row(s: AxisStrategy, mesh: Mesh, module: HloModule, sizes: ModelSizes | Non
 
 def _mesh_notes(sizes: ModelSizes, strategies: list[AxisStrategy], links: dict[str, Link | None], c_flops: float,
                 devices: int) -> list[str]:
-    out = [f"model read from the HLO: D = {sizes.d_model}, F = {sizes.d_ff}, L = {sizes.layers} MLP layer(s), "
-           + (f"{sizes.tokens:,.0f} tokens per step ({sizes.tokens_per_device:,.0f} per device), "
+    tokens = (f"{sizes.tokens:,.0f} tokens per step ({sizes.tokens_per_device:,.0f} per device)"
               if math.isfinite(sizes.tokens) else
-              "tokens per step unknown (no input of the step is token ids or rows of width D), ")
-           + f"{sizes.dtype} "
-           f"(How to Scale Your Model §5 models each layer as In[B, D]·W_in[D, F]·W_out[F, D])",
+              "tokens per step unknown (no input of the step is token ids or rows of width D)")
+    out = [f"model read from the HLO: D = {sizes.d_model}, F = {sizes.d_ff}, L = {sizes.layers} MLP layer(s), "
+           f"{tokens}, {sizes.dtype} (How to Scale Your Model §5 models each layer as "
+           "In[B, D]·W_in[D, F]·W_out[F, D])",
            "T_math/layer and T_comm/layer: one layer in the pass named in column 'pass', where §5 compares them "
            "(backward for data and sequence axes, where gradients are all-reduced: 8BDF; forward for the others: "
            "4BDF), each "

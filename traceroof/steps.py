@@ -243,13 +243,9 @@ def _launch_counter(pid: np.ndarray, run: np.ndarray, start: np.ndarray, launche
     first op's start, the launch order when each device runs its executions in launch order, and ``None`` unless
     that order keeps every program's run-id order and each program's run ids are consecutive.
     """
-    never = np.iinfo(np.int64).max
     programs = np.unique(pid)
     if len(programs) == 1:
-        run_keys, at = sorted_codes(run)
-        first_start = np.full(len(run_keys), never)
-        np.minimum.at(first_start, at, start)
-        runs = _unwrapped(run_keys)
+        runs, at, first_start = _executions(run, start)
         return None if runs.max() - runs.min() > RUN_ID_GAP_FACTOR * (len(runs) + launches) else \
             (runs, at, first_start)
     at = np.empty(len(pid), np.int64)
@@ -257,20 +253,26 @@ def _launch_counter(pid: np.ndarray, run: np.ndarray, start: np.ndarray, launche
     n = 0
     for p in programs:
         sel = np.flatnonzero(pid == p)
-        run_keys, mine = sorted_codes(run[sel])
-        runs = _unwrapped(run_keys)
+        runs, mine, first_start = _executions(run[sel], start[sel])
         order = np.argsort(runs, kind="stable")
-        first_start = np.full(len(run_keys), never)
-        np.minimum.at(first_start, mine, start[sel])
         if runs[order[-1]] - runs[order[0]] + 1 != len(runs) or (np.diff(first_start[order]) < 0).any():
             return None
         at[sel] = mine + n
         firsts.append(first_start)
-        n += len(run_keys)
+        n += len(runs)
     first_start = np.concatenate(firsts)
     rank = np.empty(n, np.int64)
     rank[np.argsort(first_start, kind="stable")] = np.arange(n)
     return rank, at, first_start
+
+
+def _executions(run: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One program's op events (``run``: run ids, ``start``: start ps) as executions: (each execution's run id,
+    unwrapped (:func:`_unwrapped`), each event's execution, each execution's first op start, ps)."""
+    run_keys, at = sorted_codes(run)
+    first_start = np.full(len(run_keys), np.iinfo(np.int64).max)
+    np.minimum.at(first_start, at, start)
+    return _unwrapped(run_keys), at, first_start
 
 
 def _cut_short(counts: np.ndarray) -> np.ndarray:

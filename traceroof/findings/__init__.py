@@ -13,10 +13,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from traceroof.findings.record import Finding, FindingInputs, Rule, as_record
+from traceroof.findings.rules_compile import recompile
 from traceroof.findings.rules_compute import (dtype_upcast, faster_than_roofline, mxu_alignment, opaque_custom_call,
                                               small_matmul)
 from traceroof.findings.rules_memory import layout_copy, memory_bound_chain, remat_cost, tile_padding
-from traceroof.findings.rules_compile import recompile
 from traceroof.findings.rules_optimizer import discarded_update, donation_copy
 from traceroof.findings.rules_system import (collective_straggler, comm_bound_axis, device_idle, exposed_collective,
                                              gradients_reduced_in_loop, host_bound, outlier_executions)

@@ -3,12 +3,12 @@ and compiled a program, the programs that first ran there, and whether one of th
 under a name that ran before (a jit cache miss: new shapes, dtypes, shardings or static arguments).
 
 Reads the step breakdown (``Analysis.step_breakdown``: ``step``, ``step_time_s``, ``host_bound_s`` and
-``host_bound_compile_share``, the share of the host-bound time during which the host's compiler threads or
-compile events ran; :mod:`traceroof.breakdown`) and the op table's ``module``, ``program_id``, ``step`` and
-``start_ps``. The whole host-bound time of such a step is the compilation's: tracing the function again runs
-on the Python thread before the compiler threads start (s37 trial, a Flax ResNet under ``jax.pmap``: step 1
-waited 2.48 s, the compiler threads ran 84 % of it, Python tracing the rest), so ``host-bound`` leaves these
-steps to this rule (:func:`compiling_steps`)."""
+``host_bound_compile_share``, the share of the host-bound time during which the host's compiler threads ran,
+lines named ``compil``/``codegen``: :mod:`traceroof.hostactivity`, :mod:`traceroof.breakdown`) and the op
+table's ``module``, ``program_id``, ``step`` and ``start_ps``. The whole host-bound time of such a step is
+the compilation's: tracing the function again runs on the Python thread before the compiler threads start (s37
+trial, a Flax ResNet under ``jax.pmap``: step 1 waited 2.48 s, the compiler threads ran 84 % of it, Python
+tracing the rest), so ``host-bound`` leaves these steps to this rule (:func:`compiling_steps`)."""
 
 from __future__ import annotations
 

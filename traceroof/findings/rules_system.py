@@ -150,11 +150,11 @@ def host_bound(x: FindingInputs) -> list[Finding]:
         if not need <= set(b.columns):
             return []
         step = mean_of(b["step_time_s"])
-        compiling = b["step"].isin(compiling_steps(b).index).to_numpy(bool) if "step" in b else False
+        compiling = b["step"].isin(compiling_steps(b).index).to_numpy(bool) if "step" in b else np.zeros(len(b), bool)
         lost = mean_of(b["host_bound_s"].where(~compiling, 0.0))  # a compiling step's wait is recompile's
         if not (step > 0 and lost >= HOST_BOUND_SHARE_MIN * step):
             return []
-        b = b[~compiling] if np.any(compiling) else b
+        b = b[~compiling] if compiling.any() else b
         extra = [f"{c.removesuffix('_s').replace('_', ' ')} {fmt_s(mean_of(b[c]))}"
                  for c in ("compute_s", "exposed_comm_s", "launch_gap_s", "outside_program_s") if c in b]
         shares = [c for c in b.columns if c.startswith("host_bound_") and c.endswith("_share")]
