@@ -4,9 +4,11 @@ with the FLOPs ratio the change implies; JSON baselines; renamed scopes; the gat
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -346,3 +348,55 @@ def test_a_saved_report_missing_a_layer_name_diffs_and_gates(tmp_path):
     r = diff(load_side(broken), load_side(FIXTURES / "fuzz" / "tiny_report.json"))
     with pytest.raises(InputError, match="is in neither profile"):
         gate(r, 5.0, layer="nosuch")
+
+
+_TRIP_COUNT_JOB = """
+import os, sys
+out, extra = sys.argv[1], sys.argv[2] == "slow"
+os.environ["XLA_FLAGS"] = f"--xla_dump_to={out}/hlo --xla_dump_hlo_as_text"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp
+
+@jax.jit
+def step(w, x, trips):  # a while loop whose trip count is the step's data (an adaptive solver's, say)
+    def body(c):
+        i, y = c
+        y = jnp.tanh(y @ w)
+        if extra:  # the regression: a second matmul per trip
+            y = y + 1e-6 * jnp.tanh(y @ w.T)
+        return i + 1, y
+    return jax.lax.while_loop(lambda c: c[0] < trips, body, (0, x))[1]
+
+w = jax.random.normal(jax.random.PRNGKey(0), (256, 256)) / 16
+x = jnp.ones((256, 256))
+jax.block_until_ready(step(w, x, 1))
+with jax.profiler.trace(f"{out}/logdir"):
+    for i, trips in enumerate([2, 2, 30, 4, 26, 3, 32, 6, 24]):
+        with jax.profiler.StepTraceAnnotation("train", step_num=i):
+            jax.block_until_ready(step(w, x, trips))
+"""
+
+
+def test_steps_of_data_dependent_work_are_paired(tmp_path):
+    """s38 trial: a diffrax model's steps did 67-264 MFLOP as the adaptive solver's trip count went, and `diff
+    --fail-above 5` passed a +37 % regression as "within noise": the band was the step-to-step spread of the work
+    itself. Two runs of a while loop with the same per-step trip counts (2-32), the second with a matmul more per
+    trip: paired step by step the change is beyond noise and the gate fails; the difference of means' standard
+    error, from the same step times, is wider than the change (what the old gate judged by)."""
+    for variant in ("base", "slow"):
+        subprocess.run([sys.executable, "-c", _TRIP_COUNT_JOB, str(tmp_path / variant), variant], check=True,
+                       timeout=300, capture_output=True)
+    base, slow = (load_side(tmp_path / v / "logdir", hlo=[tmp_path / v / "hlo"], chip=HOST_CHIP)
+                  for v in ("base", "slow"))
+    b, n = np.array(base.step_times_s), np.array(slow.step_times_s)
+    assert len(b) == len(n) == 8  # the first step is warm-up
+    # the while loop ran the trip counts given: the body's dot once per trip in each step's FLOPs
+    assert slow.flops_per_step / base.flops_per_step == pytest.approx(2, rel=0.02)
+    r = diff(base, slow)
+    assert r.step.paired and not r.step.noise and r.step.delta_s > 0
+    assert r.step.standard_error_s == pytest.approx(np.std(n - b, ddof=1) / math.sqrt(8))
+    welch = math.hypot(np.std(b, ddof=1) / math.sqrt(8), np.std(n, ddof=1) / math.sqrt(8))
+    assert abs(n.mean() - b.mean()) < 2 * welch
+    failed, why = gate(r, 5.0)
+    assert failed and "above the +5% limit" in why
+    assert "of the step-by-step differences): slower" in r.contributors[0]

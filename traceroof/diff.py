@@ -7,8 +7,9 @@ without the operand shapes (the same result in the same place reading other inpu
 reads a saved activation through a fused dynamic-slice of the scan's stacked buffer where the rematerialised
 program read the recomputed value); without the shapes (a resized op in the same place). These two passes take
 the HLO name as tie-breaker where the looser key alone is not unique. The rest are reported as added or removed.
-The step-time change is called noise when it is within two standard errors of the difference of the two
-step-time means (per-step spread of both profiles).
+The step-time change is called noise when it is within two standard errors (:func:`standard_error`): of the
+per-step differences when both profiles have as many steps (step i against step i), else of the difference of the
+two step-time means (per-step spread of both profiles).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from traceroof.opstats import OP_KEY
 from traceroof.profile import PARTIAL
 
 NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
+PAIRED_MIN_STEPS = 3  # steps per side from which the sides' steps are paired (2 give a difference spread of 1 df)
 METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",
            "exposed_comm_per_step_s", "executions_per_step"]
 LAYER_METRICS = ["time_per_step_s", "expected_per_step_s", "flops_per_step", "hbm_bytes_per_step",
@@ -163,7 +165,8 @@ def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None
 
 @dataclass(frozen=True)
 class StepDelta:
-    """Step time of both sides (means), the change, its standard error and whether it is within noise."""
+    """Step time of both sides (means), the change, its standard error (:func:`standard_error`; ``paired``: of
+    the per-step differences) and whether it is within noise."""
 
     base_s: float
     new_s: float
@@ -171,6 +174,7 @@ class StepDelta:
     delta_pct: float
     standard_error_s: float
     noise: bool
+    paired: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,16 +194,37 @@ class DiffResult:
     warnings: tuple[str, ...] = ()  # the two sides may not be the same job (:func:`_warnings`)
 
 
-def step_delta(base: Side, new: Side) -> StepDelta:
-    """Step-time change; standard error of the difference of means = hypot(SE_base, SE_new), SE = std / sqrt(n)."""
-    def se(times: tuple[float, ...]) -> float:
+def standard_error(base_s: Sequence[float], new_s: Sequence[float]) -> tuple[float, bool]:
+    """The standard error (s) of the change of mean step time from the step times ``base_s`` to ``new_s``, and
+    whether the steps were paired.
+
+    Paired when both sides have as many steps, at least :data:`PAIRED_MIN_STEPS`: step i of one against step i of
+    the other (both in step order), SE = std(new_i - base_i) / sqrt(n). The work a step does may vary with its
+    data (an adaptive ODE solver's or a while loop's trip count, sequence lengths); two runs of one job with the
+    same seeds vary alike, and the differences leave that shared variation out (s38 trial, a diffrax model whose
+    steps took 14-48 ms: a +37 % regression was "within noise" at +/- 13 ms, and is +/- 4 ms paired). For
+    independent steps the paired estimate is unbiased for the same quantity as the unpaired one (the paired
+    t-test: Montgomery, *Design and Analysis of Experiments*, section 2.5). Otherwise the standard error of the
+    difference of the two means, hypot(SE_base, SE_new) with SE = std / sqrt(n) (Welch). Sample standard
+    deviations (ddof 1); a side of one step contributes 0."""
+    b, n = np.asarray(base_s, np.float64), np.asarray(new_s, np.float64)
+    if len(b) == len(n) >= PAIRED_MIN_STEPS:
+        return float(np.std(n - b, ddof=1) / math.sqrt(len(b))), True
+
+    def se(times: np.ndarray) -> float:
         return float(np.std(times, ddof=1) / math.sqrt(len(times))) if len(times) > 1 else 0.0
 
+    return math.hypot(se(b), se(n)), False
+
+
+def step_delta(base: Side, new: Side) -> StepDelta:
+    """The step-time change of the means, within noise when within :data:`NOISE_SIGMAS` standard errors
+    (:func:`standard_error`)."""
     d = new.step_time_mean_s - base.step_time_mean_s
-    err = math.hypot(se(base.step_times_s), se(new.step_times_s))
+    err, paired = standard_error(base.step_times_s, new.step_times_s)
     return StepDelta(base.step_time_mean_s, new.step_time_mean_s, d,
                      d / base.step_time_mean_s if base.step_time_mean_s else float("nan"), err,
-                     abs(d) <= NOISE_SIGMAS * err)
+                     abs(d) <= NOISE_SIGMAS * err, paired)
 
 
 _NULL = object()  # every null key value (None, NaN): pandas' merge and duplicated take nulls as equal
@@ -334,7 +359,7 @@ def diff(base: Side, new: Side) -> DiffResult:
     step = step_delta(base, new)
     parts = breakdown_delta(base.step_breakdown, new.step_breakdown)
     lines = _contributors(step, layers, unmatched, parts)
-    work = _work_line(step, work_ratio(base, new))
+    work = _work_line(step, work_ratio(base, new), base.step_times_s, new.step_times_s)
     lines[1:1] = [work] * bool(work)
     return DiffResult(base, new, step, layers, both, unmatched, tuple(lines),
                       memory_delta(base.memory, new.memory), _warnings(base, new, both, b, n))
@@ -356,15 +381,18 @@ def work_ratio(base: Side, new: Side) -> float | None:
     return n / b
 
 
-def _work_line(step: StepDelta, ratio: float | None) -> str | None:
+def _work_line(step: StepDelta, ratio: float | None, base_s: Sequence[float], new_s: Sequence[float],
+               ) -> str | None:
     """When the steps do different work (:data:`WORK_CHANGE`): the change of time per FLOP, the throughput
     figure a larger batch or model is judged by (a doubled batch in a 1.5x longer step is 25 % less time per
-    FLOP, and "slower" per step)."""
+    FLOP, and "slower" per step); its noise: :func:`standard_error` of the step times ``base_s`` against
+    ``new_s`` scaled to the base's work."""
     if ratio is None or abs(ratio - 1) <= WORK_CHANGE or not (step.base_s > 0 and step.new_s > 0):
         return None
     per_flop = step.new_s / ratio / step.base_s - 1
     verdict = "faster" if per_flop < 0 else "slower"
-    if step.standard_error_s and abs(step.new_s / ratio - step.base_s) <= NOISE_SIGMAS * step.standard_error_s:
+    err = standard_error(base_s, np.asarray(new_s, np.float64) / ratio)[0]
+    if err and abs(step.new_s / ratio - step.base_s) <= NOISE_SIGMAS * err:
         verdict = "within noise"
     return (f"work per step x{ratio:.2f} (FLOPs, all devices): time per FLOP {per_flop:+.1%}, "
             f"{verdict} per unit of work (throughput x{1 / (1 + per_flop):.2f})")
@@ -433,8 +461,10 @@ def _contributors(step: StepDelta, layers: pd.DataFrame, unmatched: pd.DataFrame
     outside the ops (host-bound, launch gaps, outside any program) when it moved more than any layer's op time
     (a faster data loader is no layer's change), and the layers that moved most with the change."""
     verdict = "within noise" if step.noise else ("slower" if step.delta_s > 0 else "faster")
+    of = "of the step-by-step differences" if step.paired else "of the difference of means"
     out = [f"step time {step.base_s * 1e3:.3f} ms -> {step.new_s * 1e3:.3f} ms ({step.delta_pct:+.1%}, "
-           f"+/- {NOISE_SIGMAS * step.standard_error_s * 1e3:.3f} ms at {NOISE_SIGMAS:g} standard errors): {verdict}"]
+           f"+/- {NOISE_SIGMAS * step.standard_error_s * 1e3:.3f} ms at {NOISE_SIGMAS:g} standard errors {of}): "
+           f"{verdict}"]
     if step.noise:
         return out
     if parts is not None and len(parts):

@@ -84,7 +84,7 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
     doc = {
         "base": r.base.label, "new": r.new.label,
         "step": clean_value({k: getattr(r.step, k) for k in ("base_s", "new_s", "delta_s", "delta_pct",
-                                                          "standard_error_s", "noise")}),
+                                                          "standard_error_s", "noise", "paired")}),
         "work_ratio": clean_value(work_ratio(r.base, r.new)),  # FLOPs per step, all devices, new / base
         "warnings": list(r.warnings), "contributors": list(r.contributors),
         "input_notes": {"base": list(r.base.input_notes), "new": list(r.new.input_notes)},
