@@ -505,3 +505,14 @@ def test_a_topology_is_checked_against_the_programs_devices():
     host = analyze(fixture, chip=str(FIXTURES / "fixture_host.toml"), topology="2x2")
     assert host.topology == "8 device(s) on one host"
     assert any(n.startswith("--topology 2x2 not used") for n in host.summary.notes)
+
+
+def test_a_file_that_is_not_hlo_beside_the_profiles_own_is_a_note_saying_so(tmp_path):
+    """s38 trial: a --hlo file holding "hello" was "skipped: it looks like HLO but does not parse". The profile
+    carries its own HLO, so the analysis goes on, with a note that says the file is not HLO."""
+    junk = tmp_path / "hello.txt"
+    junk.write_text("hello\n")
+    a = analyze(FIXTURES / "transformer", hlo=[FIXTURES / "transformer" / "hlo", junk], chip="h100")
+    (note,) = [n for n in a.summary.notes if "hello.txt" in n]
+    assert note.startswith("skipped hello.txt: it does not parse as HLO (") and "not HLO text" in note
+    assert a.summary.join.events_joined == a.summary.join.events_total

@@ -6,7 +6,7 @@ dump of the same program that differs from it (another run's dump folder, an edi
 naming both; compared by a fingerprint of every instruction's name, opcode, element type and dims. Without a
 profile HloProto, a dump must name every op the program's events ran (``hlo_op``) or it is refused
 (:class:`HloMismatchError`, exit status 2). Dump folders are read as XLA writes them
-(:mod:`parsers.dump_folder`); a file that looks like HLO but does not parse becomes a note, unless it is the only
+(:mod:`parsers.dump_folder`); a file that does not parse as HLO becomes a note, unless it is the only
 HLO of a profiled program.
 """
 
@@ -162,7 +162,7 @@ def parse_dumps(files: Sequence[Location], events: pd.DataFrame, notes: list[str
             m = _DUMP_NAME.match(storage.name(f))
             if (len(files) == 1 and not covered) or (m and int(m.group(1)) in ids):
                 raise
-            notes.append(f"skipped {storage.name(f)}: it looks like HLO but does not parse ({e})")
+            notes.append(f"skipped {storage.name(f)}: it does not parse as HLO ({e})")
     return modules
 
 
