@@ -14,6 +14,7 @@ import pytest
 
 from traceroof import analyze
 from traceroof.diff import diff, gate, load_side, side_from_analysis
+from traceroof.report.text import header_lines
 from tests.conftest import FIXTURES, HOST_CHIP, ROOT, facts
 
 
@@ -386,12 +387,16 @@ def test_steps_of_data_dependent_work_are_paired(tmp_path):
     for variant in ("base", "slow"):
         subprocess.run([sys.executable, "-c", _TRIP_COUNT_JOB, str(tmp_path / variant), variant], check=True,
                        timeout=300, capture_output=True)
-    base, slow = (load_side(tmp_path / v / "logdir", hlo=[tmp_path / v / "hlo"], chip=HOST_CHIP)
-                  for v in ("base", "slow"))
+    runs = [analyze(tmp_path / v / "logdir", hlo=[tmp_path / v / "hlo"], chip=HOST_CHIP) for v in ("base", "slow")]
+    base, slow = (side_from_analysis(a, v) for a, v in zip(runs, ("base", "slow")))
     b, n = np.array(base.step_times_s), np.array(slow.step_times_s)
     assert len(b) == len(n) == 8  # the first step is warm-up
-    # the while loop ran the trip counts given: the body's dot once per trip in each step's FLOPs
-    assert slow.flops_per_step / base.flops_per_step == pytest.approx(2, rel=0.02)
+    # each step's FLOPs follow its trip count: one 256^3 matmul per trip (two in the slow run), tanh's few aside
+    trips = np.array([2, 30, 4, 26, 3, 32, 6, 24])
+    for a, dots in zip(runs, (1, 2)):
+        assert np.array(a.summary.step_flops) == pytest.approx(trips * dots * 2 * 256**3, rel=0.01)
+    work = dict(header_lines(runs[0]))["work"]
+    assert "(67.1 MFLOP to 1.07 GFLOP over the 8 steps: the work varies from step to step)" in work
     r = diff(base, slow)
     assert r.step.paired and not r.step.noise and r.step.delta_s > 0
     assert r.step.standard_error_s == pytest.approx(np.std(n - b, ddof=1) / math.sqrt(8))

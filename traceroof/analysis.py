@@ -243,6 +243,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
     counted = per_op(ops, at, costs)  # from here on per-op sums over devices and steps: a small table
     per = max(len(used), 1) * n_dev  # totals over the used steps and devices -> per step, per device
     flops = float(counted["flops"].sum()) / per
+    step_flops = _step_flops(ops, at, costs, used, n_dev) if join.events_joined else ()
     hbm = float(counted["hbm_bytes"].sum()) / per
     expected = float(counted["expected_s"].sum()) / per
     op_time = float(counted["measured_s"].sum()) / per
@@ -270,7 +271,7 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
         expected_per_step_s=expected, op_time_per_step_s=op_time, mfu=mfu, mfu_peak_key=peak_key,
         roofline_efficiency=efficiency,
         devices=n_dev, hosts=max(len(hosts), 1), join=join, exposed_comm_per_step_s=exposed_comm,
-        step_times_s=tuple(float(x) for x in durations),
+        step_times_s=tuple(float(x) for x in durations), step_flops=step_flops,
         hlo_sources=hlo_sources, notes=tuple(notes), host_step_time_mean_s=host_mean,
         model_flops_per_step=model_flops, model_flops_source=model_source, hfu=hfu,
         chip_calibrated_at=target.calibrated_at, decoder=profile.decoder, virtual_devices=virtual,
@@ -287,6 +288,18 @@ def _analyze_profile(profile: Profile, chip: str | Chip | None, depth: int, warm
                  parallelism=par, row_costs=costs)
     return with_findings(a, FindingInputs(a, counted, target, stats, skew, len(used), virtual,
                                           tuple(profile.modules)))
+
+
+def _step_flops(ops: pd.DataFrame, at: np.ndarray, costs: RowCosts, used: Sequence[int], n_dev: int,
+                ) -> tuple[float, ...]:
+    """FLOPs per device of each used step (``used``, in order), summed over the op rows ``at`` (counted rows of
+    the used steps) by their ``step``: their mean is the summary's FLOPs per step. Work that varies with the data
+    (an adaptive solver's or a while loop's trip count) varies from step to step (s38 trial: 67-264 MFLOP)."""
+    step = ops["step"].to_numpy(dtype="int64", na_value=-1)
+    order = np.asarray(used, np.int64)
+    group = np.full(len(ops), len(order), np.int64)
+    group[at] = np.searchsorted(order, step[at])
+    return tuple(float(x) / n_dev for x in costs.sums(ops, group, len(order), at)["flops"])
 
 
 def _hosts_with_ops(rows: pd.DataFrame) -> list[str]:

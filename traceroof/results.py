@@ -61,6 +61,7 @@ class Summary:
     join: JoinReport
     exposed_comm_per_step_s: float = 0.0
     step_times_s: tuple[float, ...] = ()
+    step_flops: tuple[float, ...] = ()  # FLOPs per device of each used step (steps_used order); () without HLO
     hlo_sources: dict[str, int] = field(default_factory=dict)
     flop_convention: str = FLOP_CONVENTION
     notes: tuple[str, ...] = ()

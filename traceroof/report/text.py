@@ -46,6 +46,18 @@ def _skewed_median(times_s: tuple[float, ...], mean_s: float) -> str:
             "breakdown shows why)")
 
 
+WORK_RANGE_RATIO = 1.1  # steps whose FLOPs differ by more (max / min): the header shows the range
+
+
+def _work_range(step_flops: tuple[float, ...]) -> str:
+    """``" (67 M-264 M FLOP over the 11 steps: work varies with the data)"`` when the used steps' FLOPs differ by
+    more than :data:`WORK_RANGE_RATIO` (a while loop's or adaptive solver's trip count), else ``""``."""
+    if len(step_flops) < 2 or not min(step_flops) > 0 or max(step_flops) <= WORK_RANGE_RATIO * min(step_flops):
+        return ""
+    return (f" ({fmt_si(min(step_flops), 'FLOP')} to {fmt_si(max(step_flops), 'FLOP')} over the {len(step_flops)} "
+            "steps: the work varies from step to step)")
+
+
 def header_lines(a: Analysis) -> list[tuple[str, str]]:
     """(label, text) pairs of the report header."""
     s = a.summary
@@ -69,7 +81,7 @@ def header_lines(a: Analysis) -> list[tuple[str, str]]:
                   f"{s.warmup_steps} warm-up excluded); step time {fmt_time(s.step_time_mean_s)} "
                   f"± {fmt_time(s.step_time_std_s)}{_skewed_median(s.step_times_s, s.step_time_mean_s)}"),
         ("work", (f"{fmt_si(s.flops_per_step, 'FLOP')} and {fmt_si(s.hbm_bytes_per_step, 'B')} HBM per step "
-                  "per device" if s.join.events_joined else "no HLO cost (nothing joined)")
+                  f"per device{_work_range(s.step_flops)}" if s.join.events_joined else "no HLO cost (nothing joined)")
          + f"; op time {fmt_time(s.op_time_per_step_s)} per step"),
         ("comm", f"exposed communication {fmt_time(s.exposed_comm_per_step_s)} per step "
                  f"({fmt_pct(s.exposed_comm_per_step_s / s.step_time_mean_s if s.step_time_mean_s else float('nan'))}"
