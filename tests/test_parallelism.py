@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -815,3 +816,43 @@ def test_unknown_tokens_are_said_so_not_printed_as_nan() -> None:
     assert "nan" not in first
     known = _mesh_notes(sizes.__class__(64, 64, 1, 4096.0, 512.0, "f32", 4, 8192, 32768, 65536), [], {}, 1e12, 8)[0]
     assert "4,096 tokens per step (512 per device)" in known
+
+
+_SHARDED_WHILE = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+
+    def step(w, x):
+        def solve(y):  # iterate until every trajectory is done: jnp.any over the sharded batch
+            return jax.lax.while_loop(lambda y: jnp.any(jnp.abs(y) > 1e-3), lambda y: 0.5 * jnp.tanh(y @ w), y)
+        loss, g = jax.value_and_grad(lambda w: jnp.sum(solve(x) @ w))(w)
+        return w - 0.1 * g, loss
+
+    w = jax.device_put(jnp.eye(16) * 0.9, NamedSharding(mesh, P()))
+    x = jax.device_put(jnp.ones((64, 16)), NamedSharding(mesh, P("data")))
+    print(jax.jit(step, donate_argnums=(0,)).lower(w, x).compile().as_text())
+""")
+
+
+def test_a_loop_condition_agreed_over_the_devices_is_said_so() -> None:
+    """s38 trial (a diffrax solve, batch over 8 devices): the while loops' exit tests, jnp.any over the sharded
+    batch, are pred[] all-reduces run in every iteration, and were listed as "scalars reduced (loss, norms)". In
+    XLA's compiled HLO of a sharded while loop they are named as loop conditions; the loss stays a scalar."""
+    out = subprocess.run([sys.executable, "-c", _SHARDED_WHILE], capture_output=True, text=True, timeout=300,
+                         check=True)
+    (m,) = parse_hlo_text(out.stdout)
+    mesh = recover_mesh(m)
+    # XLA's own text: the pred[] all-reduces whose JAX scope is a while loop's
+    conds = set(re.findall(r"%(all-reduce[\w.]*) = pred\[\] all-reduce\(.*op_name=\"[^\"]*/while/", out.stdout))
+    assert conds  # XLA made the condition one over the devices
+    (row,) = classify_axes(mesh, collect_evidence(m, mesh, state_params(m)))
+    assert row.strategy == "data", row
+    assert re.search(r"while-loop conditions agreed every iteration \(pred all-reduce: each iteration waits for every "
+                     r"device\) \([\d.]+ kB/step, ([\w.-]+(, )?)+", row.evidence), row.evidence
+    listed = row.evidence.split("while-loop conditions")[1]
+    assert all(name in listed for name in sorted(conds)[:3])

@@ -195,6 +195,8 @@ EVIDENCE_TEXT = {
     "all_to_all_later": "all-to-all outside the forward pass (an MoE's token gradients, or XLA resharding)",
     "weights_other": "weights communicated otherwise",
     "scalars": "scalars reduced (loss, norms)",
+    "loop_conditions": "while-loop conditions agreed every iteration (pred all-reduce: each iteration waits for "
+                       "every device)",
 }
 
 
@@ -241,8 +243,9 @@ def _kinds(module: HloModule, comp: Computation, users: dict[str, list[Instructi
         out[kind] = out.get(kind, 0.0) + part.byte_size() / total
         if k == largest:
             main = kind
-    if "scalars" in out and main != "scalars":  # a loss riding along a gradient reduction is counted with it
-        out[main] += out.pop("scalars")
+    for small in ("scalars", "loop_conditions"):  # a loss riding along a gradient reduction is counted with it
+        if small in out and main != small:
+            out[main] += out.pop(small)
     return list(out.items())
 
 
@@ -298,7 +301,11 @@ def _evidence_kind(module: HloModule, comp: Computation, users: Mapping[str, lis
     leaves = part if part is not None else _leaves(inst) or [s for s in inst.operand_shapes if s is not None]
     arrays = [s for s in leaves if s.elements > SCALAR_ELEMENTS]
     if not arrays:
-        return "scalars"
+        # a predicate reduced inside a while loop: its condition made one over the devices (jnp.any over a sharded
+        # batch, as an adaptive solver's "any trajectory not done"), a barrier in every iteration (s38 trial: 12
+        # in a diffrax solve on 8 devices, read as "scalars reduced (loss, norms)")
+        types = {s.element_type for s in (part if part is not None else inst.shape.leaves())} - {"token"}
+        return "loop_conditions" if "/while/" in pc.op_name and types == {"pred"} else "scalars"
     if c.kind in ("all-to-all", "ragged-all-to-all"):
         # an MoE dispatches tokens in the forward pass (and returns their gradients in the backward); all-to-alls
         # in the backward or the update alone may be XLA resharding values (a user's FSDP step: 12 of them on
