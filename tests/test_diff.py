@@ -14,7 +14,9 @@ import pytest
 
 from traceroof import analyze
 from traceroof.diff import diff, gate, load_side, side_from_analysis
+from traceroof.report.diff import render_diff_json
 from traceroof.report.text import header_lines
+from traceroof.units import fmt_time
 from tests.conftest import FIXTURES, HOST_CHIP, ROOT, facts
 
 
@@ -353,7 +355,7 @@ def test_a_saved_report_missing_a_layer_name_diffs_and_gates(tmp_path):
 
 _TRIP_COUNT_JOB = """
 import os, sys
-out, extra = sys.argv[1], sys.argv[2] == "slow"
+out, extra, recompile = sys.argv[1], sys.argv[2].startswith("slow"), sys.argv[2] == "slow_recompiled"
 os.environ["XLA_FLAGS"] = f"--xla_dump_to={out}/hlo --xla_dump_hlo_as_text"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
@@ -373,6 +375,8 @@ x = jnp.ones((256, 256))
 jax.block_until_ready(step(w, x, 1))
 with jax.profiler.trace(f"{out}/logdir"):
     for i, trips in enumerate([2, 2, 30, 4, 26, 3, 32, 6, 24]):
+        if recompile and i == 5:  # step 5 compiles the program again
+            jax.clear_caches()
         with jax.profiler.StepTraceAnnotation("train", step_num=i):
             jax.block_until_ready(step(w, x, trips))
 """
@@ -405,3 +409,29 @@ def test_steps_of_data_dependent_work_are_paired(tmp_path):
     failed, why = gate(r, 5.0)
     assert failed and "above the +5% limit" in why
     assert "of the step-by-step differences): slower" in r.contributors[0]
+
+
+def test_a_step_that_compiles_is_left_out_of_the_comparison(tmp_path):
+    """s39 trial (PPO): one step of the new run compiled again (jax.clear_caches(): 2.09 s among 33-49 ms steps),
+    the band became +/- 456 ms and `diff --fail-above 5` passed a +110 % regression as "within noise". The same
+    while-loop job, its slow variant compiling again at step 5: that step (over 3x its side's median) and its pair
+    are left out, said so, and the gate fails on the other seven pairs; the step breakdown compares those too."""
+    for variant in ("base", "slow_recompiled"):
+        subprocess.run([sys.executable, "-c", _TRIP_COUNT_JOB, str(tmp_path / variant), variant], check=True,
+                       timeout=300, capture_output=True)
+    base, new = (load_side(tmp_path / v / "logdir", hlo=[tmp_path / v / "hlo"], chip=HOST_CHIP)
+                 for v in ("base", "slow_recompiled"))
+    b, n = np.array(base.step_times_s), np.array(new.step_times_s)
+    assert new.steps_used == tuple(range(1, 9)) and n[4] > 3 * np.median(n)  # step 5: the compile
+    r = diff(base, new)
+    assert r.step.left_out == (f"new step 5 ({fmt_time(n[4])}, {n[4] / np.median(n):.0f}x its median)",)
+    keep = np.arange(8) != 4
+    assert r.step.delta_s == pytest.approx(n[keep].mean() - b[keep].mean())
+    assert r.step.standard_error_s == pytest.approx(np.std(n[keep] - b[keep], ddof=1) / math.sqrt(7))
+    assert not r.step.noise and gate(r, 5.0)[0]
+    assert np.std(n - b, ddof=1) / math.sqrt(8) * 2 > abs(n.mean() - b.mean())  # all 8 pairs: "within noise"
+    assert any(line.startswith("left out of the step time") and "new step 5" in line for line in r.contributors)
+    parts = {p["component"]: p for p in json.loads(render_diff_json(r, True, ""))["step_breakdown"]}
+    rows = new.step_breakdown
+    assert parts["step_time_s"]["new_s"] == pytest.approx(rows[rows["step"] != 5]["step_time_s"].mean())
+    assert parts["step_time_s"]["base_s"] == pytest.approx(base.step_breakdown["step_time_s"][keep].mean())

@@ -31,6 +31,7 @@ from traceroof.analysis import HLO_IGNORED, Analysis, analyze
 from traceroof.breakdown import BREAKDOWN_COLUMNS, LABELS, breakdown_delta
 from traceroof.opstats import OP_KEY
 from traceroof.profile import PARTIAL
+from traceroof.units import fmt_time
 
 NOISE_SIGMAS = 2.0  # a change within 2 standard errors (~95 % for normal step times) is called noise
 PAIRED_MIN_STEPS = 3  # steps per side from which the sides' steps are paired (2 give a difference spread of 1 df)
@@ -56,6 +57,7 @@ class Side:
     memory: dict | None = None  # the JSON ``memory`` object (traceroof.memory)
     devices: int = 0  # devices that ran the profiled steps (0: unknown, a report without it)
     input_notes: tuple[str, ...] = ()  # the analysis' notes that say input given was left out (:func:`input_notes`)
+    steps_used: tuple[int, ...] = ()  # the step numbers of step_times_s, where known
 
 
 def input_notes(notes: Sequence[object]) -> tuple[str, ...]:
@@ -71,7 +73,8 @@ def side_from_analysis(a: Analysis, label: str) -> Side:
     s = a.summary
     return Side(label, s.chip_id, s.step_times_s, s.step_time_mean_s, s.flops_per_step, s.exposed_comm_per_step_s,
                 a.layers, a.op_stats, a.step_breakdown,
-                a.memory.to_json() if a.memory is not None else None, int(s.devices), input_notes(s.notes))
+                a.memory.to_json() if a.memory is not None else None, int(s.devices), input_notes(s.notes),
+                tuple(s.steps_used))
 
 
 def _number(value: object) -> float | None:
@@ -139,14 +142,15 @@ def side_from_json(path: Path) -> Side:
                                               and math.isfinite(t) and t > 0 for t in times):
         raise FormatError(f"{path}: summary.step_times_s is not a list of positive finite step times")
     chip = s.get("chip_id", "")
-    devices = s.get("devices")
+    devices, used = s.get("devices"), s.get("steps_used")
     return Side(str(path), chip if isinstance(chip, str) else str(chip), tuple(float(t) for t in times), step,
                 figures["flops_per_step"] or 0.0, figures["exposed_comm_per_step_s"] or 0.0,
                 _table(path, doc, "layers", LAYER_METRICS), _table(path, doc, "op_stats", METRICS),
                 _table(path, doc, "step_breakdown", BREAKDOWN_COLUMNS) if "step_breakdown" in doc else pd.DataFrame(),
                 memory_from_json(path, doc.get("memory")),
                 devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else 0,
-                input_notes(s["notes"]) if isinstance(s.get("notes"), list) else ())
+                input_notes(s["notes"]) if isinstance(s.get("notes"), list) else (),
+                tuple(used) if isinstance(used, list) and all(type(x) is int for x in used) else ())
 
 
 def load_side(path: str | Path, hlo: Sequence[str | Path] = (), chip: str | None = None, depth: int = 2,
@@ -175,6 +179,7 @@ class StepDelta:
     standard_error_s: float
     noise: bool
     paired: bool = False
+    left_out: tuple[str, ...] = ()  # steps not compared (:func:`typical_steps`), e.g. "new step 5 (2.090 s, ...)"
 
 
 @dataclass(frozen=True, eq=False)
@@ -217,14 +222,70 @@ def standard_error(base_s: Sequence[float], new_s: Sequence[float]) -> tuple[flo
     return math.hypot(se(b), se(n)), False
 
 
+OUTLIER_STEP_RATIO = 3.0  # a step over 3x its side's median step: a compilation, a checkpoint, a pause,
+OUTLIER_STEP_MADS = 10.0  # and over 10 median absolute deviations above it (~7 sigma of normal step times): steps
+# whose work varies with the data (trip counts of 2-32 in a while loop) spread wide and keep their slowest
+MAX_OUTLIER_SHARE = 0.25  # more of a side's steps than this that slow: the side's steps are bimodal, none left out
+
+
+@dataclass(frozen=True)
+class TypicalSteps:
+    """:func:`typical_steps`: the step times (s) compared, the step numbers left out of each side and the lines
+    that say so."""
+
+    base_s: np.ndarray
+    new_s: np.ndarray
+    base_left_out: tuple[int, ...] = ()
+    new_left_out: tuple[int, ...] = ()
+    said: tuple[str, ...] = ()
+
+    def breakdowns(self, base: Side, new: Side) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """Both sides' step breakdowns without the steps left out."""
+        def kept(rows: pd.DataFrame, out: tuple[int, ...]) -> pd.DataFrame:
+            return rows[~rows["step"].isin(out)] if out and len(rows) and "step" in rows else rows
+        return kept(base.step_breakdown, self.base_left_out), kept(new.step_breakdown, self.new_left_out)
+
+
+def typical_steps(base: Side, new: Side) -> TypicalSteps:
+    """The steps of both sides that the comparison uses: not a step over :data:`OUTLIER_STEP_RATIO` times its
+    side's median and :data:`OUTLIER_STEP_MADS` median absolute deviations above it (at most
+    :data:`MAX_OUTLIER_SHARE` of its steps, from 3 steps) nor, where the steps are paired
+    (:func:`standard_error`), its pair on the other side. One compiling step (s39 trial: 2.09 s among 33-49 ms
+    steps after jax.clear_caches) made the band +/- 456 ms, and a +110 % regression passed the gate as "within
+    noise"; its time is the compiler's, which `analyze` reports (``recompile``), not the step's."""
+    b, n = np.asarray(base.step_times_s, np.float64), np.asarray(new.step_times_s, np.float64)
+
+    def slow(t: np.ndarray) -> np.ndarray:
+        if len(t) < 3:
+            return np.zeros(len(t), bool)
+        mid = np.median(t)
+        out = (t > OUTLIER_STEP_RATIO * mid) & (t > mid + OUTLIER_STEP_MADS * np.median(np.abs(t - mid)))
+        return out if out.sum() <= MAX_OUTLIER_SHARE * len(t) else np.zeros(len(t), bool)
+
+    slow_b, slow_n = slow(b), slow(n)
+    keep_b, keep_n = ~slow_b, ~slow_n
+    if len(b) == len(n) >= PAIRED_MIN_STEPS:
+        keep_b = keep_n = ~(slow_b | slow_n)
+    said, numbers = [], []
+    for name, side, t, out, keep in (("base", base, b, slow_b, keep_b), ("new", new, n, slow_n, keep_n)):
+        nums = side.steps_used if len(side.steps_used) == len(t) else tuple(range(1, len(t) + 1))
+        said += [f"{name} step {nums[i]} ({fmt_time(float(t[i]))}, {t[i] / np.median(t):.0f}x its median)"
+                 for i in np.flatnonzero(out)]
+        numbers.append(tuple(nums[i] for i in np.flatnonzero(~keep)))
+    return TypicalSteps(b[keep_b], n[keep_n], numbers[0], numbers[1], tuple(said))
+
+
 def step_delta(base: Side, new: Side) -> StepDelta:
-    """The step-time change of the means, within noise when within :data:`NOISE_SIGMAS` standard errors
-    (:func:`standard_error`)."""
-    d = new.step_time_mean_s - base.step_time_mean_s
-    err, paired = standard_error(base.step_times_s, new.step_times_s)
-    return StepDelta(base.step_time_mean_s, new.step_time_mean_s, d,
-                     d / base.step_time_mean_s if base.step_time_mean_s else float("nan"), err,
-                     abs(d) <= NOISE_SIGMAS * err, paired)
+    """The step-time change of the means of :func:`typical_steps`, within noise when within :data:`NOISE_SIGMAS`
+    standard errors (:func:`standard_error`). With no step left out the means are the sides' own (a saved report
+    without step times has its mean only)."""
+    t = typical_steps(base, new)
+    base_s = float(t.base_s.mean()) if t.said else base.step_time_mean_s
+    new_s = float(t.new_s.mean()) if t.said else new.step_time_mean_s
+    d = new_s - base_s
+    err, paired = standard_error(t.base_s, t.new_s)
+    return StepDelta(base_s, new_s, d, d / base_s if base_s else float("nan"), err, abs(d) <= NOISE_SIGMAS * err,
+                     paired, t.said)
 
 
 _NULL = object()  # every null key value (None, NaN): pandas' merge and duplicated take nulls as equal
@@ -356,10 +417,10 @@ def diff(base: Side, new: Side) -> DiffResult:
         .reset_index(drop=True)
     unmatched = pd.concat([only_b.assign(side="removed"), only_n.assign(side="added")], ignore_index=True)
     layers = _layer_deltas(base.layers, new.layers)
-    step = step_delta(base, new)
-    parts = breakdown_delta(base.step_breakdown, new.step_breakdown)
+    step, typical = step_delta(base, new), typical_steps(base, new)
+    parts = breakdown_delta(*typical.breakdowns(base, new))
     lines = _contributors(step, layers, unmatched, parts)
-    work = _work_line(step, work_ratio(base, new), base.step_times_s, new.step_times_s)
+    work = _work_line(step, work_ratio(base, new), typical.base_s, typical.new_s)
     lines[1:1] = [work] * bool(work)
     return DiffResult(base, new, step, layers, both, unmatched, tuple(lines),
                       memory_delta(base.memory, new.memory), _warnings(base, new, both, b, n))
@@ -465,6 +526,11 @@ def _contributors(step: StepDelta, layers: pd.DataFrame, unmatched: pd.DataFrame
     out = [f"step time {step.base_s * 1e3:.3f} ms -> {step.new_s * 1e3:.3f} ms ({step.delta_pct:+.1%}, "
            f"+/- {NOISE_SIGMAS * step.standard_error_s * 1e3:.3f} ms at {NOISE_SIGMAS:g} standard errors {of}): "
            f"{verdict}"]
+    if step.left_out:
+        pair = "; with its pair, steps compared one to one" if step.paired else ""
+        out.append(f"left out of the step time, over {OUTLIER_STEP_RATIO:g}x the median step and far outside the "
+                   f"others' spread (a compilation, a checkpoint or a pause: analyze's findings say which{pair}): "
+                   f"{', '.join(step.left_out)}")
     if step.noise:
         return out
     if parts is not None and len(parts):
