@@ -355,7 +355,8 @@ def test_a_saved_report_missing_a_layer_name_diffs_and_gates(tmp_path):
 
 _TRIP_COUNT_JOB = """
 import os, sys
-out, extra, recompile = sys.argv[1], sys.argv[2].startswith("slow"), sys.argv[2] == "slow_recompiled"
+out, extra, recompile = sys.argv[1], "slow" in sys.argv[2], sys.argv[2].endswith("recompiled")
+flat = sys.argv[2].startswith("flat")  # 24 trips every step
 os.environ["XLA_FLAGS"] = f"--xla_dump_to={out}/hlo --xla_dump_hlo_as_text"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
@@ -374,7 +375,7 @@ w = jax.random.normal(jax.random.PRNGKey(0), (256, 256)) / 16
 x = jnp.ones((256, 256))
 jax.block_until_ready(step(w, x, 1))
 with jax.profiler.trace(f"{out}/logdir"):
-    for i, trips in enumerate([2, 2, 30, 4, 26, 3, 32, 6, 24]):
+    for i, trips in enumerate([24] * 9 if flat else [2, 2, 30, 4, 26, 3, 32, 6, 24]):
         if recompile and i == 5:  # step 5 compiles the program again
             jax.clear_caches()
         with jax.profiler.StepTraceAnnotation("train", step_num=i):
@@ -414,13 +415,14 @@ def test_steps_of_data_dependent_work_are_paired(tmp_path):
 def test_a_step_that_compiles_is_left_out_of_the_comparison(tmp_path):
     """s39 trial (PPO): one step of the new run compiled again (jax.clear_caches(): 2.09 s among 33-49 ms steps),
     the band became +/- 456 ms and `diff --fail-above 5` passed a +110 % regression as "within noise". The same
-    while-loop job, its slow variant compiling again at step 5: that step (over 3x its side's median) and its pair
-    are left out, said so, and the gate fails on the other seven pairs; the step breakdown compares those too."""
-    for variant in ("base", "slow_recompiled"):
+    while-loop job (24 trips every step), its slow variant compiling again at step 5: that step (over 3x its side's
+    median) and its pair are left out, said so, and the gate fails on the other seven pairs; the step breakdown
+    compares those too."""
+    for variant in ("flat", "flat_slow_recompiled"):
         subprocess.run([sys.executable, "-c", _TRIP_COUNT_JOB, str(tmp_path / variant), variant], check=True,
                        timeout=300, capture_output=True)
     base, new = (load_side(tmp_path / v / "logdir", hlo=[tmp_path / v / "hlo"], chip=HOST_CHIP)
-                 for v in ("base", "slow_recompiled"))
+                 for v in ("flat", "flat_slow_recompiled"))
     b, n = np.array(base.step_times_s), np.array(new.step_times_s)
     assert new.steps_used == tuple(range(1, 9)) and n[4] > 3 * np.median(n)  # step 5: the compile
     r = diff(base, new)
