@@ -355,8 +355,9 @@ def test_a_saved_report_missing_a_layer_name_diffs_and_gates(tmp_path):
 
 _TRIP_COUNT_JOB = """
 import os, sys
-out, extra, recompile = sys.argv[1], "slow" in sys.argv[2], sys.argv[2].endswith("recompiled")
-flat = sys.argv[2].startswith("flat")  # 24 trips every step
+out, recompile = sys.argv[1], sys.argv[2].endswith("recompiled")
+extra = 4 if "heavy" in sys.argv[2] else 1 if "slow" in sys.argv[2] else 0  # matmuls more per trip
+flat = sys.argv[2].startswith("flat")  # 4 trips every step
 os.environ["XLA_FLAGS"] = f"--xla_dump_to={out}/hlo --xla_dump_hlo_as_text"
 os.environ["JAX_PLATFORMS"] = "cpu"
 import jax, jax.numpy as jnp
@@ -366,7 +367,7 @@ def step(w, x, trips):  # a while loop whose trip count is the step's data (an a
     def body(c):
         i, y = c
         y = jnp.tanh(y @ w)
-        if extra:  # the regression: a second matmul per trip
+        for _ in range(extra):  # the regression
             y = y + 1e-6 * jnp.tanh(y @ w.T)
         return i + 1, y
     return jax.lax.while_loop(lambda c: c[0] < trips, body, (0, x))[1]
@@ -375,7 +376,7 @@ w = jax.random.normal(jax.random.PRNGKey(0), (256, 256)) / 16
 x = jnp.ones((256, 256))
 jax.block_until_ready(step(w, x, 1))
 with jax.profiler.trace(f"{out}/logdir"):
-    for i, trips in enumerate([24] * 9 if flat else [2, 2, 30, 4, 26, 3, 32, 6, 24]):
+    for i, trips in enumerate([4] * 9 if flat else [2, 2, 30, 4, 26, 3, 32, 6, 24]):
         if recompile and i == 5:  # step 5 compiles the program again
             jax.clear_caches()
         with jax.profiler.StepTraceAnnotation("train", step_num=i):
@@ -415,25 +416,31 @@ def test_steps_of_data_dependent_work_are_paired(tmp_path):
 def test_a_step_that_compiles_is_left_out_of_the_comparison(tmp_path):
     """s39 trial (PPO): one step of the new run compiled again (jax.clear_caches(): 2.09 s among 33-49 ms steps),
     the band became +/- 456 ms and `diff --fail-above 5` passed a +110 % regression as "within noise". The same
-    while-loop job (24 trips every step), its slow variant compiling again at step 5: that step (over 3x its side's
-    median) and its pair are left out, said so, and the gate fails on the other seven pairs; the step breakdown
-    compares those too."""
-    for variant in ("flat", "flat_slow_recompiled"):
+    while-loop job (4 trips every step), its variant with 4 matmuls more per trip compiling again at step 5: that
+    step (over 3x its side's median) and its pair are left out, said so, and the gate fails on the other seven
+    pairs; the step breakdown compares those too. (The wide 2-32 trip counts of the test above put a compile within
+    10 MADs of the slowest steps, and one matmul more per trip was +10 % on a loaded CI machine.)"""
+    for variant in ("flat", "flat_heavy_recompiled"):
         subprocess.run([sys.executable, "-c", _TRIP_COUNT_JOB, str(tmp_path / variant), variant], check=True,
                        timeout=300, capture_output=True)
     base, new = (load_side(tmp_path / v / "logdir", hlo=[tmp_path / v / "hlo"], chip=HOST_CHIP)
-                 for v in ("flat", "flat_slow_recompiled"))
+                 for v in ("flat", "flat_heavy_recompiled"))
     b, n = np.array(base.step_times_s), np.array(new.step_times_s)
     assert new.steps_used == tuple(range(1, 9)) and n[4] > 3 * np.median(n)  # step 5: the compile
     r = diff(base, new)
-    assert r.step.left_out == (f"new step 5 ({fmt_time(n[4])}, {n[4] / np.median(n):.0f}x its median)",)
-    keep = np.arange(8) != 4
+    assert f"new step 5 ({fmt_time(n[4])}, {n[4] / np.median(n):.0f}x its median)" in r.step.left_out
+
+    def slow(t):  # the documented rule; on a loaded machine a hiccup of a ~1.5 ms step may be one too
+        mid = np.median(t)
+        return (t > 3 * mid) & (t > mid + 10 * np.median(np.abs(t - mid)))
+
+    keep = ~(slow(b) | slow(n))
+    assert not keep[4] and len(r.step.left_out) == int(slow(b).sum() + slow(n).sum())
     assert r.step.delta_s == pytest.approx(n[keep].mean() - b[keep].mean())
-    assert r.step.standard_error_s == pytest.approx(np.std(n[keep] - b[keep], ddof=1) / math.sqrt(7))
+    assert r.step.standard_error_s == pytest.approx(np.std(n[keep] - b[keep], ddof=1) / math.sqrt(keep.sum()))
     assert not r.step.noise and gate(r, 5.0)[0]
     assert np.std(n - b, ddof=1) / math.sqrt(8) * 2 > abs(n.mean() - b.mean())  # all 8 pairs: "within noise"
     assert any(line.startswith("left out of the step time") and "new step 5" in line for line in r.contributors)
     parts = {p["component"]: p for p in json.loads(render_diff_json(r, True, ""))["step_breakdown"]}
-    rows = new.step_breakdown
-    assert parts["step_time_s"]["new_s"] == pytest.approx(rows[rows["step"] != 5]["step_time_s"].mean())
-    assert parts["step_time_s"]["base_s"] == pytest.approx(base.step_breakdown["step_time_s"][keep].mean())
+    for side, got in ((base, "base_s"), (new, "new_s")):  # one device: a breakdown row per step, in step order
+        assert parts["step_time_s"][got] == pytest.approx(side.step_breakdown["step_time_s"][keep].mean())

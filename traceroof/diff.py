@@ -197,6 +197,7 @@ class DiffResult:
     contributors: tuple[str, ...]
     memory: dict | None = None  # peak memory and category deltas (traceroof.memory.memory_delta)
     warnings: tuple[str, ...] = ()  # the two sides may not be the same job (:func:`_warnings`)
+    step_breakdown: pd.DataFrame = field(default_factory=pd.DataFrame)  # breakdown_delta of the steps compared
 
 
 def standard_error(base_s: Sequence[float], new_s: Sequence[float]) -> tuple[float, bool]:
@@ -275,11 +276,11 @@ def typical_steps(base: Side, new: Side) -> TypicalSteps:
     return TypicalSteps(b[keep_b], n[keep_n], numbers[0], numbers[1], tuple(said))
 
 
-def step_delta(base: Side, new: Side) -> StepDelta:
-    """The step-time change of the means of :func:`typical_steps`, within noise when within :data:`NOISE_SIGMAS`
-    standard errors (:func:`standard_error`). With no step left out the means are the sides' own (a saved report
-    without step times has its mean only)."""
-    t = typical_steps(base, new)
+def step_delta(base: Side, new: Side, typical: TypicalSteps | None = None) -> StepDelta:
+    """The step-time change of the means of ``typical`` (default: :func:`typical_steps`), within noise when within
+    :data:`NOISE_SIGMAS` standard errors (:func:`standard_error`). With no step left out the means are the sides'
+    own (a saved report without step times has its mean only)."""
+    t = typical if typical is not None else typical_steps(base, new)
     base_s = float(t.base_s.mean()) if t.said else base.step_time_mean_s
     new_s = float(t.new_s.mean()) if t.said else new.step_time_mean_s
     d = new_s - base_s
@@ -417,13 +418,14 @@ def diff(base: Side, new: Side) -> DiffResult:
         .reset_index(drop=True)
     unmatched = pd.concat([only_b.assign(side="removed"), only_n.assign(side="added")], ignore_index=True)
     layers = _layer_deltas(base.layers, new.layers)
-    step, typical = step_delta(base, new), typical_steps(base, new)
+    typical = typical_steps(base, new)
+    step = step_delta(base, new, typical)
     parts = breakdown_delta(*typical.breakdowns(base, new))
     lines = _contributors(step, layers, unmatched, parts)
     work = _work_line(step, work_ratio(base, new), typical.base_s, typical.new_s)
     lines[1:1] = [work] * bool(work)
     return DiffResult(base, new, step, layers, both, unmatched, tuple(lines),
-                      memory_delta(base.memory, new.memory), _warnings(base, new, both, b, n))
+                      memory_delta(base.memory, new.memory), _warnings(base, new, both, b, n), parts)
 
 
 MIN_MATCHED_SHARE = 0.5  # less of either side's op time in ops found in both: not two runs of one job

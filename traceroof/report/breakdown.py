@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from traceroof.breakdown import COMPONENTS, LABELS, breakdown_delta, mean_row, per_step, slowest_vs_median
+from traceroof.breakdown import COMPONENTS, LABELS, mean_row, per_step, slowest_vs_median
 
 MAX_STEPS_SHOWN = 12  # per-step rows in the text reports (the JSON report has every step and device)
 TITLE = "Step breakdown (per device; from the previous step's end to this one's: marker or last op, the later)"
@@ -67,21 +67,22 @@ def breakdown_html(rows: pd.DataFrame) -> str:
             + "".join(f"<p>{esc(x)}</p>" for x in _lines(rows)))
 
 
-def breakdown_delta_table(base: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
-    """Mean step and components of both sides of a diff, formatted."""
+def breakdown_delta_table(d: pd.DataFrame) -> pd.DataFrame:
+    """Mean step and components of both sides of a diff (``d``: :func:`traceroof.breakdown.breakdown_delta`'s
+    rows), formatted."""
     from traceroof.report.text import fmt_time
 
-    d = breakdown_delta(base, new)
     return pd.DataFrame({"component": [LABELS.get(c, "step time") for c in d["component"]],
                          "base": d["base_s"].map(fmt_time), "new": d["new_s"].map(fmt_time),
                          "delta": d["delta_s"].map(lambda x: ("+" if x > 0 else "") + fmt_time(x))}) if len(d) else d
 
 
-def breakdown_diff_text(base: pd.DataFrame, new: pd.DataFrame, markdown: bool = False) -> list[str]:
-    """The diff's step-breakdown section (none unless both sides have a breakdown)."""
+def breakdown_diff_text(delta: pd.DataFrame, markdown: bool = False) -> list[str]:
+    """The diff's step-breakdown section from :func:`traceroof.breakdown.breakdown_delta`'s rows (none when they
+    are empty: a side without a breakdown)."""
     from traceroof.report.text import md_table, text_table
 
-    t = breakdown_delta_table(base, new)
+    t = breakdown_delta_table(delta)
     if not len(t):
         return []
     return ["", ("## " if markdown else "") + "Step breakdown (mean step, per device)",

@@ -6,8 +6,7 @@ import json
 
 import pandas as pd
 
-from traceroof.breakdown import breakdown_delta
-from traceroof.diff import DiffResult, typical_steps, work_ratio
+from traceroof.diff import DiffResult, work_ratio
 from traceroof.report.breakdown import breakdown_diff_text
 from traceroof.report.memory import memory_delta_line
 from traceroof.report.data import clean_value, records
@@ -71,7 +70,7 @@ def render_diff_text(r: DiffResult, gate_line: str = "", markdown: bool = False,
     out += [f"- {safe(c)}" for c in r.contributors]
     if gate_line:
         out.append(f"gate: {safe(gate_line)}")
-    out += breakdown_diff_text(*typical_steps(r.base, r.new).breakdowns(r.base, r.new), markdown)
+    out += breakdown_diff_text(r.step_breakdown, markdown)
     out += ["", f"{h}Per layer (per step, per device)", table(_layers(r))]
     out += ["", f"{h}Matched ops with the largest changes", table(_ops(r))]
     if len(r.unmatched):
@@ -90,7 +89,7 @@ def render_diff_json(r: DiffResult, failed: bool, gate_line: str) -> str:
         "input_notes": {"base": list(r.base.input_notes), "new": list(r.new.input_notes)},
         "gate": {"failed": failed, "reason": gate_line},
         "layers": records(r.layers), "ops": records(r.ops), "unmatched": records(r.unmatched),
-        "step_breakdown": records(breakdown_delta(*typical_steps(r.base, r.new).breakdowns(r.base, r.new))),
+        "step_breakdown": records(r.step_breakdown),
     }
     if r.memory:
         doc["memory"] = clean_value(r.memory)

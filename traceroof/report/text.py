@@ -50,8 +50,9 @@ WORK_RANGE_RATIO = 1.1  # steps whose FLOPs differ by more (max / min): the head
 
 
 def _work_range(step_flops: tuple[float, ...]) -> str:
-    """``" (67 M-264 M FLOP over the 11 steps: work varies with the data)"`` when the used steps' FLOPs differ by
-    more than :data:`WORK_RANGE_RATIO` (a while loop's or adaptive solver's trip count), else ``""``."""
+    """``" (66.7 MFLOP to 264 MFLOP over the 11 steps: the work varies from step to step)"`` when the used steps'
+    FLOPs differ by more than :data:`WORK_RANGE_RATIO` (a while loop's or adaptive solver's trip count), else
+    ``""``."""
     if len(step_flops) < 2 or not min(step_flops) > 0 or max(step_flops) <= WORK_RANGE_RATIO * min(step_flops):
         return ""
     return (f" ({fmt_si(min(step_flops), 'FLOP')} to {fmt_si(max(step_flops), 'FLOP')} over the {len(step_flops)} "
