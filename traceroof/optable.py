@@ -139,8 +139,12 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
     devices_of: dict[int, int] = {}
     attrs: list[dict[str, object] | None] = []
     comps_with_events: set[tuple[int, str]] = set()
+    comp_u: list[tuple[int, str] | None] = []  # per pair: its (module, computation)
+    operands_u: list[int] = []
     ran_on: np.ndarray | None = None  # devices that ran each module
     for mi, oc in zip(u_mod, u_op):
+        comp_u.append(None)
+        operands_u.append(0)
         if mi < 0 or mi >= len(modules):
             attrs.append(None)
             continue
@@ -151,6 +155,7 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
             attrs.append(None)
             continue
         comps_with_events.add((mi, comp.name))
+        comp_u[-1], operands_u[-1] = (mi, comp.name), len(inst.operands)
         if mi not in module_scopes:
             module_scopes[mi] = assign_scopes(modules[mi], optimizer_pattern)
             # an HloProto from the profile has no num_partitions: the devices that ran it count instead
@@ -172,6 +177,8 @@ def op_table(profile: Profile, depth: int = 2, optimizer_pattern: str = DEFAULT_
     kernel_codes = rows["kernel"].cat.codes.to_numpy() if "kernel" in rows else np.zeros(len(rows), np.int64)
     executions = _executions_per_op(keys, kernel_codes, n_events, len(u_mod))
     events_u = np.bincount(keys, weights=n_events, minlength=len(u_mod)).astype(np.float64)
+    if profile.device_kind == "cpu":
+        executions = _cpu_sort_executions(executions, events_u, table["opcode"], comp_u, operands_u)
     k_u = np.maximum(events_u / np.maximum(executions, 1.0), 1.0)
     collectives = table["collective"]
     coll_id = np.array([i if c is not None else -1 for i, c in enumerate(collectives)] or [-1], dtype=np.int64)
@@ -293,6 +300,32 @@ def _executions_per_op(op: np.ndarray, kernel: np.ndarray, n_events: np.ndarray,
     best = order[np.flatnonzero(np.diff(op_of[order], prepend=-1))]
     out = np.ones(n_ops)
     out[op_of[best]] = launches[best]
+    return out
+
+
+def _cpu_sort_executions(executions: np.ndarray, events: np.ndarray, opcode: list[str],
+                         comp: list[tuple[int, str] | None], operands: list[int]) -> np.ndarray:
+    """Per (module, HLO op) pair: ``executions`` with those of XLA:CPU sorts corrected. The CPU runtime runs a
+    sort as a copy of each operand whose buffer is not the result's, then the sort, every thunk traced as an event
+    named after the op (xla ``service/cpu/thunk_emitter.cc`` ``EmitSortThunk``), and the executor may run other
+    thunks between the copy and the sort (s39 trial: ``jax.random.permutation``'s sort, 0.5 µs + 320 µs, counted
+    as two executions and its median halved). Every instruction of a computation runs once per execution of it, so
+    a sort's executions are those of the other ops of its computation (the median of their ``events``); its events
+    per execution, 1 to 1 + its operands, are the ratio rounded. A sort with no other op of its computation in the
+    profile keeps one execution per event."""
+    by_comp: dict[tuple[int, str], list[float]] = {}
+    for k, (c, op) in enumerate(zip(comp, opcode)):
+        if c is not None and op != "sort" and events[k] > 0:
+            by_comp.setdefault(c, []).append(events[k])
+    out = executions
+    for k, (c, op) in enumerate(zip(comp, opcode)):
+        if op != "sort" or c not in by_comp:
+            continue
+        runs = float(np.median(by_comp[c]))
+        per_run = min(max(round(events[k] / runs), 1), 1 + operands[k])
+        if per_run > 1:
+            out = out.copy() if out is executions else out
+            out[k] = events[k] / per_run
     return out
 
 
