@@ -36,14 +36,14 @@ class ModuleIndex:
     module: HloModule
     where: dict[str, tuple[Computation, Instruction]] = field(default_factory=dict)
     caller: dict[str, Instruction] = field(default_factory=dict)  # called computation -> fusion/call instruction
+    runner: dict[str, Instruction] = field(default_factory=dict)  # computation -> while/call/conditional running it
 
     def __post_init__(self) -> None:
         for comp in self.module.computations.values():
             for inst in comp.instructions:
                 self.where[inst.name] = (comp, inst)
-                if inst.opcode == "fusion":
-                    for c in inst.called:
-                        self.caller.setdefault(c, inst)
+                for c in inst.called:
+                    (self.caller if inst.opcode == "fusion" else self.runner).setdefault(c, inst)
 
     def instruction(self, name: str) -> Instruction | None:
         hit = self.where.get(name)
@@ -52,6 +52,36 @@ class ModuleIndex:
     def computation_of(self, name: str) -> Computation | None:
         hit = self.where.get(name)
         return hit[0] if hit else None
+
+    def loop_body(self, comp: Computation) -> str | None:
+        """The body of the innermost ``while`` loop that runs ``comp`` (itself, or a computation a call or a
+        conditional in that body runs); None outside any loop."""
+        name, seen = comp.name, set()
+        while name not in seen:
+            seen.add(name)
+            inst = self.runner.get(name)
+            if inst is None:
+                return None
+            if inst.opcode == "while" and inst.attrs.get("body", "").lstrip("%") == name:
+                return name
+            outer = self.computation_of(inst.name)
+            if outer is None:
+                return None
+            name = outer.name
+        return None
+
+    def run_by(self, name: str) -> set[str]:
+        """``name`` and the computations its instructions run (calls, loops, conditionals; not fused ones),
+        transitively."""
+        out, todo = set(), [name]
+        while todo:
+            c = todo.pop()
+            comp = self.module.computations.get(c)
+            if comp is None or c in out:
+                continue
+            out.add(c)
+            todo += [k for i in comp.instructions if i.opcode != "fusion" for k in i.called]
+        return out
 
     def users(self, comp: Computation) -> dict[str, list[Instruction]]:
         """Operand name -> the instructions of ``comp`` that read it (:meth:`Computation.users`)."""

@@ -352,6 +352,24 @@ def _ends_in_update(ix: ModuleIndex, comp: Computation, name: str, hops: int) ->
     return True
 
 
+def _loop_updates(x: FindingInputs, got: tuple[ModuleIndex, Instruction] | None) -> bool:
+    """Whether the loop that runs a collective also runs optimizer ops (phase ``optimizer``) of its module: the
+    weights are updated every iteration (sequential minibatch updates, as PPO's epochs do), so each iteration's
+    gradient must be reduced before the next and one reduction after the loop would change the algorithm (s39
+    trial: "reduce once" promised 108 ms per step that cannot be had)."""
+    if got is None:
+        return False
+    ix, inst = got
+    comp = ix.computation_of(inst.name)
+    body = ix.loop_body(comp) if comp is not None else None
+    if body is None:
+        return False
+    loop = ix.run_by(body)
+    c = x.cols
+    mine = (c.text("phase") == "optimizer") & (c.text("module") == ix.module.name)
+    return any((oc := ix.computation_of(op)) is not None and oc.name in loop for op in set(c.text("hlo_op")[mine]))
+
+
 def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
     """Weight gradients reduced over a data-parallel or FSDP axis several times per step: XLA's SPMD partitioner
     put the all-reduce (or reduce-scatter) inside a loop of the backward pass (a scan over time steps or
@@ -362,7 +380,8 @@ def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
     bytes once). A collective whose results each iteration writes into its own slice of a stacked gradient (a
     scan over layers: every iteration reduces another layer's weights) is not repeated work and is left out
     (:func:`_stacked_per_iteration`; a s36 trial's GNN scanned over 4 layers was told to reduce once, which moved
-    the same bytes and ran 30 % slower)."""
+    the same bytes and ran 30 % slower). Neither is one in a loop that also updates the weights
+    (:func:`_loop_updates`)."""
     t, p = x.analysis.collectives, getattr(x.analysis, "parallelism", None)
     if t is None or t.empty or p is None or not p.gradient_ops:
         return []
@@ -370,8 +389,9 @@ def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
     ours = (t["module"].astype(str).to_numpy() == p.module) & np.isin(t["hlo_op"].astype(str).to_numpy(),
                                                                       list(p.gradient_ops))
     hot = np.flatnonzero(ours & (execs >= 2))
-    hot = np.array([i for i in hot if not _stacked_per_iteration(  # (the table has no program ids: by name)
-        x.programs.instruction(t["module"].iloc[i], None, t["hlo_op"].iloc[i]))], np.int64)
+    got = [x.programs.instruction(t["module"].iloc[i], None, t["hlo_op"].iloc[i]) for i in hot]  # (by name)
+    hot = np.array([i for i, g in zip(hot, got) if not _stacked_per_iteration(g) and not _loop_updates(x, g)],
+                   np.int64)
     if not len(hot):
         return []
     ops = tuple(t["hlo_op"].astype(str).to_numpy()[hot])
