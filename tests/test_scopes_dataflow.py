@@ -126,6 +126,60 @@ def test_combined_all_reduce_takes_the_scope_its_parts_share(data_parallel):
         assert ms.get(i.name).scope == (named.pop() if len(named) == 1 else COMBINED_SCOPE), i.metadata.op_name
 
 
+_PMEAN_TREE = textwrap.dedent("""
+    import json, os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax, jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(jax.devices()[:8], ("batch",))
+
+    def loss_fn(p, x, y):
+        with jax.named_scope("net"):
+            with jax.named_scope("hidden"):
+                h = jnp.tanh(x @ p["w1"])
+            with jax.named_scope("out"):
+                return jnp.mean((h @ p["w2"] - y) ** 2)
+
+    def update(p, x, y):
+        g = jax.lax.pmean(jax.grad(loss_fn)(p, x, y), "batch")  # one psum of the whole gradient tree
+        return jax.tree_util.tree_map(lambda a, b: a - 0.1 * b, p, g)
+
+    def epochs(p, x, y):  # sequential updates in a loop, as PPO's epochs
+        return jax.lax.fori_loop(0, 4, lambda i, p: update(p, x, y), p)
+
+    p = {"w1": jnp.ones((16, 32)), "w2": jnp.ones((32, 4))}
+    x, y = jnp.ones((64, 16)), jnp.ones((64, 4))
+    out = {}
+    for name, fn in (("step", update), ("loop", epochs)):
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("batch"), P("batch")), out_specs=P(),
+                                  check_vma=False))
+        out[name] = f.lower(p, x, y).compile().as_text()
+    print(json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def pmean_tree() -> dict[str, str]:
+    out = subprocess.run([sys.executable, "-c", _PMEAN_TREE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("where", ["step", "loop"])
+def test_a_pmean_of_the_gradient_tree_takes_the_scope_its_gradients_share(pmean_tree, where):
+    """s39 trial (PPO): ``jax.lax.pmean(grads, axis)`` of every layer's gradient is one all-reduce whose op_name
+    names no scope (``.../shard_map/while/body/closed_call/psum``). In a loop it took its first operand's layer
+    (``critic_out``: 115 ms of all-reduce charged to one small layer); outside one it was ``(top level)``. It now
+    takes the scope its gradients share, as a combiner's op does."""
+    m, ms = _module(pmean_tree[where])
+    (ar,) = [i for _, i in _executed(m) if i.opcode == "all-reduce"]
+    assert [s.dims for s in ar.shape.leaves()] == [(16, 32), (32, 4)]  # both layers' weight gradients
+    assert {ms.get(o).scope for o in ar.operands} == {"net/hidden", "net/out"}
+    assert ms.get(ar.name).scope == "net" and ms.get(ar.name).phase == "backward"
+
+
 # -- 2./3. NNX CNN: weight-gradient convolutions, max-pool, instances per call site ---------------------------
 
 @pytest.fixture(scope="module")

@@ -750,17 +750,27 @@ def _combined_ops(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
     ``while/body/closed_call/(reduce_sum:dot_general:...)`` with the first part's frame) takes the scope its
     operands share, else :data:`~traceroof.layers.COMBINED_SCOPE`, as a combined op of named parts does
     (:func:`traceroof.layers.parse_scope`); its phase stays the parts'. (The first part's frame gave the s31 trial's
-    scanned Equinox transformer's all-reduce of every block gradient to ``Block/LayerNorm_0``: 35 % of the step.)"""
+    scanned Equinox transformer's all-reduce of every block gradient to ``Block/LayerNorm_0``: 35 % of the step.)
+    So does a collective of several arrays whose scope was borrowed (:func:`_borrowed_variadic`)."""
     for comp in module.computations.values():
         for inst in comp.instructions:
             i = infos.get(inst.name)
-            if i is None or i.how != "combined":
+            if i is None or i.how != "combined" and not _borrowed_variadic(inst, i):
                 continue
             scopes = {infos[o].scope for o in inst.operands if o in infos} - {NO_SCOPE, TOP_LEVEL}
             scopes = {sc for sc in scopes if not sc.startswith("(")}
             if scopes:
                 infos[inst.name] = ScopeInfo(_common_prefix(scopes) or COMBINED_SCOPE, i.phase, i.source, i.how,
                                              i.in_grad)
+
+
+def _borrowed_variadic(inst: Instruction, info: ScopeInfo) -> bool:
+    """A collective of several arrays (``jax.lax.pmean(grads, "data")`` of a whole gradient tree: one all-reduce)
+    whose scope is not its own (its op_name names none, so it took a neighbour's: the first gradient's layer). Its
+    operands decide, as for a combiner's op (s39 trial: PPO's pmean of all 10 gradients, in a loop, read as the
+    layer ``critic_out``'s backward, 115 ms)."""
+    return _collective(inst.opcode) and len(inst.operands) > 1 and (
+        info.how not in ("op_name", "fused", "frames") or info.scope in (NO_SCOPE, TOP_LEVEL))
 
 
 def _name_optimizer(infos: dict[str, ScopeInfo], opt_lib: set[str], optimizer_pattern: str) -> None:
