@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -432,3 +434,38 @@ def test_allocations_by_kind_equal_xlas_memory_analysis(remat, name):
     checks = next(line for line in render_terminal(remat[name]).splitlines() if line.startswith("checks"))
     assert checks.startswith(f"checks    XLA's allocations arguments {fmt_bytes(m['argument_size_in_bytes'])}, "
                              f"outputs {fmt_bytes(kinds['output'])}, temporaries {fmt_bytes(m['temp_size_in_bytes'])}")
+
+
+_EPOCHS_JOB = """
+import os, sys
+os.environ["XLA_FLAGS"] = f"--xla_dump_to={sys.argv[1]} --xla_dump_hlo_as_text"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, optax
+tx = optax.adam(1e-3)
+
+def loss(p, x):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+
+@jax.jit
+def epochs(p, o, xs):  # an adam update after each of 4 minibatches of 256, as PPO's epochs
+    def minibatch(i, c):
+        u, o = tx.update(jax.grad(loss)(c[0], xs[i]), c[1], c[0])
+        return optax.apply_updates(c[0], u), o
+    return jax.lax.fori_loop(0, 4, minibatch, (p, o))
+
+p = {"w1": jnp.ones((32, 128)) / 32, "w2": jnp.ones((128, 1)) / 128}
+jax.block_until_ready(epochs(p, tx.init(p), jnp.ones((4, 256, 32))))
+"""
+
+
+def test_a_loop_of_training_steps_saves_one_iterations_activations(tmp_path):
+    """s39 trial (PPO): the forward and backward ran inside the step's loop of minibatch updates, and the book's
+    line read "saved activations 0 B" beside 524 kB of tanh outputs the backward read. One iteration's are
+    counted: the 256 x 128 tanh output and the 256 x 1 model output the squared loss's gradient reads."""
+    subprocess.run([sys.executable, "-c", _EPOCHS_JOB, str(tmp_path)], check=True, timeout=300, capture_output=True)
+    dump = next(tmp_path.glob("*jit_epochs.cpu_after_optimizations.txt"))
+    assert 'known_trip_count":{"n":"4"}' in dump.read_text()
+    book = program_memory(parse_hlo_file(dump)[0], dump).book
+    assert 256 * 128 * 4 + 256 * 4 <= book.activations_bytes <= 1.01 * (256 * 128 * 4 + 256 * 4)
+    assert any("one iteration's" in line for line in book.explanation)
+    assert not any("micro-batch" in line for line in book.explanation)

@@ -387,16 +387,19 @@ def _carried_unchanged(module: HloModule, loop: Instruction) -> set[int]:
     return out
 
 
-def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str]) -> tuple[int, int, bool]:
+def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str]) -> tuple[int, int, str]:
     """Bytes of the book's activations, of the activations remat recomputes instead (what saving them would
-    add, about: every recomputed value the backward reads), and whether they are one micro-batch's.
+    add, about: every recomputed value the backward reads), and whose they are: ``"micro-batch"`` (one
+    micro-batch's), ``"iteration"`` (one iteration's of a loop of whole training steps) or ``""`` (the step's).
 
     Saved: values defined by forward ops and read by backward ops (through tuple / get-tuple-element / bitcast
     / copy plumbing), excluding the weights and the batch (entry parameters and the values computed from the
     weights alone or from the batch alone, :func:`_derived`: the weights' all-gathers and casts, a reshaped
     batch). Counted in the entry computation, plus, where the forward and backward run inside a ``while`` (a
     gradient-accumulation scan over micro-batches: a loop whose body adds gradients into carried accumulators,
-    :func:`traceroof.scopes.assign_scopes`), in the largest such loop body: one micro-batch's worth.
+    :func:`traceroof.scopes.assign_scopes`), in the largest such loop body: one micro-batch's worth; so in a
+    loop whose iterations each run a forward and a backward (sequential minibatch updates, as PPO's epochs: s39
+    trial, "saved activations 0 B" beside 524 kB of tanh outputs the backward read): one iteration's.
     A tuple-shaped value (a ``while``'s result) counts per element: the elements backward ops read, and of a
     ``while`` only those its body changes and not with a backward op (a scan's stacked residuals and final
     carry; not the weights it carries through, nor gradient accumulators).
@@ -429,11 +432,20 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
             if comp is entry and body.root is not None and any(  # the micro-batch loop: one micro-batch live
                     scopes.get(r).how == "accumulate" for r in body.root.operands):
                 inner.append(walk(body, body_seeds, trips, True)[:2])
+                kinds.add("micro-batch")
+                continue
+            step = walk(body, body_seeds, trips, True) if top else (0, 0, "")
+            if step[0]:  # forward and backward in one iteration: a loop of whole steps, one iteration live
+                inner.append(step[:2])
+                kinds.add("iteration")
             else:
                 recomputed += walk(body, body_seeds, trips * trip_count(module, w)[0], False)[1]
         return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner), len(inner) > 1
 
-    return walk(entry, seeds, 1, True)
+    kinds: set[str] = set()
+
+    saved, recomputed, _ = walk(entry, seeds, 1, True)
+    return saved, recomputed, "micro-batch" if "micro-batch" in kinds else "iteration" if kinds else ""
 
 
 def _saved_in(module: HloModule, comp: Computation, scopes: ModuleScopes, excluded: set[str], phase: str) -> int:
@@ -506,7 +518,7 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
         return Buffer(value if index.strip("}") else name, inst.opcode if inst else "", layer, info.phase,
                       str(shape) if shape is not None else "", size, category)
 
-    saved, recomputed, micro = _activations(module, scopes, cats)
+    saved, recomputed, saved_of = _activations(module, scopes, cats)
     if "buffer-assignment" in files:
         ba = read_buffer_assignment(files["buffer-assignment"])
         report = read_memory_usage_report(files["memory-usage-report"]) if "memory-usage-report" in files else None
@@ -541,7 +553,7 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     leaves = (root.tuple_shapes if root.is_tuple else (root,)) if root is not None else ()
     written = sum(leaf.byte_size() for i, leaf in enumerate(leaves) if i not in alias)
     donated = any(cats.get(n) in state for n in alias.values())
-    return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, micro,
+    return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, saved_of,
                                   written, donated))
 
 
@@ -598,11 +610,11 @@ def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: 
 
 
 def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_bytes: int, recomputed_bytes: int,
-          micro_batch: bool, written_bytes: int = 0, donated: bool = True) -> BookModel:
+          saved_of: str = "", written_bytes: int = 0, donated: bool = True) -> BookModel:
     """The book's model of ``pm``: the program's whole parameter and optimizer-state inputs (``params_bytes``,
     ``optimizer_bytes``: its entry parameters of those categories, per device), as many gradient bytes as
     parameters when it trains, and the ``saved_bytes`` of activations; with the lines explaining its difference
-    from the peak. ``written_bytes``: the program's results that no input's buffer holds (XLA's
+    from the peak. ``saved_of``: whose activations they are (:func:`_activations`). ``written_bytes``: the program's results that no input's buffer holds (XLA's
     ``memory_analysis().output_size_in_bytes``); ``donated``: whether it updates any of its state in place
     (``input_output_alias``: the state donated)."""
     c = pm.categories
@@ -633,7 +645,10 @@ def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_byte
                          "XLA keeps more live at once (backward scratch beyond the saved activations)"
                          if temps > grads + saved_bytes else
                          "XLA never holds every gradient at once (each is consumed by the update as it is made)"))
-    if micro_batch:
+    if saved_of == "iteration":
+        lines.append("saved activations are one iteration's: the forward and backward run inside a loop of the "
+                     "step (one update per iteration, as minibatch epochs do), one iteration's live at a time")
+    if saved_of == "micro-batch":
         lines.append("saved activations are one micro-batch's: the forward and backward run in a gradient-"
                      "accumulation loop, whose accumulators are held beside each micro-batch's gradients (up to 2x "
                      "the gradients term)")
