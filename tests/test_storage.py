@@ -52,7 +52,7 @@ def test_logdir_and_hlo_urls_give_the_local_report(memfs):
     local = analyze(FIXTURES / "transformer" / "logdir", hlo=FIXTURES / "transformer" / "hlo", chip=HOST_CHIP)
     remote = analyze(f"{url}/logdir", hlo=f"{url}/hlo", chip=HOST_CHIP)
     assert figures(remote) == figures(local)
-    assert remote.summary.hlo_sources["HLO text dumps of the same programs (not needed)"] >= 1  # dumps were read
+    assert remote.summary.hlo_sources["HLO text dumps equal to the profile's HLO"] >= 1  # dumps were read
     pd.testing.assert_frame_equal(remote.layers, local.layers)
     assert remote.summary.input == f"{url}/logdir/plugins/profile/2026_11_23_00_03_13"
     beside = analyze(url, chip=HOST_CHIP)  # HLO dumps found beside the profile in the bucket

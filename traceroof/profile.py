@@ -289,7 +289,7 @@ def merge_hosts(inputs: Inputs, hosts: Sequence[HostEvents]) -> Profile:
              "HLO text dumps matched by op name only, unchecked (a trace JSON carries no HLO: analyze the .xplane.pb)")
     sources = {dumps: hows.count("dump"), "HloProtos embedded in the profile": hows.count("embedded"),
                "HloProto files beside the profile": hows.count("sidecar"),
-               "HLO text dumps of the same programs (not needed)": len(superseded)}
+               "HLO text dumps equal to the profile's HLO": len(superseded)}
     last = [h for h in hosts if len(h.rows)][-1]
     plane_stats: dict[str, object] = {}
     for h in hosts:
