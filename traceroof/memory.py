@@ -434,7 +434,7 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
                 inner.append(walk(body, body_seeds, trips, True)[:2])
                 kinds.add("micro-batch")
                 continue
-            step = walk(body, body_seeds, trips, True) if top else (0, 0, "")
+            step = walk(body, body_seeds, trips, True) if top else (0, 0, False)
             if step[0]:  # forward and backward in one iteration: a loop of whole steps, one iteration live
                 inner.append(step[:2])
                 kinds.add("iteration")
@@ -442,8 +442,7 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
                 recomputed += walk(body, body_seeds, trips * trip_count(module, w)[0], False)[1]
         return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner), len(inner) > 1
 
-    kinds: set[str] = set()
-
+    kinds: set[str] = set()  # what the loops of whole steps found (walk adds to it)
     saved, recomputed, _ = walk(entry, seeds, 1, True)
     return saved, recomputed, "micro-batch" if "micro-batch" in kinds else "iteration" if kinds else ""
 
@@ -614,9 +613,9 @@ def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_byte
     """The book's model of ``pm``: the program's whole parameter and optimizer-state inputs (``params_bytes``,
     ``optimizer_bytes``: its entry parameters of those categories, per device), as many gradient bytes as
     parameters when it trains, and the ``saved_bytes`` of activations; with the lines explaining its difference
-    from the peak. ``saved_of``: whose activations they are (:func:`_activations`). ``written_bytes``: the program's results that no input's buffer holds (XLA's
-    ``memory_analysis().output_size_in_bytes``); ``donated``: whether it updates any of its state in place
-    (``input_output_alias``: the state donated)."""
+    from the peak. ``saved_of``: whose activations they are (:func:`_activations`). ``written_bytes``: the
+    program's results that no input's buffer holds (XLA's ``memory_analysis().output_size_in_bytes``);
+    ``donated``: whether it updates any of its state in place (``input_output_alias``: the state donated)."""
     c = pm.categories
     training = optimizer_bytes > 0 or c["optimizer_state"] > 0 or c["gradients"] > 0 or saved_bytes > 0
     grads = params_bytes if training else 0
