@@ -413,7 +413,7 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
              {p.name for n, p in params.items() if cats.get(n) == "inputs"})
     loops = _loops(module)
 
-    def walk(comp: Computation, seeds: tuple[set[str], ...], trips: int, top: bool) -> tuple[int, int, bool]:
+    def walk(comp: Computation, seeds: tuple[set[str], ...], trips: int, top: bool) -> tuple[int, int]:
         derived = [_derived(comp, s) for s in seeds]
         excluded = set().union(*derived)
         saved = _saved_in(module, comp, scopes, excluded, "forward") if top else 0
@@ -431,20 +431,38 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
             body_seeds = tuple({n for n, v in slots.items() if v in d} for d in derived)
             if comp is entry and body.root is not None and any(  # the micro-batch loop: one micro-batch live
                     scopes.get(r).how == "accumulate" for r in body.root.operands):
-                inner.append(walk(body, body_seeds, trips, True)[:2])
+                inner.append(walk(body, body_seeds, trips, True))
                 kinds.add("micro-batch")
                 continue
-            step = walk(body, body_seeds, trips, True) if top else (0, 0, False)
+            phases = _phases_run(module, scopes, body.name, ran) if top else set()
+            step = walk(body, body_seeds, trips, True) if {"forward", "backward"} <= phases else (0, 0)
             if step[0]:  # forward and backward in one iteration: a loop of whole steps, one iteration live
-                inner.append(step[:2])
+                inner.append(step)
                 kinds.add("iteration")
             else:
                 recomputed += walk(body, body_seeds, trips * trip_count(module, w)[0], False)[1]
-        return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner), len(inner) > 1
+        return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner)
 
-    kinds: set[str] = set()  # what the loops of whole steps found (walk adds to it)
-    saved, recomputed, _ = walk(entry, seeds, 1, True)
+    kinds: set[str] = set()  # whose activations the loops walked hold (walk adds to it)
+    ran: dict[str, set[str]] = {}  # _phases_run's memo
+    saved, recomputed = walk(entry, seeds, 1, True)
     return saved, recomputed, "micro-batch" if "micro-batch" in kinds else "iteration" if kinds else ""
+
+
+def _phases_run(module: HloModule, scopes: ModuleScopes, name: str, memo: dict[str, set[str]]) -> set[str]:
+    """The phases of the ops computation ``name`` runs: its own and those of the computations its loops, calls
+    and conditionals run (not fused ones), memoised in ``memo``."""
+    comp = module.computations.get(name)
+    if name in memo or comp is None:
+        return memo.get(name, set())
+    memo[name] = set()  # (a corrupt module's cycle ends here)
+    out = {scopes.get(i.name).phase for i in comp.instructions}
+    for i in comp.instructions:
+        if i.opcode != "fusion":
+            for c in i.called:
+                out |= _phases_run(module, scopes, c, memo)
+    memo[name] = out
+    return out
 
 
 def _saved_in(module: HloModule, comp: Computation, scopes: ModuleScopes, excluded: set[str], phase: str) -> int:

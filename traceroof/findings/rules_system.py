@@ -352,11 +352,11 @@ def _ends_in_update(ix: ModuleIndex, comp: Computation, name: str, hops: int) ->
     return True
 
 
-def _loop_updates(x: FindingInputs, got: tuple[ModuleIndex, Instruction] | None) -> bool:
-    """Whether the loop that runs a collective also runs optimizer ops (phase ``optimizer``) of its module: the
-    weights are updated every iteration (sequential minibatch updates, as PPO's epochs do), so each iteration's
-    gradient must be reduced before the next and one reduction after the loop would change the algorithm (s39
-    trial: "reduce once" promised 108 ms per step that cannot be had)."""
+def _loop_updates(got: tuple[ModuleIndex, Instruction] | None, optimizer_ops: set[tuple[str, str]]) -> bool:
+    """Whether the loop that runs a collective also runs optimizer ops (``optimizer_ops``: (module, HLO op) of
+    the op rows of phase ``optimizer``): the weights are updated every iteration (sequential minibatch updates,
+    as PPO's epochs do), so each iteration's gradient must be reduced before the next and one reduction after the
+    loop would change the algorithm (s39 trial: "reduce once" promised 108 ms per step that cannot be had)."""
     if got is None:
         return False
     ix, inst = got
@@ -365,9 +365,8 @@ def _loop_updates(x: FindingInputs, got: tuple[ModuleIndex, Instruction] | None)
     if body is None:
         return False
     loop = ix.run_by(body)
-    c = x.cols
-    mine = (c.text("phase") == "optimizer") & (c.text("module") == ix.module.name)
-    return any((oc := ix.computation_of(op)) is not None and oc.name in loop for op in set(c.text("hlo_op")[mine]))
+    return any(m == ix.module.name and (oc := ix.computation_of(op)) is not None and oc.name in loop
+               for m, op in optimizer_ops)
 
 
 def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
@@ -390,8 +389,11 @@ def gradients_reduced_in_loop(x: FindingInputs) -> list[Finding]:
                                                                       list(p.gradient_ops))
     hot = np.flatnonzero(ours & (execs >= 2))
     got = [x.programs.instruction(t["module"].iloc[i], None, t["hlo_op"].iloc[i]) for i in hot]  # (by name)
-    hot = np.array([i for i, g in zip(hot, got) if not _stacked_per_iteration(g) and not _loop_updates(x, g)],
-                   np.int64)
+    c = x.cols
+    opt = c.text("phase") == "optimizer"
+    optimizer_ops = set(zip(c.text("module")[opt], c.text("hlo_op")[opt])) if len(got) else set()
+    hot = np.array([i for i, g in zip(hot, got)
+                    if not _stacked_per_iteration(g) and not _loop_updates(g, optimizer_ops)], np.int64)
     if not len(hot):
         return []
     ops = tuple(t["hlo_op"].astype(str).to_numpy()[hot])
