@@ -24,6 +24,7 @@ pytest.importorskip("jax")
 
 from parsers.dump_folder import dump_file_kind  # noqa: E402
 from traceroof import analyze  # noqa: E402
+from traceroof.breakdown import COMPONENTS, other_programs_line  # noqa: E402
 from traceroof.discovery import discover  # noqa: E402
 from traceroof.profile import load_profile  # noqa: E402
 from traceroof.hlo_source import HloMismatchError  # noqa: E402
@@ -149,6 +150,23 @@ JOB = textwrap.dedent("""
         json.dump({"flops": (cost[0] if isinstance(cost, list) else cost)["flops"]}, open(f"{out}/cut/facts.json", "w"))
         jax.profiler.start_trace(f"{out}/cutsole")  # a capture of one execution only, the stop a third through
         a = held_step(a, 0)
+    if "eval" in loops:  # the README's loop with an eval program launched between marked steps, every other step
+        @jax.jit
+        def eval_step(w, x):
+            h = x
+            for _ in range(8):
+                h = jnp.tanh(h @ w[0] @ w[1])
+            return jnp.mean(h)
+
+        loss = jax.block_until_ready(eval_step(w, x))  # compiled before the trace
+        jax.profiler.start_trace(f"{out}/eval")
+        for i in range(6):
+            with jax.profiler.StepTraceAnnotation("train", step_num=i):
+                w = train_step(w, x)
+            if i % 2 == 1:
+                loss = eval_step(w, x)
+        jax.block_until_ready((w, loss))
+        jax.profiler.stop_trace()
     if "lambdas" in loops:  # programs whose PjitFunction names are not their module names
         def scale_(a):
             return a * 0.5
@@ -183,7 +201,7 @@ def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("job")
-    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut,generate,lambdas")
+    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut,generate,lambdas,eval")
     _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
     return root
 
@@ -631,3 +649,60 @@ def test_launches_after_the_last_step_without_ops_are_counted():
     assert _launches_after_steps(launches, np.array([10.0, 110.0, 210.0, 400.0]), steps) == 1
     assert _launches_after_steps(launches, np.array([10.0, 110.0, 210.0, 400.0, 500.0]), steps) == 0
     assert _launches_after_steps(launches, np.array([]), {"start_ps": np.array([]), "duration_ps": np.array([])}) == 0
+
+
+def _raw_spans(logdir: Path) -> tuple[dict[str, list[tuple[float, float]]], list[tuple[int, float, float]]]:
+    """Read by jax.profiler.ProfileData, not by traceroof: per program (module), each execution's (first op
+    start, last op end) in ns, by run id, in order of start; and each StepTraceAnnotation (step, start, end)."""
+    from jax.profiler import ProfileData
+
+    (path,) = logdir.glob("plugins/profile/*/*.xplane.pb")
+    runs: dict[tuple[str, int], list[float]] = {}
+    marks = []
+    for plane in ProfileData.from_file(str(path)).planes:
+        for line in plane.lines:
+            for e in line.events:
+                stats = dict(e.stats)
+                if "hlo_module" in stats and "run_id" in stats and "hlo_op" in stats:
+                    span = runs.setdefault((str(stats["hlo_module"]), int(stats["run_id"])), [np.inf, -np.inf])
+                    span[0], span[1] = min(span[0], e.start_ns), max(span[1], e.start_ns + e.duration_ns)
+                elif e.name == "train" and "step_num" in stats:
+                    marks.append((int(stats["step_num"]), e.start_ns, e.start_ns + e.duration_ns))
+    out: dict[str, list[tuple[float, float]]] = {}
+    for (module, _), (a, b) in sorted(runs.items(), key=lambda kv: kv[1][0]):
+        out.setdefault(module, []).append((a, b))
+    return out, sorted(marks)
+
+
+def test_an_eval_launched_between_steps_is_not_step_time(job):
+    """An eval program launched between marked training steps runs on the device between them: it was counted in
+    the next step's time (its period from the previous step's end), so the step time, MFU and the slowest step
+    carried it (trial s40: 441.5 ms against 410.3 ms of training). Now each step's time leaves it out, and the
+    breakdown names it (``other_programs_s`` / ``other_programs``). Checked against the raw events' execution spans
+    and step markers."""
+    logdir = job / "run" / "eval"
+    spans, marks = _raw_spans(logdir)
+    train, evals = spans["jit_train_step"], spans["jit_eval_step"]
+    assert len(train) == 6 and len(evals) == 3 and [m[0] for m in marks] == list(range(6))
+    # a step ends when its marker and its execution have both ended; a step's period runs from the previous end
+    ends = [max(m[2], t[1]) for m, t in zip(marks, train)]
+    a = analyze(logdir, hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    assert a.summary.steps_used == (1, 2, 3, 4, 5)
+    b = a.step_breakdown.set_index("step")
+    expected = []
+    for i in range(1, 6):
+        lo, hi = ends[i - 1], ends[i]
+        # the evals inside the period, less where this step's own execution ran beside them
+        other = sum(max(min(e1, hi) - max(e0, lo), 0) - max(min(e1, train[i][1]) - max(e0, train[i][0]), 0)
+                    for e0, e1 in evals)
+        assert b.loc[i, "other_programs_s"] == pytest.approx(other * 1e-9, abs=2e-9), i
+        assert b.loc[i, "step_time_s"] + b.loc[i, "other_programs_s"] == pytest.approx((hi - lo) * 1e-9, abs=2e-9)
+        assert (b.loc[i, "other_programs"] == "jit_eval_step") == (other > 0), i
+        assert sum(b.loc[i, c] for c in COMPONENTS) == pytest.approx(b.loc[i, "step_time_s"], abs=1e-9)
+        expected.append((hi - lo - other) * 1e-9)
+    assert sum(b["other_programs_s"] > 0) == 2  # steps 2 and 4; the third eval ran after the last step
+    assert a.summary.step_time_mean_s == pytest.approx(np.mean(expected), rel=1e-6)
+    (note,) = [n for n in a.summary.notes if "launched outside the steps" in n]
+    assert "of jit_eval_step were launched" in note, note
+    line = other_programs_line(a.step_breakdown)
+    assert line.startswith("programs launched outside the steps (jit_eval_step) ran in the periods of steps 2, 4")

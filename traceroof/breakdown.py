@@ -7,6 +7,12 @@ event) and its last op have ended. With the README's asynchronous loop this is t
 the step's execution to its last); with a loop that blocks on every step it is the host's step period, Python
 included. The first step starts at its marker or its launch, whichever is first.
 
+**Other programs** (``other_programs_s``, named in ``other_programs``): the executions launched outside the
+steps (an eval program between marked training steps) run on the device inside a step's period. Their spans (first
+op to last op), where the step's own work does not run, are not the step's time: ``step_time_s`` is the period less
+them, and MFU, the slowest step and the components leave them out (s40 trial: an eval every 4 steps made the mean
+training step 441.5 ms for 410.3 ms of training).
+
 **Components** (intervals on the device's timeline, measured inside the step, so they add up exactly):
 
 - ``compute_s``: covered by at least one non-collective op (union over threads and streams, not the sum);
@@ -34,12 +40,15 @@ from traceroof.codes import RunGroups, group_order, run_starts
 from traceroof.hostactivity import (HOST_KINDS, covered_both_ps, covered_ps, intersect_intervals,
                                    merge_intervals, subtract_intervals)
 from traceroof.aggregate import Timeline
+from traceroof.units import fmt_list
 from traceroof.overlap import collective_rows, pair_windows
 
 COMPONENTS = ("compute_s", "exposed_comm_s", "launch_gap_s", "host_bound_s", "outside_program_s")
+OTHER = "other_programs_s"  # time of programs launched outside the steps, inside a step's period: not in its time
 BREAKDOWN_COLUMNS = ("step_time_s", *COMPONENTS)  # the numeric columns a saved report's rows must carry
 LABELS = {"compute_s": "compute", "exposed_comm_s": "exposed communication", "launch_gap_s": "launch gaps",
-          "host_bound_s": "host-bound", "outside_program_s": "outside any program"}
+          "host_bound_s": "host-bound", "outside_program_s": "outside any program",
+          OTHER: "other programs (not in step time)"}
 MAX_DRAWN_STEPS = 6  # steps drawn in the HTML timeline: the median, the slowest, then the first ones
 MAX_DRAWN_DEVICES = 4  # devices drawn per step
 MAX_DRAWN_OPS = 4000  # op bars drawn over all steps and devices (the longest of each strip); the page says so
@@ -162,7 +171,8 @@ def step_breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame,
                    host_activity: pd.DataFrame | None = None,
                    pairs: dict[tuple[object, str], str] | None = None) -> pd.DataFrame:
     """One row per step and device of ``windows`` (:func:`step_windows`): ``step``, ``device``,
-    ``step_time_s`` and the :data:`COMPONENTS` (seconds; they add up to ``step_time_s``), plus
+    ``step_time_s`` and the :data:`COMPONENTS` (seconds; they add up to ``step_time_s``), :data:`OTHER` (s) and
+    ``other_programs`` (the programs' names, ``", "``-joined; ``""`` for none: see the module docstring), plus
     ``host_bound_<kind>_share`` columns: the share of the host-bound time during which each kind of host work
     (``python``, ``dispatch``, ``compile``, ``input``) was running (they may overlap, so need not sum to 1).
 
@@ -187,7 +197,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     too (always, but for an async pair spanning two executions), the device is never busy while it waits for a
     launch: then host-bound time is the waiting time the host is busy, with no set subtracted."""
     share_cols = [f"host_bound_{k}_share" for k in HOST_KINDS]
-    cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols]
+    cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols, "other_programs_s", "other_programs"]
     items: dict[str, list] = {c: [] for c in ("step", "device", "kind", "start_ps", "end_ps", "w0", "row", "n")}
     if windows.empty or not len(timeline):
         return pd.DataFrame(columns=cols), {}
@@ -217,9 +227,14 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     rows: dict[str, list] = {c: [] for c in cols}
     # positions grouped once (each device's in their order), not a pass over every event per device
     n_dev = len(dev_names)
-    small = np.min_scalar_type(-n_dev - 2)  # a signed type holding -1 .. n_dev + 1
-    key = np.where(ops["counted"].to_numpy(bool), np.add(dev_codes, 1, dtype=small), small.type(n_dev + 1))
-    ev_of = _positions(key[r], n_dev + 2)
+    counted = ops["counted"].to_numpy(bool)
+    # a counted row outside every step: an execution launched outside the steps (an eval between training steps)
+    other = counted & ops["step"].isna().to_numpy(bool) if "step" in ops else np.zeros(len(ops), bool)
+    small = np.min_scalar_type(-2 * n_dev - 3)  # a signed type holding -1 .. 2 * n_dev + 2
+    key = np.where(counted & ~other, np.add(dev_codes, 1, dtype=small), small.type(n_dev + 1))
+    key = np.where(other, np.add(dev_codes, n_dev + 2, dtype=small), key)  # the other programs' events, per device
+    ev_of = _positions(key[r], 2 * n_dev + 2)
+    mod_codes, mod_names = _codes(ops["module"]) if other.any() else (None, None)
     w_of = _positions(w_dev + 1, len(w_names) + 1)
     act_codes, act_names = _factorize(act_host)
     act_of = _positions(act_codes + 1, len(act_names) + 1)
@@ -276,6 +291,21 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
         else:
             busy, inside = compute, True
         waiting = _waiting_for_launch(first_s, first_launch, programs)
+        o = ev_of(code_of.get(d, -1) + n_dev + 2) if mod_codes is not None else None
+        if o is not None and len(o):  # other programs' executions: their spans where this step's work is not
+            o_row, o_s = r[o], start[o]
+            o_by_run = ~np.isnan(rid[o])
+            o_first, o_last, _ = _executions(pid_row[o_row], o_by_run, np.where(o_by_run, rid[o], -1), o_s,
+                                             o_s + duration[o], launch[o])
+            o_mod = RunGroups.of([np.where(o_by_run, rid[o], -1), pid_row[o_row], o_by_run]).reduce(
+                np.maximum, mod_codes[o_row])
+            foreign = merge_intervals(o_first, o_last)
+            foreign = subtract_intervals(foreign, _union(programs, busy))
+            waiting = subtract_intervals(waiting, foreign)
+            other_ps = covered_ps(foreign, lo, hi)
+            other_names = _names_in_windows(o_first, o_last, o_mod, mod_names, lo, hi)
+        else:
+            foreign, other_ps, other_names = None, np.zeros(len(lo), np.int64), np.full(len(lo), "", object)
         h = act_code.get(host_of.get(d, ""), -2)  # a host without activity: none
         if h not in host_sets:
             on_host = act_of(h + 1)
@@ -289,7 +319,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
         # async pair spans two executions); every use below takes its part within the host's busy set
         idle = waiting if inside else subtract_intervals(intersect_intervals(waiting, host), busy)
         hb_ps = covered_both_ps(idle, host, lo, hi)
-        total = hi - lo
+        total = hi - lo - other_ps
         launch_gap = prog_ps - prog_busy_ps
         outside = total - busy_ps - launch_gap - hb_ps
         for k in HOST_KINDS:
@@ -302,6 +332,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
                      ("step_time_s", total * 1e-12), ("compute_s", c_ps * 1e-12),
                      ("exposed_comm_s", (busy_ps - c_ps) * 1e-12), ("launch_gap_s", launch_gap * 1e-12),
                      ("host_bound_s", hb_ps * 1e-12), ("outside_program_s", np.maximum(outside, 0) * 1e-12),
+                     ("other_programs_s", other_ps * 1e-12), ("other_programs", other_names),
                      ("_rank", np.full(len(w), dev_rank[g]))):
             rows.setdefault(c, []).append(v)
         if drawn:  # the device's idle and exposed sets inside its drawn steps (a few of many), once for all
@@ -311,6 +342,9 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
             device_sets = {"exposed communication": subtract_intervals(busy_d, compute_d),
                            "launch gap": subtract_intervals(programs_d, busy_d), "host-bound": host_d}
             occupied = _union(busy_d, programs_d, host_d)
+            if foreign is not None:
+                device_sets["other programs"] = subtract_intervals(intersect_intervals(foreign, clip), occupied)
+                occupied = _union(occupied, device_sets["other programs"])
             # the events overlapping a step: those starting before its end, after its start less the longest
             reach = int(duration[m].max(initial=0))
         for st, w0, w1 in drawn:
@@ -357,6 +391,22 @@ def _executions(program: np.ndarray, by_run: np.ndarray, key: np.ndarray, start:
     return groups.reduce(np.minimum, start), groups.reduce(np.maximum, end), groups.reduce(np.fmin, launch)
 
 
+def _names_in_windows(first_s: np.ndarray, last_e: np.ndarray, module: np.ndarray, names: np.ndarray,
+                      lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Per window [lo, hi) (sorted, disjoint): the programs (``names[module]``, sorted, joined by ``", "``) of the
+    executions (first op start ``first_s``, last op end ``last_e``) that overlap it; ``""`` for none."""
+    out = np.full(len(lo), "", object)
+    found: dict[int, set[str]] = {}
+    first_w, end_w = np.searchsorted(hi, first_s, side="right"), np.searchsorted(lo, last_e, side="left")
+    for i in np.flatnonzero(end_w > first_w).tolist():
+        name = str(names[module[i]]) if module[i] >= 0 else "(unnamed program)"
+        for w in range(int(first_w[i]), int(end_w[i])):
+            found.setdefault(w, set()).add(name)
+    for w, got in found.items():
+        out[w] = ", ".join(sorted(got))
+    return out
+
+
 def _waiting_for_launch(first_s: np.ndarray, launch: np.ndarray, programs: Intervals) -> Intervals:
     """Where a device without a running program was waiting for its next execution to be launched: each gap
     between program spans (and the time before the first, after the last) up to the launch of the next
@@ -376,14 +426,34 @@ def _waiting_for_launch(first_s: np.ndarray, launch: np.ndarray, programs: Inter
     return merge_intervals(gap_lo, np.maximum(until, gap_lo))
 
 
+def _summed(rows: pd.DataFrame) -> list[str]:
+    """The columns averaged by :func:`mean_row` and :func:`per_step`: the step time, the components, and
+    :data:`OTHER` where the rows carry it (a saved report of an older version may not)."""
+    return ["step_time_s", *COMPONENTS] + ([OTHER] if OTHER in rows else [])
+
+
 def mean_row(rows: pd.DataFrame) -> dict[str, float]:
-    """The mean step over steps and devices: ``step_time_s`` and each component (seconds)."""
-    return {c: float(rows[c].mean()) for c in ("step_time_s", *COMPONENTS)} if len(rows) else {}
+    """The mean step over steps and devices: ``step_time_s``, each component and :data:`OTHER` (seconds)."""
+    return {c: float(rows[c].mean()) for c in _summed(rows)} if len(rows) else {}
 
 
 def per_step(rows: pd.DataFrame) -> pd.DataFrame:
-    """One row per step: ``step_time_s`` and components averaged over devices."""
-    return rows.groupby("step", sort=True)[["step_time_s", *COMPONENTS]].mean().reset_index()
+    """One row per step: ``step_time_s``, components and :data:`OTHER` averaged over devices."""
+    return rows.groupby("step", sort=True)[_summed(rows)].mean().reset_index()
+
+
+def other_programs_line(rows: pd.DataFrame) -> str:
+    """One line naming the programs launched outside the steps that ran inside step periods, and how much of
+    them (``""`` when none did)."""
+    if OTHER not in rows or not (rows[OTHER] > 0).any():
+        return ""
+    steps = per_step(rows)
+    hit = steps[steps[OTHER] > 0]
+    names = sorted({n for x in rows.loc[rows[OTHER] > 0, "other_programs"].astype(str) for n in x.split(", ") if n})
+    return (f"programs launched outside the steps ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}) "
+            f"ran in the periods of steps {fmt_list((str(int(x)) for x in hit['step']), 6)}: "
+            f"{_ms(float(hit[OTHER].mean()))} in each ({_ms(float(steps[OTHER].mean()))} per step over all steps), "
+            "left out of the step time and MFU")
 
 
 def slowest_vs_median(rows: pd.DataFrame) -> str:
@@ -414,7 +484,7 @@ def breakdown_delta(base: pd.DataFrame, new: pd.DataFrame) -> pd.DataFrame:
     if base is None or new is None or not len(base) or not len(new):
         return pd.DataFrame(columns=cols)
     b, n = mean_row(base), mean_row(new)
-    names = ["step_time_s", *COMPONENTS]
+    names = [c for c in _summed(base) if c in n and (c != OTHER or b[c] > 0 or n[c] > 0)]
     return pd.DataFrame({"component": names, "base_s": [b[c] for c in names], "new_s": [n[c] for c in names],
                          "delta_s": [n[c] - b[c] for c in names]})
 

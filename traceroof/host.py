@@ -29,6 +29,7 @@ from traceroof.hostactivity import host_activity
 from traceroof.memory import AllocatorPeak, plane_allocators
 from traceroof.steps import (assign_steps, device_step_spans, dominant_program_steps, entry_schedule,
                              left_out_executions)
+from traceroof.units import fmt_list
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
 
@@ -249,6 +250,9 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
     runs = len(events.loc[outside, ["program_id", "run_id"]].drop_duplicates()) if outside.any() else 0
     untied = has_run & ~known & ~left_out
     cut_steps = np.unique(step[after & (step >= 0)]) if marked else step[:0]
+    if runs:  # which programs (facts are counts summed over hosts: each name's own key)
+        for name in set(events.loc[outside, "module"].dropna().astype(str).unique().tolist()) - {"", "nan"}:
+            facts[OUTSIDE_PROGRAM + name] = facts.get(OUTSIDE_PROGRAM + name, 0) + 1
     for k, v in (("steps_op_ps", int(duration.sum())), ("steps_untied_ps", int(duration[untied].sum())),
                  ("steps_untied", int(untied.sum())), ("steps_outside_runs", runs),
                  ("steps_outside_ps", int(duration[outside].sum()) if runs else 0),
@@ -260,6 +264,9 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
         step[left_out | np.isin(step, cut_steps)] = -1
     steps = device_step_spans(step, hosts, when, start + events["duration_ps"].to_numpy(np.int64), steps)
     return events.assign(step=pd.arrays.IntegerArray(np.maximum(step, 0), step < 0)), steps, annotation
+
+
+OUTSIDE_PROGRAM = "steps_outside_program:"  # a fact per program with executions launched outside the steps
 
 
 def step_notes(facts: dict[str, int]) -> list[str]:
@@ -285,7 +292,9 @@ def step_notes(facts: dict[str, int]) -> list[str]:
                    "program): left out of per-step figures" + (f", with the {steps} step(s) that launched them"
                                                                if steps else ""))
     if facts.get("steps_outside_runs", 0):
+        names = sorted(k[len(OUTSIDE_PROGRAM):] for k in facts if k.startswith(OUTSIDE_PROGRAM))
         out.append(f"{facts['steps_outside_runs']} execution(s) ({facts['steps_outside_ps'] / total:.1%} of op time) "
-                   "were launched outside the steps (before the first, between marked steps, or in a step still "
-                   "open when the trace stopped): left out of per-step figures")
+                   f"{f'of {fmt_list(names)} ' if names else ''}were launched outside the steps (before the first, "
+                   "between marked steps, or in a step still open when the trace stopped): left out of per-step "
+                   "figures")
     return out

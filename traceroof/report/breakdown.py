@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from traceroof.breakdown import COMPONENTS, LABELS, mean_row, per_step, slowest_vs_median
+from traceroof.breakdown import COMPONENTS, LABELS, mean_row, other_programs_line, per_step, slowest_vs_median
 
 MAX_STEPS_SHOWN = 12  # per-step rows in the text reports (the JSON report has every step and device)
 TITLE = "Step breakdown (per device; from the previous step's end to this one's: marker or last op, the later)"
@@ -38,9 +38,7 @@ def _lines(rows: pd.DataFrame) -> list[str]:
     if steps > MAX_STEPS_SHOWN:
         out.append(f"first {MAX_STEPS_SHOWN} of {steps} steps shown; every step and device is in the JSON report "
                    "(step_breakdown)")
-    line = slowest_vs_median(rows)
-    if line:
-        out.append(line)
+    out += [x for x in (other_programs_line(rows), slowest_vs_median(rows)) if x]
     return out
 
 

@@ -11,7 +11,7 @@ import pandas as pd
 from traceroof.analysis import Analysis
 
 GAP_COLOURS = {"exposed communication": "#d62728", "launch gap": "#bbbbbb", "host-bound": "#ff7f0e",
-               "outside any program": "#555555"}
+               "outside any program": "#555555", "other programs": "#c7c7c7"}
 PALETTE = ["#1f77b4", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22", "#7f7f7f", "#aec7e8",
            "#98df8a", "#c5b0d5", "#c49c94", "#f7b6d2", "#9edae5", "#dbdb8d", "#393b79", "#637939", "#8c6d31"]
 
@@ -113,7 +113,8 @@ def timeline_html(a: Analysis) -> str:
             f"{all_devices} device(s); {drawn:,} of {total:,} op events drawn"
             + (" (the longest of each strip)" if drawn < total else "")
             + ". Lanes: each device's ops (coloured by layer), its exposed communication and idle gaps (launch "
-              "gaps, host-bound, outside any program), then the first device's ops one lane per layer, in "
+              "gaps, host-bound, outside any program; other programs: those launched outside the steps, not "
+              "in the step time), then the first device's ops one lane per layer, in "
               "execution order.")
     return (f'<h2>Step timeline</h2><p>{esc(note)}</p><div id="step-timeline" class="chart" '
             f'style="height: {chart_height(a)}px"></div>')
