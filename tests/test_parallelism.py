@@ -856,3 +856,62 @@ def test_a_loop_condition_agreed_over_the_devices_is_said_so() -> None:
                      r"device\) \([\d.]+ kB/step, ([\w.-]+(, )?)+", row.evidence), row.evidence
     listed = row.evidence.split("while-loop conditions")[1]
     assert all(name in listed for name in sorted(conds)[:3])
+
+
+_FSDP_BF16 = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    class MLP(nn.Module):  # f32 parameters, bf16 compute
+        @nn.compact
+        def __call__(self, x):
+            for i in range(3):
+                x = nn.gelu(nn.Dense(128, dtype=jnp.bfloat16, name=f"up_{i}")(x))
+                x = nn.Dense(64, dtype=jnp.bfloat16, name=f"down_{i}")(x)
+            return x
+
+    model, tx = MLP(), optax.adam(1e-3)
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
+    params = model.init(jax.random.PRNGKey(0), jnp.zeros((16, 64)))
+    shard = jax.tree.map(lambda a: NamedSharding(mesh, P("fsdp") if a.ndim == 2 else P()), params)
+    params = jax.device_put(params, shard)
+
+    def step(p, o, x):
+        g = jax.grad(lambda p: jnp.mean(model.apply(p, x).astype(jnp.float32) ** 2))(p)
+        u, o = tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P(("data", "fsdp"))))
+    f = jax.jit(step, out_shardings=(shard, None), donate_argnums=(0, 1))
+    print(f.lower(params, tx.init(params), x).compile().as_text())
+""")
+
+
+def test_a_combined_gradient_all_reduce_cut_to_each_shard_is_a_reduce_scatter() -> None:
+    """FSDP with f32 weights and bf16 compute (s40 trial, a Llama on a 2 x 4 data x fsdp mesh): XLA:CPU combines
+    the weight gradients' all-reduces into one of a tuple, and each part runs get-tuple-element -> convert to bf16
+    -> a fusion holding the dynamic-slice that keeps this device's shard: a reduce-scatter as XLA:CPU lowers it.
+    The search for the dynamic-slice stopped after 2 users, one of them the get-tuple-element, and the trial's
+    11.6 MB of FSDP gradient reduce-scatters read as "gradients all-reduced". The six weight gradients (64 x 128
+    f32 each, 6 x 32 kB = 196,608 B) are the reduce-scatter's."""
+    out = subprocess.run([sys.executable, "-c", _FSDP_BF16], capture_output=True, text=True, timeout=300, check=True)
+    (m,) = parse_hlo_text(out.stdout)
+    entry = m.entry
+    users = entry.users()
+    # the case at hand, read from the HLO: a tuple all-reduce of the six weight gradients whose every part is
+    # get-tuple-element -> convert fusion -> a fusion named for its dynamic-slice
+    (combined,) = [i for i in entry.instructions if i.opcode == "all-reduce" and i.shape.tuple_shapes
+                   and len(i.shape.tuple_shapes) == 6 and all(p.elements == 64 * 128 for p in i.shape.tuple_shapes)]
+    for gte in users[combined.name]:
+        (convert,) = users[gte.name]
+        assert gte.opcode == "get-tuple-element" and "convert" in convert.name
+        assert any("dynamic-slice" in u.name for u in users[convert.name]), convert.name
+    mesh = recover_mesh(m)
+    ev = collect_evidence(m, mesh, state_params(m))
+    fsdp = next(e for e in ev.values() if "weights_gathered" in e.ops)
+    assert fsdp.ops["grads_all_reduce_sliced"] == [combined.name]
+    assert fsdp.bytes["grads_all_reduce_sliced"] == pytest.approx(6 * 64 * 128 * 4)
+    assert combined.name not in fsdp.ops.get("grads_all_reduced", [])

@@ -101,17 +101,19 @@ def _calls_opcode(module: HloModule, inst: Instruction, opcodes: tuple[str, ...]
 
 def _reaches(module: HloModule, comp: Computation, users: Mapping[str, list[Instruction]], start: Instruction,
              opcodes: tuple[str, ...], hops: int) -> bool:
-    """A value reaches an instruction of ``opcodes`` (or a fusion holding one) within ``hops`` users."""
+    """A value reaches an instruction of ``opcodes`` (or a fusion holding one) within ``hops`` users; a
+    get-tuple-element (picking one array of a combined collective's tuple) is no hop."""
     frontier, seen = [start], {start.name}
     for _ in range(hops):
         nxt = []
-        for inst in frontier:
+        while frontier:
+            inst = frontier.pop()
             for u in users.get(inst.name, ()):
                 if _calls_opcode(module, u, opcodes):
                     return True
                 if u.name not in seen:
                     seen.add(u.name)
-                    nxt.append(u)
+                    (frontier if u.opcode == "get-tuple-element" else nxt).append(u)
         frontier = nxt
     return False
 
