@@ -703,7 +703,8 @@ def _dump_files(hlo_files: Iterable) -> dict[tuple[int, str], Path]:
     return out
 
 
-NO_ALLOCATOR_EVENTS = "no allocator events in the profile (GPU/TPU memory profile): XLA's figures only"
+NO_ALLOCATOR_EVENTS = ("no allocator events in the profile (a GPU/TPU memory profile records them): no measured peak to "
+                       "compare with")
 
 
 def plane_allocators(plane: Any) -> tuple[AllocatorPeak, ...]:
