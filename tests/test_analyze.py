@@ -510,3 +510,18 @@ def test_a_capture_split_over_two_run_directories_names_the_other(tmp_path):
     both = analyze([early, late], chip=HOST_CHIP)
     assert (both.summary.devices, both.summary.hosts) == (8, 2)
     assert not any("profiles are missing" in n for n in both.summary.notes)
+
+
+def test_outlier_executions_on_virtual_cpu_devices_claim_no_time():
+    """On virtual CPU devices (threads of one host sharing its cores) a run that waited for the cores looks
+    slow: the s40 trial's 8 devices on 2 cores ranked outlier-executions first, "high", 184 ms lost per step that
+    no change to the program wins. The op table shows the same outliers; the finding says where they come from and
+    claims no time. On one device (the transformer fixture's outlier, test above) it keeps its time."""
+    from traceroof import analyze
+
+    a = analyze(str(FIXTURES / "par_dp8" / "logdir"), chip=str(FIXTURES / "fixture_host.toml"))
+    assert a.summary.virtual_devices and a.summary.devices == 8
+    assert (a.top_ops["outlier_executions"] > 0).any()  # the case at hand: runs more than 10x their op's median
+    (f,) = [f for f in a.findings if f.code == "outlier-executions"]
+    assert f.title.endswith("on virtual CPU devices") and "threads sharing the host's cores" in f.advice
+    assert np.isnan(f.lost_per_step_s) and f.severity == "info"

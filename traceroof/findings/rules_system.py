@@ -308,6 +308,13 @@ def outlier_executions(x: FindingInputs) -> list[Finding]:
     title = f"{len(flagged)} op(s) have executions more than {OUTLIER_RATIO:g}x their median time"
     advice = ("not the ops' typical cost (top ops are ranked by median): profile more steps after a warm-up, on "
               "an otherwise idle machine, and exclude compile/first-run steps (--warmup-steps)")
+    if x.virtual_devices and x.analysis.summary.devices > 1:  # several device threads on one host's cores
+        # s40 trial: ranked first, 184 ms "lost" per step, on 8 virtual devices time-slicing 2 cores
+        title += " on virtual CPU devices"
+        advice = ("virtual CPU devices are threads sharing the host's cores: a run that waited while other device "
+                  "threads held the cores looks slow; not the program's cost and no time to win in it: profile on "
+                  "the real accelerators (or on one device) before acting on it")
+        lost = float("nan")
     ops = tuple(str(op) for _, _, op in flagged.index[:MAX_OPS])
     return [make(x, "outlier-executions", title, lost, advice, OUTLIER_SOURCE, evidence, rows, ops=ops)]
 
