@@ -915,3 +915,40 @@ def test_a_combined_gradient_all_reduce_cut_to_each_shard_is_a_reduce_scatter() 
     assert fsdp.ops["grads_all_reduce_sliced"] == [combined.name]
     assert fsdp.bytes["grads_all_reduce_sliced"] == pytest.approx(6 * 64 * 128 * 4)
     assert combined.name not in fsdp.ops.get("grads_all_reduced", [])
+
+
+def test_a_norm_scale_gathered_from_the_step_input_is_not_an_updated_weight() -> None:
+    """FSDP gathers an RMSNorm's scale (an input of the step, sharded 4 ways) for the backward's elementwise
+    multiply, with no matmul within reach: the s40 trial's all-gather.36 f32[256] of param.4 read as "updated
+    weights all-gathered". A value gathered from the step's own input parameter has not been updated. The
+    gather of the updated weight at the step's end stays so."""
+    m, = parse_hlo_text("""HloModule step, num_partitions=4, input_output_alias={ {0}: (0, {}, may-alias), {1}: (1, {}, may-alias) }
+
+ENTRY %main (s: f32[64], w: f32[16,256]) -> (f32[64], f32[16,256], f32[256]) {
+  %s = f32[64]{0} parameter(0), sharding={devices=[4]<=[4]}
+  %w = f32[16,256]{1,0} parameter(1), sharding={devices=[4,1]<=[4]}
+  %sc = f32[256]{0} all-gather(%s), channel_id=1, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/transpose(jvp(Llama))/layers_0/attn_norm/mul"}
+  %wg = f32[64,256]{1,0} all-gather(%w), channel_id=2, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/jvp(Llama)/layers_0/mlp/all_gather"}
+  %z = f32[] constant(0)
+  %x = f32[8,256]{1,0} broadcast(%z), dimensions={}
+  %h = f32[8,64]{1,0} dot(%x, %wg), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(step)/jvp(Llama)/layers_0/mlp/dot_general"}
+  %gs = f32[256]{0} reduce(%x, %z), dimensions={0}, to_apply=%add
+  %m = f32[256]{0} multiply(%sc, %gs), metadata={op_name="jit(step)/transpose(jvp(Llama))/layers_0/attn_norm/mul"}
+  %ms = f32[64]{0} slice(%m), slice={[0:64]}
+  %ns = f32[64]{0} subtract(%s, %ms)
+  %hs = f32[16,256]{1,0} slice(%wg), slice={[0:16], [0:256]}
+  %nw = f32[16,256]{1,0} subtract(%w, %hs)
+  %out = f32[256]{0} all-gather(%ns), channel_id=3, replica_groups=[1,4]<=[4], dimensions={0}, use_global_device_ids=true, metadata={op_name="jit(step)/all_gather"}
+  ROOT %t = (f32[64]{0}, f32[16,256]{1,0}, f32[256]{0}) tuple(%ns, %nw, %out)
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %a = f32[] add(%x, %y)
+}
+""")
+    mesh = recover_mesh(m)
+    (evidence,) = collect_evidence(m, mesh, state_params(m)).values()
+    assert "sc" in evidence.ops["weights_gathered"] and "wg" in evidence.ops["weights_gathered"], evidence.ops
+    assert evidence.ops.get("weights_gathered_after_update") == ["out"], evidence.ops

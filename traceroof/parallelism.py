@@ -119,6 +119,24 @@ def _reaches(module: HloModule, comp: Computation, users: Mapping[str, list[Inst
 
 
 MATMULS = ("dot", "convolution")
+_PASS_THROUGH = ("bitcast", "convert", "copy", "reshape")
+
+
+def _of_entry_parameter(module: HloModule, comp: Computation, inst: Instruction) -> bool:
+    """``inst``'s operand is a parameter of the entry computation, directly or through bitcasts, converts, copies
+    and reshapes (a value the step was given, not one it computed)."""
+    if comp is not module.entry:
+        return False
+    seen: set[str] = set()
+    at = comp.by_name.get(inst.operands[0]) if inst.operands else None
+    while at is not None and at.name not in seen:
+        seen.add(at.name)
+        if at.opcode == "parameter":
+            return True
+        if at.opcode not in _PASS_THROUGH or len(at.operands) != 1:
+            return False
+        at = comp.by_name.get(at.operands[0])
+    return False
 
 
 def state_params(module: HloModule) -> list[StateParam]:
@@ -330,8 +348,9 @@ def _evidence_kind(module: HloModule, comp: Computation, users: Mapping[str, lis
         if c.kind == "all-gather":
             # used by a matmul, or by a loop (the micro-batch scan's weights, gathered once before it); 4 users:
             # all-gather -> cast -> cast -> tuple -> while, as XLA:CPU wrote a user's FSDP step
+            # or gathered from the step's own input (a norm's scale, read by elementwise ops): not yet updated
             return "weights_gathered" if _reaches(module, comp, users, inst, MATMULS + ("while",), 4) \
-                else "weights_gathered_after_update"
+                or _of_entry_parameter(module, comp, inst) else "weights_gathered_after_update"
         if c.kind == "reduce-scatter":
             return "grads_reduce_scattered"
         if c.kind == "all-reduce":
