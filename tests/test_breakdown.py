@@ -103,6 +103,35 @@ def test_rules_on_a_hand_made_timeline() -> None:
     assert r["host_bound_python_share"] == 1.0
 
 
+def test_another_program_between_steps_is_left_out_of_both_devices_steps() -> None:
+    """Two devices, step 1's window [100, 300) on each. The step's own execution (run 2) runs [250, 290) on both.
+    Between steps the host ran another program (an eval; run 9, outside every step): on d0 [120, 150), on d1
+    [120, 200): d0 finished its part first and waited for d1's, with the host busy (its Python thread blocked in
+    the call) [100, 240). The other program's time is its span on the host, [120, 200) on both devices, not
+    host-bound on d0 (s41 trial: 27-32 ms per sampling call on 4 virtual devices). An event of another program
+    with no run id, [205, 210) on d0, is its own span, on the host as well."""
+    ops = _ops([("d0", "t", "fusion", 1, 1), ("d1", "t", "fusion", 1, 1), ("d0", "e", "fusion", None, 2),
+                ("d1", "e", "fusion", None, 2), ("d0", "x", "fusion", None, 3)]).assign(
+        module=["jit_train", "jit_train", "jit_eval", "jit_eval", "jit_other"])
+    tl = Timeline(row=np.array([0, 1, 2, 3, 4]), start_ps=np.array([250, 250, 120, 120, 205]),
+                  duration_ps=np.array([40, 40, 30, 80, 5]))
+    run = np.array([2, 2, 9, 9, np.nan])
+    launch = np.array([240.0, 240.0, np.nan, np.nan, np.nan])
+    act = pd.DataFrame({"host": "h", "kind": ["python"], "start_ps": [100], "end_ps": [240]})
+    win = pd.DataFrame({"step": [1, 1], "device": ["d0", "d1"], "start_ps": [100, 100], "end_ps": [300, 300]})
+    rows = step_breakdown(ops, tl, win, run, launch, act).set_index("device")
+    for d in ("d0", "d1"):
+        r = rows.loc[d]
+        other = 80 + 5
+        assert round(r["other_programs_s"] * 1e12) == other, d
+        assert r["other_programs"] == "jit_eval, jit_other"
+        ps = {c: round(r[c] * 1e12) for c in ("step_time_s", *COMPONENTS)}
+        # the rest of [100, 240) waits for the launch with the host busy; [240, 250) launched, not started, and
+        # [290, 300) after the execution: outside any program
+        assert ps == {"step_time_s": 200 - other, "compute_s": 40, "exposed_comm_s": 0, "launch_gap_s": 0,
+                      "host_bound_s": 140 - other, "outside_program_s": 20}, (d, ps)
+
+
 def test_async_pair_window_is_communication() -> None:
     """An async collective: its window runs from the -start event to the -done event; idle inside it is exposed
     communication, not a launch gap."""

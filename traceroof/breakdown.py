@@ -230,11 +230,10 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     counted = ops["counted"].to_numpy(bool)
     # a counted row outside every step: an execution launched outside the steps (an eval between training steps)
     other = counted & ops["step"].isna().to_numpy(bool) if "step" in ops else np.zeros(len(ops), bool)
-    small = np.min_scalar_type(-2 * n_dev - 3)  # a signed type holding -1 .. 2 * n_dev + 2
+    small = np.min_scalar_type(-n_dev - 2)  # a signed type holding -1 .. n_dev + 1
     key = np.where(counted & ~other, np.add(dev_codes, 1, dtype=small), small.type(n_dev + 1))
-    key = np.where(other, np.add(dev_codes, n_dev + 2, dtype=small), key)  # the other programs' events, per device
-    ev_of = _positions(key[r], 2 * n_dev + 2)
-    mod_codes, mod_names = _codes(ops["module"]) if other.any() else (None, None)
+    ev_of = _positions(key[r], n_dev + 2)
+    mod_names, others = _other_programs(ops, timeline, other, rid) if other.any() else (None, {})
     w_of = _positions(w_dev + 1, len(w_names) + 1)
     act_codes, act_names = _factorize(act_host)
     act_of = _positions(act_codes + 1, len(act_names) + 1)
@@ -291,19 +290,12 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
         else:
             busy, inside = compute, True
         waiting = _waiting_for_launch(first_s, first_launch, programs)
-        o = ev_of(code_of.get(d, -1) + n_dev + 2) if mod_codes is not None else None
-        if o is not None and len(o):  # other programs' executions: their spans where this step's work is not
-            o_row, o_s = r[o], start[o]
-            o_by_run = ~np.isnan(rid[o])
-            o_first, o_last, _ = _executions(pid_row[o_row], o_by_run, np.where(o_by_run, rid[o], -1), o_s,
-                                             o_s + duration[o], launch[o])
-            o_mod = RunGroups.of([np.where(o_by_run, rid[o], -1), pid_row[o_row], o_by_run]).reduce(
-                np.maximum, mod_codes[o_row])
-            foreign = merge_intervals(o_first, o_last)
-            foreign = subtract_intervals(foreign, _union(programs, busy))
-            waiting = subtract_intervals(waiting, foreign)
+        spans = others.get(host_of.get(d, ""))
+        if spans is not None:  # other programs' executions on this host: where this step's own work does not run
+            foreign = subtract_intervals(spans[0], _union(programs, busy))
+            waiting = subtract_intervals(waiting, spans[0])
             other_ps = covered_ps(foreign, lo, hi)
-            other_names = _names_in_windows(o_first, o_last, o_mod, mod_names, lo, hi)
+            other_names = _names_in_windows(*spans[1:], mod_names, lo, hi)
         else:
             foreign, other_ps, other_names = None, np.zeros(len(lo), np.int64), np.full(len(lo), "", object)
         h = act_code.get(host_of.get(d, ""), -2)  # a host without activity: none
@@ -389,6 +381,40 @@ def _executions(program: np.ndarray, by_run: np.ndarray, key: np.ndarray, start:
     an execution's events mostly follow one another)."""
     groups = RunGroups.of([key, program, by_run])
     return groups.reduce(np.minimum, start), groups.reduce(np.maximum, end), groups.reduce(np.fmin, launch)
+
+
+def _other_programs(ops: pd.DataFrame, timeline: Timeline, other: np.ndarray, run_id: np.ndarray,
+                    ) -> tuple[np.ndarray, dict[str, tuple[Intervals, np.ndarray, np.ndarray, np.ndarray]]]:
+    """The executions of the op rows ``other`` (counted, outside every step), per host: ``(merged spans,
+    first op start, last op end, module code)``, and the module names the codes index. An execution (its
+    program and run id) spans its host's devices, from its first op on any of them to its last: a device that
+    finished its part waits for the others' before the host goes on (s41 trial: 4 virtual devices, 27-32 ms of
+    each sampling call spent so, read as host-bound). Events without a run id are their own spans."""
+    mod_codes, mod_names = _codes(ops["module"])
+    host_codes, host_names = _codes(ops["host"])
+    at = np.flatnonzero(other[timeline.row])
+    row = timeline.row[at]
+    s = timeline.start_ps[at]
+    e = s + timeline.duration_ps[at]
+    rid = run_id[at]
+    known = ~np.isnan(rid)
+    pid = ops["program_id"].to_numpy(dtype="float64", na_value=-1)[row]
+    # one group per (host, program, run id) where the run id is known, else per event
+    key = pd.factorize(pd.MultiIndex.from_arrays([host_codes[row], pid, np.where(known, rid, -1.0),
+                                                  np.where(known, -1, np.arange(len(at)))]))[0]
+    n = int(key.max()) + 1 if len(key) else 0
+    first = np.full(n, np.iinfo(np.int64).max)
+    last = np.full(n, np.iinfo(np.int64).min)
+    np.minimum.at(first, key, s)
+    np.maximum.at(last, key, e)
+    head = np.unique(key, return_index=True)[1]
+    host, module = host_codes[row][head], mod_codes[row][head]
+    out = {}
+    for h in np.unique(host).tolist():
+        mine = host == h
+        out[str(host_names[h]) if h >= 0 else ""] = (merge_intervals(first[mine], last[mine]), first[mine],
+                                                     last[mine], module[mine])
+    return mod_names, out
 
 
 def _names_in_windows(first_s: np.ndarray, last_e: np.ndarray, module: np.ndarray, names: np.ndarray,
