@@ -8,10 +8,10 @@ the step's execution to its last); with a loop that blocks on every step it is t
 included. The first step starts at its marker or its launch, whichever is first.
 
 **Other programs** (``other_programs_s``, named in ``other_programs``): the executions launched outside the
-steps (an eval program between marked training steps) run on the device inside a step's period. Their spans (first
-op to last op), where the step's own work does not run, are not the step's time: ``step_time_s`` is the period less
-them, and MFU, the slowest step and the components leave them out (s40 trial: an eval every 4 steps made the mean
-training step 441.5 ms for 410.3 ms of training).
+steps (an eval program between marked training steps) run on the device inside a step's period. Their spans on the
+host (first op on any device to last), where the step's own work does not run, are not the step's time:
+``step_time_s`` is the period less them, and MFU, the slowest step and the components leave them out (s40 trial:
+an eval every 4 steps made the mean training step 441.5 ms for 410.3 ms of training).
 
 **Components** (intervals on the device's timeline, measured inside the step, so they add up exactly):
 
@@ -197,7 +197,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     too (always, but for an async pair spanning two executions), the device is never busy while it waits for a
     launch: then host-bound time is the waiting time the host is busy, with no set subtracted."""
     share_cols = [f"host_bound_{k}_share" for k in HOST_KINDS]
-    cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols, "other_programs_s", "other_programs"]
+    cols = ["step", "device", "step_time_s", *COMPONENTS, *share_cols, OTHER, "other_programs"]
     items: dict[str, list] = {c: [] for c in ("step", "device", "kind", "start_ps", "end_ps", "w0", "row", "n")}
     if windows.empty or not len(timeline):
         return pd.DataFrame(columns=cols), {}
@@ -478,7 +478,8 @@ def other_programs_line(rows: pd.DataFrame) -> str:
     names = sorted({n for x in rows.loc[rows[OTHER] > 0, "other_programs"].astype(str) for n in x.split(", ") if n})
     return (f"programs launched outside the steps ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}) "
             f"ran in the periods of steps {fmt_list((str(int(x)) for x in hit['step']), 6)}: "
-            f"{_ms(float(hit[OTHER].mean()))} in each ({_ms(float(steps[OTHER].mean()))} per step over all steps), "
+            f"{_ms(float(hit[OTHER].mean()))} in each on average ({_ms(float(steps[OTHER].mean()))} per step over "
+            "all steps), "
             "left out of the step time and MFU")
 
 
