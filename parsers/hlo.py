@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 # Bits per element by primitive type (xla/xla_data.proto PrimitiveType; hlo-text.md §11).
 ELEMENT_BITS: dict[str, int] = {
@@ -391,6 +391,24 @@ class HloModule:
             index = _INSTRUCTIONS[self] = {n: i for comp in reversed(self.computations.values())
                                            for n, i in comp.by_name.items()}
         return index.get(name)
+
+    def called_closure(self, names: Iterable[str], fused: bool) -> list[str]:
+        """The computations ``names`` and, transitively, those their instructions call: through fusions only
+        (``fused``: the instructions a fusion runs) or through every other caller only (loops, calls,
+        conditionals: what a computation runs, not fused). Each once, in depth-first order (the last name
+        first); names of no computation left out."""
+        out: list[str] = []
+        seen: set[str] = set()
+        todo = list(names)
+        while todo:
+            name = todo.pop()
+            comp = self.computations.get(name)
+            if comp is None or name in seen:
+                continue
+            seen.add(name)
+            out.append(name)
+            todo += [c for i in comp.instructions if (i.opcode == "fusion") == fused for c in i.called]
+        return out
 
     def source_line(self, inst: Instruction) -> str:
         """``file:line`` of an instruction from its metadata or the stack-frame table ('' when unknown)."""

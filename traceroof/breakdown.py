@@ -324,7 +324,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
                      ("step_time_s", total * 1e-12), ("compute_s", c_ps * 1e-12),
                      ("exposed_comm_s", (busy_ps - c_ps) * 1e-12), ("launch_gap_s", launch_gap * 1e-12),
                      ("host_bound_s", hb_ps * 1e-12), ("outside_program_s", np.maximum(outside, 0) * 1e-12),
-                     ("other_programs_s", other_ps * 1e-12), ("other_programs", other_names),
+                     (OTHER, other_ps * 1e-12), ("other_programs", other_names),
                      ("_rank", np.full(len(w), dev_rank[g]))):
             rows.setdefault(c, []).append(v)
         if drawn:  # the device's idle and exposed sets inside its drawn steps (a few of many), once for all

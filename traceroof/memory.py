@@ -434,7 +434,7 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
                 inner.append(walk(body, body_seeds, trips, True))
                 kinds.add("micro-batch")
                 continue
-            phases = _phases_run(module, scopes, body.name, ran) if top else set()
+            phases = _phases_run(module, scopes, body.name) if top else set()
             step = walk(body, body_seeds, trips, True) if {"forward", "backward"} <= phases else (0, 0)
             if step[0]:  # forward and backward in one iteration: a loop of whole steps, one iteration live
                 inner.append(step)
@@ -444,25 +444,15 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
         return saved + max(s for s, _ in inner), recomputed + max(r for _, r in inner)
 
     kinds: set[str] = set()  # whose activations the loops walked hold (walk adds to it)
-    ran: dict[str, set[str]] = {}  # _phases_run's memo
     saved, recomputed = walk(entry, seeds, 1, True)
     return saved, recomputed, "micro-batch" if "micro-batch" in kinds else "iteration" if kinds else ""
 
 
-def _phases_run(module: HloModule, scopes: ModuleScopes, name: str, memo: dict[str, set[str]]) -> set[str]:
+def _phases_run(module: HloModule, scopes: ModuleScopes, name: str) -> set[str]:
     """The phases of the ops computation ``name`` runs: its own and those of the computations its loops, calls
-    and conditionals run (not fused ones), memoised in ``memo``."""
-    comp = module.computations.get(name)
-    if name in memo or comp is None:
-        return memo.get(name, set())
-    memo[name] = set()  # (a corrupt module's cycle ends here)
-    out = {scopes.get(i.name).phase for i in comp.instructions}
-    for i in comp.instructions:
-        if i.opcode != "fusion":
-            for c in i.called:
-                out |= _phases_run(module, scopes, c, memo)
-    memo[name] = out
-    return out
+    and conditionals run (not fused ones)."""
+    return {scopes.get(i.name).phase for c in module.called_closure([name], fused=False)
+            for i in module.computations[c].instructions}
 
 
 def _saved_in(module: HloModule, comp: Computation, scopes: ModuleScopes, excluded: set[str], phase: str) -> int:
@@ -703,8 +693,8 @@ def _dump_files(hlo_files: Iterable) -> dict[tuple[int, str], Path]:
     return out
 
 
-NO_ALLOCATOR_EVENTS = ("no allocator events in the profile (a GPU/TPU memory profile records them): no measured peak to "
-                       "compare with")
+NO_ALLOCATOR_EVENTS = ("no allocator events in the profile (a GPU/TPU memory profile records them): no measured "
+                       "peak to compare with")
 
 
 def plane_allocators(plane: Any) -> tuple[AllocatorPeak, ...]:

@@ -73,15 +73,7 @@ class ModuleIndex:
     def run_by(self, name: str) -> set[str]:
         """``name`` and the computations its instructions run (calls, loops, conditionals; not fused ones),
         transitively."""
-        out, todo = set(), [name]
-        while todo:
-            c = todo.pop()
-            comp = self.module.computations.get(c)
-            if comp is None or c in out:
-                continue
-            out.add(c)
-            todo += [k for i in comp.instructions if i.opcode != "fusion" for k in i.called]
-        return out
+        return set(self.module.called_closure([name], fused=False))
 
     def users(self, comp: Computation) -> dict[str, list[Instruction]]:
         """Operand name -> the instructions of ``comp`` that read it (:meth:`Computation.users`)."""
@@ -89,20 +81,8 @@ class ModuleIndex:
 
     def fused(self, inst: Instruction) -> list[Instruction]:
         """Instructions of the computations a fusion calls, nested fusions included (each computation once)."""
-        out: list[Instruction] = []
-        seen: set[str] = set()
-        todo = list(inst.called)
-        while todo:
-            name = todo.pop()
-            comp = self.module.computations.get(name)
-            if comp is None or name in seen:
-                continue
-            seen.add(name)
-            for i in comp.instructions:
-                out.append(i)
-                if i.opcode == "fusion":
-                    todo.extend(i.called)
-        return out
+        return [i for c in self.module.called_closure(inst.called, fused=True)
+                for i in self.module.computations[c].instructions]
 
     def dot_of(self, inst: Instruction) -> Instruction | None:
         """The dot (or convolution) an op runs: itself, or the first one inside a fusion."""
