@@ -59,6 +59,46 @@ def test_gradient_accumulation_in_fori_loop_is_backward():
     assert updates and all(ms.get(i.name).phase == "optimizer" for i in updates)
 
 
+@pytest.mark.parametrize("momentum", [False, True])
+def test_training_steps_in_a_fori_loop_update_parameters(momentum):
+    """Several SGD steps in one program (``fori_loop`` over batches, the update written by hand, as RL and
+    small-model loops do): the slot's new value ``p - lr * g`` looks like an accumulator's ``acc + g``, but the
+    forward reads the slot, so it is a parameter and the update is the optimizer's (it was labelled a backward
+    gradient accumulation). A momentum slot, read only by its own update, is the optimizer's too: its new value
+    feeds the parameters' update in the same iteration."""
+    def loss(params, batch):
+        x, y = batch
+        return ((jnp.tanh(x @ params["w1"]) @ params["w2"] - y) ** 2).mean()
+
+    params = {"w1": jnp.ones((8, 16)), "w2": jnp.ones((16, 4))}
+    tree_map = jax.tree_util.tree_map
+
+    def train(params, xs, ys):
+        def body(i, carry):
+            p, m = carry
+            g = jax.grad(loss)(p, (xs[i], ys[i]))
+            if momentum:
+                m = tree_map(lambda a, b: 0.9 * a + b, m, g)
+                g = m
+            return tree_map(lambda a, b: a - 0.1 * b, p, g), m
+        return jax.lax.fori_loop(0, xs.shape[0], body, (params, tree_map(jnp.zeros_like, params)))
+
+    m, ms = _module(jax.jit(train).lower(params, jnp.ones((4, 2, 8)), jnp.zeros((4, 2, 4))).compile().as_text())
+    loop = next(c for c, _ in _executed(m) if c is not m.entry and c.root.opcode == "tuple")  # the body
+    body, root = [(i, ms.get(i.name)) for i in loop.instructions], loop.root
+    new_values = {n: ms.get(n) for n in root.operands}
+    subs = [i for i, _ in body if i.metadata.op_name.endswith("closed_call/sub")]
+    assert len(subs) == 2 and all(n.name in new_values for n in subs)  # p - lr * g, one per parameter
+    assert all(new_values[n.name].phase == "optimizer" and new_values[n.name].scope == OPTIMIZER_SCOPE for n in subs)
+    adds = [i for i, _ in body if i.metadata.op_name.endswith("closed_call/add")]
+    assert len(adds) == (2 if momentum else 0)  # 0.9 * m + g
+    assert all(ms.get(i.name).phase == "optimizer" for i in adds)
+    assert not any(info.how == "accumulate" for _, info in body)
+    # the forward still reads the parameters and the gradient is still the backward's
+    phases = Counter(info.phase for i, info in body if i.metadata.op_name)
+    assert phases["forward"] >= 2 and phases["backward"] >= 2
+
+
 @pytest.fixture(scope="module")
 def nnx_block_list():
     nnx = pytest.importorskip("flax.nnx")

@@ -871,9 +871,16 @@ def _loop_plumbing(module: HloModule, infos: dict[str, ScopeInfo]) -> None:
 def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_lib: set[str]) -> None:
     """Gradient accumulation over micro-batches (``fori_loop(0, n, lambda i, acc: tree_map(add, acc, grad(...)),
     zeros)``) is backward work: a loop-carried slot whose new value is computed outside the differentiated
-    function from the slot's old value and a backward op's gradient is an accumulator; that op, the slot's
-    reads in the body, its zeros initialisation before the loop and its reads after it get phase ``backward``
-    and the scope of the gradient they accumulate (never ``forward`` or ``optimizer``)."""
+    function from the slot's old value and a gradient (a backward op's result, or a value made from one) is an
+    accumulator; that op, the slot's reads in the body, its zeros initialisation before the loop and its reads
+    after it get phase ``backward`` and the scope of the gradient they accumulate (never ``forward`` or
+    ``optimizer``).
+
+    Training steps run in a loop (``fori_loop`` over steps of plain SGD, momentum written by hand) look alike but
+    are updates: a slot the body also reads for other work (the forward reads the parameters) and whose new value
+    is made from a gradient is a parameter, and its new value is the ``optimizer``'s; so is a slot's new value
+    that feeds such an update within the iteration (a momentum), with its zeros. Optimizer libraries' updates are
+    named so already."""
     for comp in module.computations.values():
         users = comp.users()
         for w in comp.instructions:
@@ -888,6 +895,16 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
                 if inst.opcode == "get-tuple-element" and inst.operands[:1] == (param.name,):
                     slot_reads.setdefault(inst.tuple_index, []).append(inst)
             init = comp.by_name.get(w.operands[0])
+            body_users = body.users()
+            grad_of: dict[str, ScopeInfo] = {}  # per op made from a gradient: the nearest backward op's info
+            for inst in body.instructions:  # (operands come first in text order)
+                info = infos.get(inst.name)
+                src = info if info is not None and info.phase == "backward" else \
+                    next((grad_of[o] for o in inst.operands if o in grad_of), None)
+                if src is not None:
+                    grad_of[inst.name] = src
+            found: dict[int, tuple[str, ScopeInfo, set[str], bool]] = {}  # slot: new value, gradient, reads, read
+            #                                                                   for other work
             for k, r_name in enumerate(body.root.operands):
                 r = body.by_name.get(r_name)
                 ri = infos.get(r_name)
@@ -895,11 +912,21 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
                     continue
                 reads = {g.name for g in slot_reads.get(k, ())}
                 reads |= {c.name for c in body.instructions if c.opcode == "copy" and set(c.operands) & reads}
-                grad = next((infos[o] for o in r.operands if o in infos and infos[o].phase == "backward"), None)
+                grad = grad_of.get(r_name)
                 if grad is None or not reads & set(r.operands):
                     continue
-                label = ScopeInfo(grad.scope, "backward", "", "accumulate", False)
-                for n in {r_name} | reads:
+                read_elsewhere = any(u.name not in reads and u.name != r_name
+                                     for g in reads for u in body_users.get(g, ()))
+                found[k] = (r_name, grad, reads, read_elsewhere)
+            updates = {r_name for r_name, *_, elsewhere in found.values() if elsewhere}
+            for k, (r_name, grad, reads, elsewhere) in found.items():
+                optimizer = elsewhere or _feeds(body_users, r_name, updates, body.root.name)
+                label = ScopeInfo(OPTIMIZER_SCOPE, "optimizer", "", "update", False) if optimizer else \
+                    ScopeInfo(grad.scope, "backward", "", "accumulate", False)
+                infos[r_name] = label
+                if elsewhere:  # the parameter: its reads and the loop's result stay as they are
+                    continue
+                for n in reads:
                     infos[n] = label
                 if init is not None and init.opcode == "tuple" and k < len(init.operands):
                     for n in _constant_chain(module, comp, init.operands[k]):
@@ -907,6 +934,19 @@ def _gradient_accumulators(module: HloModule, infos: dict[str, ScopeInfo], opt_l
                 for g in users.get(w.name, ()):
                     if g.opcode == "get-tuple-element" and g.tuple_index == k:
                         infos[g.name] = label
+
+
+def _feeds(users: dict[str, list[Instruction]], name: str, targets: set[str], root: str) -> bool:
+    """Whether instruction ``name`` reaches one of ``targets`` through its users (not through ``root``)."""
+    seen, stack = {name}, [name]
+    while stack:
+        for u in users.get(stack.pop(), ()):
+            if u.name in targets:
+                return True
+            if u.name != root and u.name not in seen:
+                seen.add(u.name)
+                stack.append(u.name)
+    return False
 
 
 def while_body(module: HloModule, inst: Instruction) -> Computation | None:
