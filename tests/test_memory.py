@@ -469,3 +469,41 @@ def test_a_loop_of_training_steps_saves_one_iterations_activations(tmp_path):
     assert 256 * 128 * 4 + 256 * 4 <= book.activations_bytes <= 1.01 * (256 * 128 * 4 + 256 * 4)
     assert any("one iteration's" in line for line in book.explanation)
     assert not any("micro-batch" in line for line in book.explanation)
+
+
+_DONATED_BATCH_JOB = """\
+import os, sys
+os.environ["XLA_FLAGS"] = f"--xla_dump_to={sys.argv[1]} --xla_dump_hlo_as_text"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, optax
+tx = optax.adam(1e-3)
+
+def loss(p, x):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+
+def step(p, o, x):  # the weights not donated; the optimizer state and the batch donated
+    u, o = tx.update(jax.grad(loss)(p, x), o, p)
+    return optax.apply_updates(p, u), o
+
+p = {"w1": jnp.ones((32, 128)) / 32, "w2": jnp.ones((128, 1)) / 128}
+jax.block_until_ready(jax.jit(step, donate_argnums=(1, 2))(p, tx.init(p), jnp.ones((128, 32))))
+"""
+
+
+def test_a_donated_batch_is_an_input_even_where_xla_reuses_its_buffer(tmp_path):
+    """s41 trial (Equinox, ``filter_jit(donate="all-except-first")``): XLA gives a donated buffer to any output
+    of its size, here the f32[128,32] batch's to an f32[32,128] optimizer moment, and the aliased batch was
+    counted as parameters (774 kB with an 8 kB batch), so everything computed from it counted as made from the
+    weights alone: "saved activations 0 B" beside 12 MB of forward activations. By hand: the weights are
+    (32 x 128 + 128) x 4 = 16,896 B; the forward leaves the backward the 128 x 128 tanh output and the 128 x 1
+    model output, 66,048 B."""
+    subprocess.run([sys.executable, "-c", _DONATED_BATCH_JOB, str(tmp_path)], check=True, timeout=300,
+                   capture_output=True)
+    dump = next(tmp_path.glob("*jit_step.cpu_after_optimizations.txt"))
+    module = parse_hlo_file(dump)[0]
+    batch = next(p for p in module.entry.parameters().values() if p.metadata.op_name == "x")
+    assert f": ({batch.parameter_number}, {{}}, may-alias)" in module.attrs["input_output_alias"]  # XLA reused it
+    pm = program_memory(module, dump)
+    assert pm.book.parameters_bytes == (32 * 128 + 128) * 4
+    assert pm.book.activations_bytes == 128 * 128 * 4 + 128 * 4
+    assert {(b.name, b.category) for b in pm.largest} >= {(batch.name, "inputs")}

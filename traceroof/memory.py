@@ -205,7 +205,7 @@ def parameter_categories(module: HloModule, scopes: ModuleScopes) -> dict[int, s
     entry = module.entry
     users = entry.users()
     training = any(i.phase == "backward" for i in scopes.infos.values())
-    aliased = set(_alias_outputs(module).values())
+    aliased = _updated_in_place(module)
     out: dict[int, str] = {}
     for n, p in entry.parameters().items():
         phases: set[str] = set()
@@ -231,6 +231,27 @@ def parameter_categories(module: HloModule, scopes: ModuleScopes) -> dict[int, s
     return out
 
 
+def _updated_in_place(module: HloModule) -> set[int]:
+    """Entry parameters aliased to an output of their own shape (``input_output_alias``): state updated in place.
+    XLA may give a donated buffer to any output of its size: Equinox's ``filter_jit(donate="all-except-first")``
+    donates the batch, which XLA reused for a new weight of another shape (the s41 trial: an f32[8,1,16,16] batch
+    for an f32[32,64] weight), and the batch is not a parameter."""
+    entry = module.entry
+    root = entry.root
+    if root is None:
+        return set()
+    outs = list(root.operands) if root.opcode == "tuple" else [root.name]
+    params = entry.parameters()
+    out = set()
+    for i, n in _alias_outputs(module).items():
+        inst = entry.by_name.get(outs[i]) if i < len(outs) else None
+        p = params.get(n)
+        if inst is not None and p is not None and (inst.shape.element_type, inst.shape.dims) == \
+                (p.shape.element_type, p.shape.dims):
+            out.add(n)
+    return out
+
+
 def _param_shapes(module: HloModule, cats: Mapping[int, str]) -> set[tuple[str, tuple[int, ...]]]:
     return {(p.shape.element_type, p.shape.dims) for n, p in module.entry.parameters().items()
             if cats.get(n) == "parameters" and not p.shape.is_tuple}
@@ -250,6 +271,8 @@ def _outputs(module: HloModule, cats: Mapping[int, str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for i, name in enumerate(outs):
         category = cats.get(alias[i], "parameters") if i in alias else "outputs"
+        if category == "inputs":  # a donated input's buffer holding a result
+            category = "outputs"
         while name not in out:
             inst = entry.by_name.get(name)
             if inst is None or inst.opcode in ("parameter", "constant"):
