@@ -99,6 +99,61 @@ def test_training_steps_in_a_fori_loop_update_parameters(momentum):
     assert phases["forward"] >= 2 and phases["backward"] >= 2
 
 
+def test_a_convolutions_input_gradient_is_its_layers_backward():
+    """s41 trial (an Equinox UNet on XLA:CPU): the convolution computing a conv layer's input gradient has no
+    metadata; it reads the layer's kernel (reversed, transposed) and the gradient of the layer's output, and took
+    the label of the latter, the next layer's (GroupNorm) backward: 209 of 882 MFLOP per step outside the conv
+    rows. By the chain rule each conv's backward is a weight gradient and an input gradient, each with the
+    forward's FLOPs; the first layer needs no input gradient. So a conv row's backward FLOPs are twice its
+    forward's (once for the first), and no other row has convolution FLOPs."""
+    eqx = pytest.importorskip("equinox")
+    from collections import defaultdict
+
+    from traceroof.cost import CostModel
+
+    class Net(eqx.Module):
+        c1: eqx.nn.Conv2d
+        n1: eqx.nn.GroupNorm
+        c2: eqx.nn.Conv2d
+        n2: eqx.nn.GroupNorm
+        c3: eqx.nn.Conv2d
+
+        def __init__(self, key):
+            k = jax.random.split(key, 3)
+            self.c1, self.n1 = eqx.nn.Conv2d(4, 16, 3, padding=1, key=k[0]), eqx.nn.GroupNorm(4, 16)
+            self.c2, self.n2 = eqx.nn.Conv2d(16, 16, 3, padding=1, key=k[1]), eqx.nn.GroupNorm(4, 16)
+            self.c3 = eqx.nn.Conv2d(16, 4, 3, padding=1, key=k[2])
+
+        def __call__(self, x):
+            x = jax.nn.relu(self.n1(self.c1(x)))
+            return self.c3(jax.nn.relu(self.n2(self.c2(x))))
+
+    tx = optax.adam(1e-3)
+
+    def step(m, o, x):
+        g = eqx.filter_grad(lambda m: jnp.mean((jax.vmap(m)(x) - x) ** 2))(m)
+        u, o = tx.update(g, o, m)
+        return eqx.apply_updates(m, u), o
+
+    model = Net(jax.random.PRNGKey(0))
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    m, ms = _module(jax.jit(step).lower(model, opt_state, jnp.ones((8, 4, 16, 16))).compile().as_text())
+    cost = CostModel(m)
+    flops: dict[tuple[str, str], float] = defaultdict(float)
+    unnamed = 0
+    for c, i in _executed(m):
+        fused = [x.opcode for n in i.called for x in m.computations[n].instructions] if i.opcode == "fusion" else []
+        if "convolution" in [i.opcode, *fused]:
+            info = ms.get(i.name)
+            flops[info.scope.rsplit("/", 1)[-1], info.phase] += cost.cost(i).flops
+            unnamed += not i.metadata.op_name
+    assert unnamed >= 2  # the input gradients XLA made without metadata (the case)
+    assert set(flops) == {(f"Conv_{k}", p) for k in range(3) for p in ("forward", "backward")}
+    assert flops["Conv_0", "backward"] == flops["Conv_0", "forward"] > 0
+    assert flops["Conv_1", "backward"] == 2 * flops["Conv_1", "forward"] > 0
+    assert flops["Conv_2", "backward"] == 2 * flops["Conv_2", "forward"] > 0
+
+
 @pytest.fixture(scope="module")
 def nnx_block_list():
     nnx = pytest.importorskip("flax.nnx")

@@ -335,14 +335,15 @@ def _names_contraction(inst: Instruction) -> bool:
 
 def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, list[Instruction]],
              contractions: set[str] = frozenset(), weight_grads: Mapping[str, ScopeInfo] | None = None,
-             parts: set[str] = frozenset()) -> bool:
+             parts: set[str] = frozenset(), data_grads: Mapping[str, ScopeInfo] | None = None) -> bool:
     """Label unlabelled instructions from labelled users until none changes, then from operands (one round, then
     users again); True if any changed. Users come first because an op XLA made without metadata serves its
     users (the argmax ``reduce-window`` of a max pool's ``select_and_scatter`` is that backward op's, though it
     reads the forward activations). An unnamed weight-gradient dot / convolution takes the label of
-    ``weight_grads`` (the layer reading the parameter it differentiates, see :func:`_weight_gradients`), else of
-    an operand from the backward pass: it computes a gradient (a weight-gradient convolution whose user is the
-    optimizer's gradient clipping is not optimizer). An unnamed dot / convolution takes the label of a collective
+    ``weight_grads`` (the layer reading the parameter it differentiates, see :func:`_weight_gradients`); one fed
+    by the backward pass takes that of ``data_grads`` where it multiplies a layer's weight (the gradient of the
+    layer's input), else of an operand from the backward pass: it computes a gradient (a weight-gradient
+    convolution whose user is the optimizer's gradient clipping is not optimizer). An unnamed dot / convolution takes the label of a collective
     (``parts``, see :func:`_collective_parts`) only where no other neighbour has one. Inherited labels carry no
     source line (the op has none)."""
     changed = False
@@ -369,7 +370,9 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
                 how = "user" if src is not None else "operand"
             if inst.name in contractions and src is None:  # an unnamed matmul fed by the backward pass: a gradient
                 grads = [o for o in inst.operands if o in infos and infos[o].in_grad and infos[o].phase == "backward"]
-                src = next((infos[o] for o in grads if o not in weak), None)
+                src = data_grads.get(inst.name) if grads and data_grads else None
+                how = "weight" if src is not None else how
+                src = src or next((infos[o] for o in grads if o not in weak), None)
                 last = (infos[grads[0]], "operand") if grads else None
                 if src is None and wait and any(o not in infos for o in inst.operands):
                     deferred = True
@@ -503,12 +506,17 @@ def _params_read(entry: Computation, inst: Instruction) -> set[str]:
 
 
 def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contractions: set[str]
-                      ) -> dict[str, ScopeInfo]:
-    """Labels of the unnamed dots / convolutions of the entry computation that are weight gradients: one whose
-    users (up to 3 ops on, the nearest that do: the optimizer's update) read an entry parameter with as many
-    elements as it has, read in the differentiated forward pass by ops of one scope only, is that scope's
-    backward (XLA CPU's weight-gradient convolution of a conv kernel has no metadata; its operands are the layer's
-    input and the gradient of its output, which the neighbours would give to the next layer's backward)."""
+                      ) -> tuple[dict[str, ScopeInfo], dict[str, ScopeInfo]]:
+    """Labels of the unnamed dots / convolutions of the entry computation that are weight gradients, and of those
+    that may be input gradients. A weight gradient: one whose users (up to 3 ops on, the nearest that do: the
+    optimizer's update) read an entry parameter with as many elements as it has, read in the differentiated
+    forward pass by ops of one scope only, is that scope's backward (XLA CPU's weight-gradient convolution of a
+    conv kernel has no metadata; its operands are the layer's input and the gradient of its output, which the
+    neighbours would give to the next layer's backward). An input gradient: one that reads such a parameter
+    itself (through copies, transposes, reverses of the kernel) is that scope's backward where the backward pass
+    feeds it (:func:`_inherit` checks; the s41 trial's Equinox UNet: the convolution computing a conv's input
+    gradient was labelled by its other operand, the next GroupNorm's gradient: 209 of 882 MFLOP per step in
+    GroupNorm and UNet rows)."""
     owners: dict[str, set[str]] = {}  # parameter -> scopes of the forward ops that read it
     for inst in entry.instructions:
         i = infos.get(inst.name)
@@ -518,12 +526,16 @@ def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contra
         for p in _params_read(entry, inst):
             owners.setdefault(p, set()).add(i.scope)
     if not owners:
-        return {}
+        return {}, {}
     users = entry.users()
     out: dict[str, ScopeInfo] = {}
+    data: dict[str, ScopeInfo] = {}
     for inst in entry.instructions:
         if inst.name in infos or inst.name not in contractions or inst.shape.is_tuple:
             continue
+        read = {s for p in _params_read(entry, inst) for s in owners.get(p, ())}
+        if len(read) == 1:
+            data[inst.name] = ScopeInfo(read.pop(), "backward", "", "weight", True)
         scopes: set[str] = set()
         frontier, seen = [inst.name], {inst.name}
         for _ in range(3):
@@ -537,7 +549,8 @@ def _weight_gradients(entry: Computation, infos: Mapping[str, ScopeInfo], contra
                 break
         if len(scopes) == 1:
             out[inst.name] = ScopeInfo(scopes.pop(), "backward", "", "weight", True)
-    return out
+            data.pop(inst.name, None)
+    return out, data
 
 
 _COLLECTIVES = frozenset({"all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
@@ -708,14 +721,14 @@ def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
                 callers.setdefault(c, inst)
     users = {name: comp.users() for name, comp in module.computations.items()}
     contractions = _contractions(module)
-    weight_grads = _weight_gradients(module.entry, infos, contractions)
+    weight_grads, data_grads = _weight_gradients(module.entry, infos, contractions)
     parts = _collective_parts(module)
     for comp in module.computations.values():
         _forward_feeders(module, comp, infos, users, weight_grads, parts, contractions)
     for _ in range(len(module.computations) + 1):
         changed = False
         for name, comp in module.computations.items():
-            changed |= _inherit(comp, infos, users[name], contractions, weight_grads, parts)
+            changed |= _inherit(comp, infos, users[name], contractions, weight_grads, parts, data_grads)
             caller = callers.get(name)
             src = infos.get(caller.name) if caller is not None else None
             if src is not None:
