@@ -343,9 +343,9 @@ def _inherit(comp: Computation, infos: dict[str, ScopeInfo], users: dict[str, li
     ``weight_grads`` (the layer reading the parameter it differentiates, see :func:`_weight_gradients`); one fed
     by the backward pass takes that of ``data_grads`` where it multiplies a layer's weight (the gradient of the
     layer's input), else of an operand from the backward pass: it computes a gradient (a weight-gradient
-    convolution whose user is the optimizer's gradient clipping is not optimizer). An unnamed dot / convolution takes the label of a collective
-    (``parts``, see :func:`_collective_parts`) only where no other neighbour has one. Inherited labels carry no
-    source line (the op has none)."""
+    convolution whose user is the optimizer's gradient clipping is not optimizer). An unnamed dot / convolution
+    takes the label of a collective (``parts``, see :func:`_collective_parts`) only where no other neighbour has
+    one. Inherited labels carry no source line (the op has none)."""
     changed = False
     wait = True  # contractions wait for all their operands' labels before taking a user's
     operands = False  # whether this round may read operands
