@@ -32,7 +32,7 @@ def test_header_gives_the_median_step_when_slow_steps_raise_the_mean():
     assert _skewed_median((0.009, 0.008, 0.010, 0.009), 0.009) == ""  # no skew: nothing added
     assert _skewed_median((0.009, 0.185), 0.097) == ""  # too few steps to call one slow
     text = " ".join((ROOT / "reports" / "fw_keras_cnn.txt").read_text(encoding="utf-8").split())
-    assert "step time 152.238 ms" in text and "median 2.338 ms: 2 step(s)" in text
+    assert "step time 152.233 ms" in text and "median 2.338 ms: 2 step(s)" in text
 
 
 def test_markdown_continuation_lines_are_sub_items_not_empty_bold():

@@ -167,6 +167,27 @@ JOB = textwrap.dedent("""
                 loss = eval_step(w, x)
         jax.block_until_ready((w, loss))
         jax.profiler.stop_trace()
+    if "evalunmarked" in loops:  # no step markers (Keras's TensorBoard callback marks none); an eval every other
+        @jax.jit                 # step, compiled at its first call, inside the trace
+        def validate(w, x):  # less op time than the train step's
+            return jnp.mean(jnp.sin(x @ w[0]))
+
+        @jax.jit
+        def fit_step(w, x):  # the train step under a name of its own: its dump is not jit_train_step's
+            return train_step(w, x)
+
+        xb = jnp.ones((512, 64))  # a batch that keeps the train step the program with the most op time
+        v = jax.block_until_ready(fit_step(w, xb))
+        jax.profiler.start_trace(f"{out}/evalunmarked")
+        for i in range(6):
+            v = fit_step(v, xb)
+            if i % 2 == 1:
+                loss = validate(v, x)
+        jax.block_until_ready((v, loss))
+        jax.profiler.stop_trace()
+        cost = fit_step.lower(v, xb).compile().cost_analysis()
+        json.dump({"flops": (cost[0] if isinstance(cost, list) else cost)["flops"]},
+                  open(f"{out}/evalunmarked/facts.json", "w"))
     if "lambdas" in loops:  # programs whose PjitFunction names are not their module names
         def scale_(a):
             return a * 0.5
@@ -201,7 +222,7 @@ def _run(out: Path, width: int, loops: str, act: str = "tanh") -> None:
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("job")
-    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut,generate,lambdas,eval")
+    _run(root / "run", 128, "readme,blocking,unmarked,midstep,noblock,cut,generate,lambdas,eval,evalunmarked")
     _run(root / "other", 96, "readme", "sin")  # "another run": same module names, the model changed
     return root
 
@@ -706,3 +727,32 @@ def test_an_eval_launched_between_steps_is_not_step_time(job):
     assert "of jit_eval_step were launched" in note, note
     line = other_programs_line(a.step_breakdown)
     assert line.startswith("programs launched outside the steps (jit_eval_step) ran in the periods of steps 2, 4")
+
+
+def test_an_eval_between_executions_of_an_unmarked_loop_is_not_step_work(job):
+    """Without step markers each execution of the dominant program is a step, from its launch to the next; an eval
+    run every other step then fell inside a step and was counted as its work (s42 trial, Keras ``fit`` profiled
+    as its TensorBoard callback does: 2.39 GFLOP per step, "the work varies from step to step", against
+    cost_analysis's 1.95 of the train step). A program that runs in only some steps is not the step's: every step
+    does XLA's count of the train step, the eval is named as a program launched outside the steps, and its first
+    call's compile is named in the step whose period holds it (it was "no program of the profile first ran
+    there")."""
+    logdir = job / "run" / "evalunmarked"
+    spans, marks = _raw_spans(logdir)
+    assert not marks and len(spans["jit_fit_step"]) == 6 and len(spans["jit_validate"]) == 3
+    a = analyze(logdir, hlo=[job / "run" / "hlo"], chip=str(HOST_CHIP))
+    assert a.summary.step_annotation == "executions of jit_fit_step"
+    assert a.summary.steps_used == (1, 2, 3, 4, 5)
+    xla = json.loads((logdir / "facts.json").read_text())["flops"]
+    flops = a.ops[a.ops["step"].notna() & a.ops["counted"]].groupby("step")["flops"].sum()
+    assert flops.to_numpy() == pytest.approx(xla, rel=1e-6)  # XLA's count of the train step, every step
+    assert a.summary.flops_per_step == pytest.approx(xla, rel=1e-6)
+    assert a.ops.loc[a.ops["module"].astype(str) == "jit_validate", "step"].isna().all()
+    b = a.step_breakdown.set_index("step")
+    # launched after executions 1, 3 and 5; each runs in the period of the step that launched it or (async) of the
+    # next: all of their time is left out of those steps, and only theirs
+    assert len(set(b.index[b["other_programs"] == "jit_validate"])) >= 3
+    assert b["other_programs_s"].sum() == pytest.approx(sum(e - s for s, e in spans["jit_validate"]) * 1e-9,
+                                                        abs=3e-9)
+    first = next(f for f in a.findings if f.code == "recompile")
+    assert "first run: jit_validate (step 1)" in first.title, first.title  # compiled at its first call

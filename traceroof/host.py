@@ -28,7 +28,7 @@ from traceroof.hlo_source import (check_dumps, embedded_hlo, fingerprint, parse_
 from traceroof.hostactivity import host_activity
 from traceroof.memory import AllocatorPeak, plane_allocators
 from traceroof.steps import (assign_steps, device_step_spans, dominant_program_steps, entry_schedule,
-                             left_out_executions)
+                             left_out_executions, occasional_programs)
 from traceroof.units import fmt_list
 
 MAX_OP_EVENT_PS = 86_400 * 10**12  # one op event lasting longer than a day is corrupt, not slow
@@ -243,6 +243,8 @@ def _steps_by_execution(events: pd.DataFrame, steps: pd.DataFrame, annotation: s
                          f"program with the most op time{' of those run more than once' if repeated else ''}, is a "
                          "step")
     step = assign_steps(when, hosts, steps)
+    if annotation.startswith("executions of"):
+        step[occasional_programs(step, hosts, events["module"], annotation.removeprefix("executions of "))] = -1
     has_run = events["run_id"].notna().to_numpy() if "run_id" in events else np.zeros(len(events), bool)
     duration = events["duration_ps"].to_numpy(np.int64)
     outside = (step < 0) & (known | has_run) & ~left_out

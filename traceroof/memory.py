@@ -52,6 +52,7 @@ from traceroof.codes import first_rows, group_codes
 from traceroof.cost import trip_count
 from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
 from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes, while_body
+from traceroof.units import fmt_list
 
 CATEGORIES = ("parameters", "optimizer_state", "inputs", "gradients", "activations", "outputs", "other")
 TOP_BUFFERS = 8
@@ -787,6 +788,7 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
     equal = set(equal_dumps)
     notes: list[str] = []
     programs = []
+    undumped: list[str] = []
     for at, module in enumerate(modules):
         key = (module.program_id, module.name)
         if key not in ran and (None, module.name) not in ran:
@@ -811,10 +813,16 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
                 notes.append(f"{module.name}{pid}: none of the {len(dumps)} dump(s) given is of this program (another "
                              "run's dump folder?): XLA's reports not used; peak memory estimated from traceroof's "
                              "live ranges")
+            elif not dumps:  # no dump given: one note for every program
+                undumped.append(module.name)
             else:
                 notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
                              "--xla_dump_hlo_as_text writes one): peak memory estimated from traceroof's live ranges")
         programs.append(pm)
+    if undumped:
+        notes.append(f"no XLA dump given (--hlo with a --xla_dump_to folder): peak memory of "
+                     f"{fmt_list(dict.fromkeys(undumped))} estimated from traceroof's live ranges, not XLA's buffer "
+                     "assignment")
     if allocator_note and programs:
         notes.append(allocator_note)
     return MemoryView(tuple(sorted(programs, key=lambda p: -p.peak_bytes)), hbm_bytes, allocators, tuple(notes))

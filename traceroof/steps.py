@@ -490,6 +490,33 @@ def dominant_program_steps(ops: pd.DataFrame, when_ps: np.ndarray) -> tuple[pd.D
     return steps, f"{module} (program {int(pid)})" if shared else str(module)
 
 
+def occasional_programs(step: np.ndarray, hosts: pd.Categorical, programs: pd.Series | pd.Categorical,
+                        dominant: str) -> np.ndarray:
+    """Where steps are the executions of one program (:func:`dominant_program_steps`), the rows (bool per event)
+    of the other programs that ran in only some steps: an evaluation every few steps, the end-of-epoch
+    validation of Keras's ``fit``, a sampler; such a program is not the step's work, as it is not in a marked
+    step's when launched outside the step annotation. A program counts as the step's where it ran in every step,
+    or in all but one per host when hosts have three steps or more (a trace stopped inside the last step's
+    helpers). ``step``: each event's step (-1 outside); ``programs``: each event's module name; ``dominant``:
+    the step program's name as :func:`dominant_program_steps` gives it (a program id in parentheses after it is
+    ignored: other programs that share the name count as the step's)."""
+    inside = step >= 0
+    if not inside.any():
+        return np.zeros(len(step), bool)
+    cat = programs if isinstance(programs, pd.Categorical) else pd.Categorical(programs)
+    pcode, hcode = cat.codes.astype(np.int64), hosts.codes.astype(np.int64)
+    heads = run_starts(pcode, hcode, step)  # an execution's events come together: one look-up per run of them
+    runs = pd.DataFrame({"p": pcode[heads], "h": hcode[heads], "s": step[heads]})
+    runs = runs[runs["s"] >= 0].drop_duplicates()
+    per_host = runs[["h", "s"]].drop_duplicates().groupby("h").size()
+    total, hosts_n = int(per_host.sum()), len(per_host)
+    need = total - (hosts_n if per_host.min() >= 3 else 0)
+    seen = runs.groupby("p").size()
+    step_name = dominant.split(" (program ")[0]
+    keep = [c for c in seen.index[seen.to_numpy() < need] if c >= 0 and cat.categories[c] != step_name]
+    return inside & np.isin(pcode, keep) if keep else np.zeros(len(step), bool)
+
+
 def device_step_spans(ops_step: np.ndarray, hosts: pd.Categorical | np.ndarray, when_ps: np.ndarray, end_ps: np.ndarray,
                       steps: pd.DataFrame) -> pd.DataFrame:
     """``steps`` with ``device_start_ps`` / ``device_end_ps``: per host and step, the first launch (no earlier

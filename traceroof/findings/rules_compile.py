@@ -42,10 +42,15 @@ def compiling_steps(b: pd.DataFrame) -> pd.DataFrame:
 EAGER_OPS_MAX = 2  # a program of at most this many ops is an operation run eagerly (jit_equal, jit__where)
 
 
-def _first_runs(ops: pd.DataFrame, steps: list[int]) -> list[tuple[str, int, int, list[int], int]]:
+def _first_runs(ops: pd.DataFrame, steps: list[int], periods: pd.DataFrame | None = None
+                ) -> list[tuple[str, int, int, list[int], int]]:
     """The programs (``module``, ``program_id``) whose first op event in the profile lies in one of the used
     ``steps``, as ``(module, program id, step, ids of the programs of the same name that started earlier, number
-    of distinct HLO ops that ran)``: a program with earlier namesakes was compiled again."""
+    of distinct HLO ops that ran)``: a program with earlier namesakes was compiled again. A program launched
+    outside the steps (an evaluation between marked steps, a validation at an epoch's end) is in the step whose
+    period holds its first event (``periods``: the steps table, ``host``, ``step``, ``start_ps``, ``end_ps``):
+    its compile held that step up (s42 trial, Keras ``fit``: the validation program compiled in step 6's period,
+    read as "no program of the profile first ran there")."""
     need = ("module", "program_id", "step", "start_ps", "hlo_op")
     if not all(c in ops for c in need) or ops.empty:
         return []
@@ -53,6 +58,9 @@ def _first_runs(ops: pd.DataFrame, steps: list[int]) -> list[tuple[str, int, int
                       "program_id": ops["program_id"].to_numpy(dtype="float64", na_value=np.nan),
                       "step": ops["step"].to_numpy(dtype="float64", na_value=np.nan),
                       "start_ps": ops["start_ps"].to_numpy(np.float64), "hlo_op": ops["hlo_op"].astype(object)})
+    if periods is not None and not periods.empty and "host" in ops and o["step"].isna().any():
+        outside = o["step"].isna() & ~o["module"].isin(o.loc[o["step"].notna(), "module"].unique())
+        o.loc[outside, "step"] = _period_of(ops, periods)[outside.to_numpy()]
     o = o[o["module"].notna() & o["program_id"].notna()]
     g = o.groupby(["module", "program_id"], sort=True)
     first = pd.DataFrame({"start_ps": g["start_ps"].min(),
@@ -66,6 +74,26 @@ def _first_runs(ops: pd.DataFrame, steps: list[int]) -> list[tuple[str, int, int
         earlier = first[(first["module"] == r.module) & (first["start_ps"] < r.start_ps)].sort_values("start_ps")
         out.append((str(r.module), int(r.program_id), int(r.step), [int(p) for p in earlier["program_id"]],
                     int(r.ops)))
+    return out
+
+
+def _period_of(ops: pd.DataFrame, periods: pd.DataFrame) -> np.ndarray:
+    """Per op row, the step (float, NaN: none) whose period on the row's host holds the row's first start: as the
+    step breakdown measures it, from the previous step's end to the step's own (its marker's or its last op's, the
+    later; the first step's from its start)."""
+    out = np.full(len(ops), np.nan)
+    start = ops["start_ps"].to_numpy(np.float64)
+    host = ops["host"].astype(object).to_numpy()
+    for h, p in periods.dropna(subset=["step"]).groupby("host", sort=False):
+        end = p["end_ps"].to_numpy(np.float64)
+        if "device_end_ps" in p:
+            end = np.fmax(end, p["device_end_ps"].to_numpy(np.float64, na_value=np.nan))
+        p = p.assign(end_ps=end).sort_values("end_ps")
+        on = np.flatnonzero(host == h)
+        ends = p["end_ps"].to_numpy(np.float64)
+        at = np.searchsorted(ends, start[on], side="right")  # the first step ending after the start
+        ok = (at < len(ends)) & (start[on] >= float(p["start_ps"].min()))
+        out[on[ok]] = p["step"].to_numpy(np.float64)[at[ok]]
     return out
 
 
@@ -94,7 +122,7 @@ def recompile(x: FindingInputs) -> list[Finding]:
     lost = float(hit["host_bound_s"].sum()) / max(n_steps, 1)
     steps = [int(s) for s in hit.index]
     median = float(b.groupby("step")["step_time_s"].mean().median())
-    runs = _first_runs(x.analysis.ops, steps)
+    runs = _first_runs(x.analysis.ops, steps, getattr(x.analysis, "steps", None))
     again = [f"{m} (step {st})" for m, _, st, before, _ in runs if before]
     fresh = [f"{m} (step {st})" for m, _, st, before, _ in runs if not before]
     eager = bool(fresh) and all(n <= EAGER_OPS_MAX for *_, before, n in runs if not before)
