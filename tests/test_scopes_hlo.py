@@ -178,3 +178,37 @@ def test_a_fused_matmul_names_a_fusion_named_after_its_epilogue():
     # the case: a fusion whose own name is the loss's, holding the head's forward dot
     (name,) = [n for n, op_name in fused.items() if "jvp(loss)" in op_name]
     assert (scopes.get(name).scope, scopes.get(name).phase) == ("head", "forward")
+
+
+_WHOLE_FORWARD = """HloModule jit_test_step, entry_computation_layout={(f32[3,3,8,16]{3,2,1,0}, f32[256,10]{1,0}, f32[4,4,4,8]{3,2,1,0})->f32[4,10]{1,0}}
+
+%fused_computation (param_0: f32[4,4,4,8], param_1: f32[3,3,8,16], param_2: f32[256,10]) -> f32[4,10] {
+  %param_0 = f32[4,4,4,8]{3,2,1,0} parameter(0)
+  %param_1 = f32[3,3,8,16]{3,2,1,0} parameter(1)
+  %conv = f32[4,4,4,16]{3,2,1,0} convolution(%param_0, %param_1), window={size=3x3 pad=1_1x1_1}, dim_labels=b01f_01io->b01f, metadata={op_name="jit(test_step)/block1_conv/convolution"}
+  %relu = f32[4,4,4,16]{3,2,1,0} maximum(%conv, %conv), metadata={op_name="jit(test_step)/block1_relu/jit(relu)/max"}
+  %flat = f32[4,256]{1,0} bitcast(%relu)
+  %param_2 = f32[256,10]{1,0} parameter(2)
+  ROOT %dot = f32[4,10]{1,0} dot(%flat, %param_2), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="jit(test_step)/logits/dot_general"}
+}
+
+ENTRY %main (w: f32[3,3,8,16], wd: f32[256,10], x: f32[4,4,4,8]) -> f32[4,10] {
+  %x = f32[4,4,4,8]{3,2,1,0} parameter(2)
+  %w = f32[3,3,8,16]{3,2,1,0} parameter(0)
+  %wd = f32[256,10]{1,0} parameter(1)
+  ROOT %ynn_fusion = f32[4,10]{1,0} fusion(%x, %w, %wd), kind=kCustom, calls=%fused_computation
+}
+"""
+
+
+def test_a_fusion_of_several_layers_matmuls_is_theirs_together():
+    """s42 trial (Keras CNN, XLA:CPU): the evaluation step's forward, convolutions and dense layers of 13 scopes,
+    came as one XNNPACK fusion without metadata of its own, and all of it (1.2 GFLOP) was charged to the first
+    layer's row, block1_conv. Modelled on it: a fusion holding block1_conv's convolution and logits' dot is
+    neither layer's alone."""
+    (m,) = parse_hlo_text(_WHOLE_FORWARD)
+    info = assign_scopes(m).get("ynn_fusion")
+    assert info.scope == "(combined)" and info.phase == "forward"
+    one = _WHOLE_FORWARD.replace('"jit(test_step)/logits/dot_general"', '"jit(test_step)/block1_conv/dot"')
+    (m,) = parse_hlo_text(one)
+    assert assign_scopes(m).get("ynn_fusion").scope == "block1_conv"  # one layer's matmuls: that layer's

@@ -168,6 +168,28 @@ def _fused_matmul(module: HloModule, comp_name: str) -> Instruction | None:
     return None
 
 
+def _spanned(module: HloModule, fusion: Instruction, info: ScopeInfo, frames: _Frames, optimizer_pattern: str,
+             seen: dict[tuple, tuple[ScopeInfo, bool]]) -> ScopeInfo:
+    """``info`` of a fusion, or, where its fused computation holds named dots / convolutions of several layers
+    (XLA:CPU's XNNPACK fusion of a whole inference forward: a Keras CNN's evaluation step, convolutions and dense
+    layers of 13 scopes in one fusion, s42 trial), the layers' common scope or :data:`COMBINED_SCOPE`: its time
+    cannot be split between them, and the first layer's name charged all of it to that layer."""
+    scopes = set()
+    for n in fusion.called:
+        comp = module.computations.get(n)
+        for inst in comp.instructions if comp is not None else ():
+            if inst.opcode in ("convolution", "dot") and _named(inst):
+                md = inst.metadata
+                key = (md.op_name, md.stack_frame_id, md.source_file, md.source_line, "fused")
+                got = seen.get(key)
+                if got is None:
+                    got = seen[key] = _info(module, inst, frames, "fused", optimizer_pattern)
+                scopes.add(got[0].scope)
+    if len(scopes) < 2:
+        return info
+    return ScopeInfo(_common_prefix(sorted(scopes)) or COMBINED_SCOPE, info.phase, "", "fused", info.in_grad)
+
+
 class _Frames:
     """Stack-frame chains of a module. The printed ``parent_frame_id`` of jax 0.10 HLO text is the proto's
     value + 1 (frame 1 prints parent 1 where the proto says 0 = root); frames are created parents first, so the
@@ -714,6 +736,8 @@ def _assign_scopes(module: HloModule, optimizer_pattern: str) -> ModuleScopes:
             infos[inst.name], in_opt = got
             if in_opt:
                 opt_lib.add(inst.name)
+            if inst.opcode == "fusion":
+                infos[inst.name] = _spanned(module, inst, infos[inst.name], frames, optimizer_pattern, seen)
     callers: dict[str, Instruction] = {}
     for comp in module.computations.values():
         for inst in comp.instructions:
