@@ -784,6 +784,7 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
     some modules (default pattern), by position in ``modules``, already made (the others are assigned here).
     """
     ran = {(int(p) if p is not None and not pd.isna(p) else None, str(m)) for p, m in ran}
+    hlo_files = list(hlo_files)
     dumps = _dump_files(hlo_files)
     equal = set(equal_dumps)
     notes: list[str] = []
@@ -813,7 +814,7 @@ def memory_view(modules: Iterable[HloModule], hlo_files: Iterable, allocators: t
                 notes.append(f"{module.name}{pid}: none of the {len(dumps)} dump(s) given is of this program (another "
                              "run's dump folder?): XLA's reports not used; peak memory estimated from traceroof's "
                              "live ranges")
-            elif not dumps:  # no dump given: one note for every program
+            elif not hlo_files:  # no HLO given: one note for every program
                 undumped.append(module.name)
             else:
                 notes.append(f"{module.name}: no XLA buffer assignment in the dump (--xla_dump_to with "
