@@ -60,7 +60,9 @@ def _first_runs(ops: pd.DataFrame, steps: list[int], periods: pd.DataFrame | Non
                       "start_ps": ops["start_ps"].to_numpy(np.float64), "hlo_op": ops["hlo_op"].astype(object)})
     if periods is not None and not periods.empty and "host" in ops and o["step"].isna().any():
         outside = o["step"].isna() & ~o["module"].isin(o.loc[o["step"].notna(), "module"].unique())
-        o.loc[outside, "step"] = _period_of(ops, periods)[outside.to_numpy()]
+        held = _period_of(ops, periods)[outside.to_numpy()]
+        # dispatch is asynchronous: launched (and compiled) in a step, a program may start in the next one's period
+        o.loc[outside, "step"] = np.where(np.isin(held - 1, steps) & ~np.isin(held, steps), held - 1, held)
     o = o[o["module"].notna() & o["program_id"].notna()]
     g = o.groupby(["module", "program_id"], sort=True)
     first = pd.DataFrame({"start_ps": g["start_ps"].min(),
