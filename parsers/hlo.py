@@ -344,6 +344,13 @@ class Computation:
         """The computation's ``parameter`` instructions by parameter number."""
         return {i.parameter_number: i for i in self.instructions if i.opcode == "parameter"}
 
+    def results(self) -> list[str]:
+        """The names of the values the computation returns, by output index: a tuple root's operands, else the
+        root alone (none without a root)."""
+        if self.root is None:
+            return []
+        return list(self.root.operands) if self.root.opcode == "tuple" else [self.root.name]
+
 
 @dataclass(frozen=True)
 class StackFrame:

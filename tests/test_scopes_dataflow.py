@@ -65,12 +65,17 @@ _DP = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def data_parallel() -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-c", _DP], capture_output=True, text=True, timeout=300,
+def _compiled_texts(script: str) -> dict[str, str]:
+    """Run ``script`` (it prints a JSON object of compiled HLO texts last) in a fresh CPU-only process."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def data_parallel() -> dict[str, str]:
+    return _compiled_texts(_DP)
 
 
 @pytest.mark.parametrize("vma", ["False", "True"])
@@ -161,10 +166,7 @@ _PMEAN_TREE = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def pmean_tree() -> dict[str, str]:
-    out = subprocess.run([sys.executable, "-c", _PMEAN_TREE], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _compiled_texts(_PMEAN_TREE)
 
 
 @pytest.mark.parametrize("where", ["step", "loop"])

@@ -99,7 +99,7 @@ def _as_str(col: pd.Series, rows: np.ndarray) -> np.ndarray:
     return np.append(names, np.nan)[codes[rows]]  # code -1: the NaN appended
 
 
-def _device_hosts(ops: pd.DataFrame) -> dict[str, str]:
+def device_hosts(ops: pd.DataFrame) -> dict[str, str]:
     """Each device of the op table -> its host (both as ``str``), devices in order of first appearance. The rows
     of a (device, host) pair mostly follow one another: its distinct pairs are found among the rows where the
     pair changes."""
@@ -189,7 +189,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
                host_of: dict[str, str] | None = None) -> tuple[pd.DataFrame, dict[str, np.ndarray]]:
     """:func:`step_breakdown`'s rows, and the items of the (step, device) strips in ``draw`` as
     :func:`timeline_items` reads them: ``step``, ``device``, ``kind``, ``start_ps``, ``end_ps``, ``w0`` (the
-    step's start, ps) and ``row`` (the op row of an op bar, else -1). ``host_of``: :func:`_device_hosts` of
+    step's start, ps) and ``row`` (the op row of an op bar, else -1). ``host_of``: :func:`device_hosts` of
     ``ops`` when already made.
 
     Op rows' columns are read per row and gathered per device (no copy of them per event). Every op event lies
@@ -214,7 +214,7 @@ def _breakdown(ops: pd.DataFrame, timeline: Timeline, windows: pd.DataFrame, run
     start, duration = timeline.start_ps, timeline.duration_ps
     rid = run_id if run_id is not None else np.full(len(r), np.nan)
     launch = launch_ps if launch_ps is not None else np.full(len(r), np.nan)
-    host_of = _device_hosts(ops) if host_of is None else host_of
+    host_of = device_hosts(ops) if host_of is None else host_of
     act = host_activity if host_activity is not None and len(host_activity) else None
     act_host = act["host"].to_numpy(object) if act is not None else np.zeros(0, object)
     act_kind, kind_names = _factorize(act["kind"].to_numpy(object) if act is not None else np.zeros(0, object))
@@ -476,11 +476,9 @@ def other_programs_line(rows: pd.DataFrame) -> str:
     steps = per_step(rows)
     hit = steps[steps[OTHER] > 0]
     names = sorted({n for x in rows.loc[rows[OTHER] > 0, "other_programs"].astype(str) for n in x.split(", ") if n})
-    return (f"programs launched outside the steps ({', '.join(names[:4])}{' ...' if len(names) > 4 else ''}) "
-            f"ran in the periods of steps {fmt_list((str(int(x)) for x in hit['step']), 6)}: "
-            f"{_ms(float(hit[OTHER].mean()))} in each on average ({_ms(float(steps[OTHER].mean()))} per step over "
-            "all steps), "
-            "left out of the step time and MFU")
+    return (f"programs launched outside the steps ({fmt_list(names, 4)}) ran in the periods of steps "
+            f"{fmt_list((str(int(x)) for x in hit['step']), 6)}: {_ms(float(hit[OTHER].mean()))} in each on average "
+            f"({_ms(float(steps[OTHER].mean()))} per step over all steps), left out of the step time and MFU")
 
 
 def slowest_vs_median(rows: pd.DataFrame) -> str:
@@ -525,7 +523,7 @@ def analysis_breakdown(profile, ops: pd.DataFrame, timeline: Timeline, steps: pd
     :func:`~traceroof.communication._async_pairs` gives them), and the items of the HTML timeline
     (:func:`timeline_items`) of its drawn steps (:func:`_drawn_steps`) on the first :data:`MAX_DRAWN_DEVICES`
     devices."""
-    host_of = _device_hosts(ops)
+    host_of = device_hosts(ops)
     windows = step_windows(steps, host_of)
     in_used = np.isin(windows["step"].to_numpy(np.int64), np.asarray(used, np.int64))
     windows = windows if in_used.all() else windows.take(np.flatnonzero(in_used))

@@ -297,6 +297,6 @@ def step_notes(facts: dict[str, int]) -> list[str]:
         names = sorted(k[len(OUTSIDE_PROGRAM):] for k in facts if k.startswith(OUTSIDE_PROGRAM))
         out.append(f"{facts['steps_outside_runs']} execution(s) ({facts['steps_outside_ps'] / total:.1%} of op time) "
                    f"{f'of {fmt_list(names)} ' if names else ''}were launched outside the steps (before the first, "
-                   "between marked steps, or in a step still open when the trace stopped): left out of per-step "
-                   "figures")
+                   "between marked steps, in a step still open when the trace stopped, or, where steps are a "
+                   "program's executions, by a program run in only some steps): left out of per-step figures")
     return out

@@ -238,10 +238,7 @@ def _updated_in_place(module: HloModule) -> set[int]:
     donates the batch, which XLA reused for a new weight of another shape (the s41 trial: an f32[8,1,16,16] batch
     for an f32[32,64] weight), and the batch is not a parameter."""
     entry = module.entry
-    root = entry.root
-    if root is None:
-        return set()
-    outs = list(root.operands) if root.opcode == "tuple" else [root.name]
+    outs = entry.results()
     params = entry.parameters()
     out = set()
     for i, n in _alias_outputs(module).items():
@@ -264,10 +261,7 @@ def _outputs(module: HloModule, cats: Mapping[int, str]) -> dict[str, str]:
     (new weights when the state is not donated, the loss) are ``outputs``. Followed back through bitcasts and
     copies, so the value computing the update is the output, not only its bitcast."""
     entry = module.entry
-    root = entry.root
-    if root is None:
-        return {}
-    outs = list(root.operands) if root.opcode == "tuple" else [root.name]
+    outs = entry.results()
     alias = _alias_outputs(module)
     out: dict[str, str] = {}
     for i, name in enumerate(outs):

@@ -647,7 +647,7 @@ def _update_optimizer(module: HloModule, infos: dict[str, ScopeInfo]) -> set[str
     entry = module.entry
     if entry.root is None or not any(i.phase == "backward" for i in infos.values()):
         return set()
-    outputs = list(entry.root.operands) if entry.root.opcode == "tuple" else [entry.root.name]
+    outputs = entry.results()
     params = entry.parameters()
     # forward pass in text order (operands first): which parameters (bit mask) and whether a backward op
     # each instruction depends on

@@ -64,8 +64,8 @@ def step_periods(breakdown: pd.DataFrame, used: tuple[int, ...] | list[int], fal
     of the previous step to its own, less the programs launched outside the steps that ran in it
     (:mod:`traceroof.breakdown`'s ``step_time_s``, averaged over the devices), so that the time a blocking loop
     spends in Python between steps counts, as it does on the wall clock, and MFU is work over the time a step
-    really takes. ``fallback_s`` (:func:`_step_durations`' times) for a profile without
-    a timeline (no breakdown), and, with a note saying so, where the breakdown does not cover every used step."""
+    really takes. ``fallback_s`` (:func:`_step_durations`' times) for a profile without a timeline (no
+    breakdown), and, with a note saying so, where the breakdown does not cover every used step."""
     if breakdown.empty or not len(used):
         return fallback_s
     per_step = breakdown.groupby("step", sort=True)["step_time_s"].mean()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from traceroof.breakdown import device_hosts, step_windows
 from traceroof.findings.record import Finding, FindingInputs, fmt_s, make
 from traceroof.units import fmt_list
 
@@ -58,7 +59,7 @@ def _first_runs(ops: pd.DataFrame, steps: list[int], periods: pd.DataFrame | Non
                       "program_id": ops["program_id"].to_numpy(dtype="float64", na_value=np.nan),
                       "step": ops["step"].to_numpy(dtype="float64", na_value=np.nan),
                       "start_ps": ops["start_ps"].to_numpy(np.float64), "hlo_op": ops["hlo_op"].astype(object)})
-    if periods is not None and not periods.empty and "host" in ops and o["step"].isna().any():
+    if periods is not None and not periods.empty and {"host", "device"} <= set(ops) and o["step"].isna().any():
         outside = o["step"].isna() & ~o["module"].isin(o.loc[o["step"].notna(), "module"].unique())
         held = _period_of(ops, periods)[outside.to_numpy()]
         # dispatch is asynchronous: launched (and compiled) in a step, a program may start in the next one's period
@@ -80,22 +81,17 @@ def _first_runs(ops: pd.DataFrame, steps: list[int], periods: pd.DataFrame | Non
 
 
 def _period_of(ops: pd.DataFrame, periods: pd.DataFrame) -> np.ndarray:
-    """Per op row, the step (float, NaN: none) whose period on the row's host holds the row's first start: as the
-    step breakdown measures it, from the previous step's end to the step's own (its marker's or its last op's, the
-    later; the first step's from its start)."""
+    """Per op row, the step (float, NaN: none) whose period on the row's device holds the row's first start: the
+    step breakdown's window (:func:`traceroof.breakdown.step_windows`, from the previous step's end to its own)."""
     out = np.full(len(ops), np.nan)
     start = ops["start_ps"].to_numpy(np.float64)
-    host = ops["host"].astype(object).to_numpy()
-    for h, p in periods.dropna(subset=["step"]).groupby("host", sort=False):
-        end = p["end_ps"].to_numpy(np.float64)
-        if "device_end_ps" in p:
-            end = np.fmax(end, p["device_end_ps"].to_numpy(np.float64, na_value=np.nan))
-        p = p.assign(end_ps=end).sort_values("end_ps")
-        on = np.flatnonzero(host == h)
-        ends = p["end_ps"].to_numpy(np.float64)
-        at = np.searchsorted(ends, start[on], side="right")  # the first step ending after the start
-        ok = (at < len(ends)) & (start[on] >= float(p["start_ps"].min()))
-        out[on[ok]] = p["step"].to_numpy(np.float64)[at[ok]]
+    device = ops["device"].astype(str).to_numpy()
+    for d, w in step_windows(periods, device_hosts(ops)).groupby("device", sort=False):
+        w = w.sort_values("start_ps")
+        on = np.flatnonzero(device == d)
+        at = np.searchsorted(w["start_ps"].to_numpy(np.float64), start[on], side="right") - 1
+        ok = (at >= 0) & (start[on] < w["end_ps"].to_numpy(np.float64)[np.maximum(at, 0)])
+        out[on[ok]] = w["step"].to_numpy(np.float64)[at[ok]]
     return out
 
 
