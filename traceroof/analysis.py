@@ -299,7 +299,7 @@ def _step_flops(ops: pd.DataFrame, at: np.ndarray, costs: RowCosts, used: Sequen
     order = np.asarray(used, np.int64)
     group = np.full(len(ops), len(order), np.int64)
     group[at] = np.searchsorted(order, step[at])
-    return tuple(float(x) / n_dev for x in costs.sums(ops, group, len(order), at)["flops"])
+    return tuple(float(x) / n_dev for x in costs.sums(ops, group, len(order), at, ("flops",))["flops"])
 
 
 def _hosts_with_ops(rows: pd.DataFrame) -> list[str]:

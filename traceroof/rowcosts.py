@@ -138,17 +138,18 @@ class RowCosts:
         return {c: out[c] for c in want}
 
     def sums(self, ops: pd.DataFrame, group: np.ndarray, n_groups: int, at: np.ndarray | None = None,
-             ) -> dict[str, np.ndarray]:
+             names: tuple[str, ...] | None = None) -> dict[str, np.ndarray]:
         """Per group (``group``: per row of ``ops``, its code 0..n_groups-1, or ``n_groups`` for a row left out),
-        the sums of the worked-out columns that add up (all but :data:`NOT_SUMMED`), float64: equal to the last
-        bit to ``np.bincount(group, weights=column)[:n_groups]`` of the stored column, worked out
+        the sums of the worked-out columns ``names`` (default: all that add up, all but :data:`NOT_SUMMED`), float64:
+        equal to the last bit to ``np.bincount(group, weights=column)[:n_groups]`` of the stored column, worked out
         :data:`CHUNK_ROWS` rows at a time so memory stays flat (each chunk's rows added to the sums so far,
         ``np.add.at``: the additions run in the same order). ``at``: the positions of the rows not left out
         (increasing), when known: where they are fewer than :data:`ALL_ROWS_FROM` of the rows, only they are
         worked out (their stored columns copied); otherwise every row is (chunks of every stored column are then
         views, not copies) and the rows left out summed into a group dropped."""
         few = at is not None and len(at) < ALL_ROWS_FROM * len(ops)
-        names = tuple(c for c in self.names() if c not in NOT_SUMMED)
+        if names is None:
+            names = tuple(c for c in self.names() if c not in NOT_SUMMED)
         stored = self._stored(ops, names, at if few else None)
         codes_of = np.take(group, at) if few else group
         total = {c: np.zeros(n_groups + 1) for c in names}
