@@ -812,7 +812,7 @@ def test_unknown_tokens_are_said_so_not_printed_as_nan() -> None:
 
     sizes = ModelSizes(64, 64, 1, math.nan, math.nan, "f32", 4, 8192, 32768, 65536)
     first = _mesh_notes(sizes, [], {}, 1e12, 8)[0]
-    assert "tokens per step unknown (no input of the step is token ids or rows of width D)" in first
+    assert "tokens per step unknown (no input of the step is token ids or rows of a weight matrix's width)" in first
     assert "nan" not in first
     known = _mesh_notes(sizes.__class__(64, 64, 1, 4096.0, 512.0, "f32", 4, 8192, 32768, 65536), [], {}, 1e12, 8)[0]
     assert "4,096 tokens per step (512 per device)" in known

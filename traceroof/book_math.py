@@ -175,7 +175,7 @@ class Memory:
         return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
 
 
-def training_memory(params: float, tokens: float, d_model: int, layers: int, weight_shards: int,
+def training_memory(params: float, tokens: float, d_model: int, layers: float, weight_shards: int,
                     batch_shards: int, bytes_per_param: int = 2, optimizer_bytes_per_param: float = 8,
                     checkpoints_per_layer: float = 1, activation_bytes: int = 2) -> Memory:
     """Memory per device (§6 "Counting parameters and FLOPs": params b·P, optimizer state 8·P for Adam's fp32

@@ -12,8 +12,9 @@ Sources, best first:
 
 Categories (they add up to the peak; one categorisation, :func:`value_categories`, serves the split and the
 largest-buffers table): ``parameters`` (model weights among the entry parameters, and their updates returned in
-the donated buffers), ``optimizer_state`` (entry parameters only optimizer ops read: Adam's moments, the step
-count), ``inputs`` (the other entry parameters: the batch), ``gradients`` and ``activations`` (values defined by
+the donated buffers), ``weight_copies`` (the weights moved or cast and nothing else: FSDP's all-gathered
+weights, a bf16 cast of f32 weights, a transposed weight), ``optimizer_state`` (entry parameters only optimizer ops
+read: Adam's moments, the step count), ``inputs`` (the other entry parameters: the batch), ``gradients`` and ``activations`` (values defined by
 backward ops with the shape of a parameter are gradients, the rest activations and scratch), ``outputs``
 (returned values not aliased to a parameter: new weights when the state is not donated, the loss) and
 ``other`` (constants, thread-local scratch). Each allocation counts the values it holds at XLA's live-range
@@ -54,7 +55,8 @@ from traceroof.liveranges import data_bytes, live_range_peak, own_bytes
 from traceroof.scopes import ModuleScopes, _alias_outputs, assign_scopes, while_body
 from traceroof.units import fmt_list
 
-CATEGORIES = ("parameters", "optimizer_state", "inputs", "gradients", "activations", "outputs", "other")
+CATEGORIES = ("parameters", "weight_copies", "optimizer_state", "inputs", "gradients", "activations", "outputs",
+              "other")
 TOP_BUFFERS = 8
 _MODEL_PHASES = {"forward", "backward", "remat"}
 _OPT_NAME = re.compile(r"opt_state|optimizer|\.(mu|nu|count)\b|momentum|exp_avg", re.I)
@@ -279,20 +281,24 @@ def _outputs(module: HloModule, cats: Mapping[int, str]) -> dict[str, str]:
     return out
 
 
-def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str] | None = None):
+def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str] | None = None,
+                     copies: set[str] | None = None):
     """The one categorisation of values that the category split and the largest-buffers table share: a function
     (instruction name, XLA shape index such as ``"{3}"``) -> category. Entry parameters by
     :func:`parameter_categories`, constants ``other``, returned values by :func:`_outputs` (an updated weight is
     ``parameters`` when donated, ``outputs`` when written beside the old one), backward values shaped like a
-    parameter ``gradients``, the rest ``activations`` (activations and scratch, including values of called
+    parameter ``gradients``, the weights moved or cast ``weight_copies`` (:func:`_weight_copies`), the rest
+    ``activations`` (activations and scratch, including values of called
     computations). A loop-carried slot (element k of a ``while``'s result or of its body's parameter) takes the
     category of what fills it (:func:`_slot_value`): a gradient-accumulation scan's accumulators are
-    ``gradients``, the weights it carries through are the weights' category."""
+    ``gradients``, the weights it carries through are the weights' category. ``copies``: the
+    :func:`_weight_copies` when already worked out."""
     cats = parameter_categories(module, scopes) if cats is None else cats
     pshapes = _param_shapes(module, cats)
     outputs = _outputs(module, cats)
     entry = module.entry
     loops = _loops(module)
+    copies = _weight_copies(module, cats, loops) if copies is None else copies
 
     def category_of(name: str, index: str = "") -> str:
         if name in outputs:
@@ -310,6 +316,8 @@ def value_categories(module: HloModule, scopes: ModuleScopes, cats: Mapping[int,
             filled = _slot_value(module, loops, loop, int(slot), set()) if loop is not None else None
             if filled is not None:
                 return category_of(filled)
+        if name in copies:
+            return "weight_copies"
         if scopes.get(name).phase == "backward" and (inst.shape.element_type, inst.shape.dims) in pshapes:
             return "gradients"
         return "activations"
@@ -370,6 +378,54 @@ def _slot_value(module: HloModule, loops: _Loops, loop: Instruction, k: int, see
 # --------------------------------------------------------------------------------------------------------------
 
 _PLUMBING = {"get-tuple-element", "bitcast", "tuple", "copy"}
+# ops that only move, gather or cast their operand: what they make of a weight is a copy of it (weight_copies)
+_MOVES = {"all-gather", "all-gather-start", "all-gather-done", "collective-permute", "collective-permute-start",
+          "collective-permute-done", "convert", "copy", "copy-start", "copy-done", "transpose", "bitcast",
+          "bitcast-convert", "reshape", "slice", "dynamic-slice", "broadcast", "concatenate", "get-tuple-element",
+          "parameter", "constant", "tuple"}
+
+
+def _moves_only(module: HloModule, inst: Instruction) -> bool:
+    """Whether ``inst`` only moves, gathers or casts its operands (:data:`_MOVES`; a fusion of such ops too)."""
+    if inst.opcode == "fusion":
+        return all(i.opcode in _MOVES for c in inst.called if c in module.computations
+                   for i in module.computations[c].instructions)
+    return inst.opcode in _MOVES and inst.opcode not in ("parameter", "constant", "tuple")
+
+
+def _weight_copies(module: HloModule, cats: Mapping[int, str], loops: _Loops) -> set[str]:
+    """Values that are a weight moved or cast and nothing else (:func:`_moves_only`, from the weights' entry
+    parameters and scalars alone): FSDP's all-gathered weights, a compute-dtype cast, a transposed weight; in the
+    entry computation and in the bodies of the loops the weights enter unchanged (a layer scan's per-layer
+    gathers). A backward pass that reads them keeps them live from the forward pass (s43 trial: the shard_map
+    tutorial's FSDP MLP held 794 kB of gathered weights that the report called activations)."""
+    out: set[str] = set()
+
+    def walk(comp: Computation, seeds: set[str]) -> None:
+        def scalar(op: str) -> bool:
+            x = comp.by_name.get(op)
+            return x is not None and not x.shape.is_tuple and not x.shape.dims
+
+        made = set(seeds)
+        for inst in comp.instructions:
+            big = [op for op in inst.operands if not scalar(op)]
+            if big and all(op in made for op in big) and _moves_only(module, inst):
+                made.add(inst.name)
+                out.add(inst.name)
+        for w in comp.instructions:
+            body = while_body(module, w)
+            param = next(iter(body.parameters().values()), None) if body is not None else None
+            if param is None:
+                continue
+            inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
+                      and i.operands[:1] == (param.name,) and i.tuple_index in loops.unchanged.get(w.name, ())
+                      and _slot_value(module, loops, w, i.tuple_index, set()) in made}
+            if inside:
+                walk(body, inside)
+
+    entry = module.entry
+    walk(entry, {p.name for n, p in entry.parameters().items() if cats.get(n) == "parameters"})
+    return out
 
 
 def _derived(comp: Computation, seeds: set[str]) -> set[str]:
@@ -524,7 +580,11 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     scopes = scopes or assign_scopes(module)
     layers = layers or {}
     cats = parameter_categories(module, scopes)
-    category_of = value_categories(module, scopes, cats)
+    copies = _weight_copies(module, cats, _loops(module))
+    category_of = value_categories(module, scopes, cats, copies)
+    gathered = any(i.opcode.startswith("all-gather") or i.opcode == "fusion" and any(
+        x.opcode.startswith("all-gather") for c in i.called if c in module.computations
+        for x in module.computations[c].instructions) for i in map(module.instruction, copies) if i is not None)
     files = report_files(dump_file) if dump_file else {}
     xla_live = read_live_range(files["live-range"]) if "live-range" in files else None
     ours = live_range_peak(module, xla_live.schedule if xla_live else ())
@@ -579,7 +639,7 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     written = sum(leaf.byte_size() for i, leaf in enumerate(leaves) if i not in alias)
     donated = any(cats.get(n) in state for n in alias.values())
     return replace(pm, book=_book(pm, state["parameters"], state["optimizer_state"], saved, recomputed, saved_of,
-                                  written, donated))
+                                  written, donated, gathered))
 
 
 def _key(v) -> str:
@@ -635,13 +695,14 @@ def _peak_contents(ba: BufferAssignment, cats: Mapping[int, str], live_at_peak: 
 
 
 def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_bytes: int, recomputed_bytes: int,
-          saved_of: str = "", written_bytes: int = 0, donated: bool = True) -> BookModel:
+          saved_of: str = "", written_bytes: int = 0, donated: bool = True, gathered: bool = False) -> BookModel:
     """The book's model of ``pm``: the program's whole parameter and optimizer-state inputs (``params_bytes``,
     ``optimizer_bytes``: its entry parameters of those categories, per device), as many gradient bytes as
     parameters when it trains, and the ``saved_bytes`` of activations; with the lines explaining its difference
     from the peak. ``saved_of``: whose activations they are (:func:`_activations`). ``written_bytes``: the
     program's results that no input's buffer holds (XLA's ``memory_analysis().output_size_in_bytes``);
-    ``donated``: whether it updates any of its state in place (``input_output_alias``: the state donated)."""
+    ``donated``: whether it updates any of its state in place (``input_output_alias``: the state donated);
+    ``gathered``: whether its weight copies include all-gathered weights (FSDP)."""
     c = pm.categories
     training = optimizer_bytes > 0 or c["optimizer_state"] > 0 or c["gradients"] > 0 or saved_bytes > 0
     grads = params_bytes if training else 0
@@ -670,6 +731,15 @@ def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_byte
                          "XLA keeps more live at once (backward scratch beyond the saved activations)"
                          if temps > grads + saved_bytes else
                          "XLA never holds every gradient at once (each is consumed by the update as it is made)"))
+    if c["weight_copies"] and gathered:
+        lines.append(f"weight copies at the peak: {_mb(c['weight_copies'])}, the weights all-gathered from their "
+                     "shards (FSDP) and their casts and layout copies; the book counts the sharded weights only: a "
+                     "gathered weight the backward pass reads stays live from the forward pass (gathering it again "
+                     "in the backward, under jax.checkpoint / remat of the layer, frees it in between)")
+    elif c["weight_copies"]:
+        lines.append(f"weight copies at the peak: {_mb(c['weight_copies'])}, the weights copied, cast or re-laid out "
+                     "(computed from the weights alone: XLA's copies of weights it updates in place while the old "
+                     "values are still read, compute-dtype casts, transposes); the book counts the weights once")
     if saved_of == "iteration":
         lines.append("saved activations are one iteration's: the forward and backward run inside a loop of the "
                      "step (one update per iteration, as minibatch epochs do), one iteration's live at a time")

@@ -3,9 +3,10 @@ the book's per-layer arithmetic on the target chip and topology (:mod:`traceroof
 communication beside it, what-if meshes for the same chips, and a finding per communication-bound axis.
 
 Model sizes come from the program: D and F from the weight matrices (the most common pair of their last two
-global dimensions, D the smaller), L = weight matrices of that pair / 2 (W_in, W_out), the tokens of the global
-and per-device batch from the non-state entry parameters (token ids: all dims; activations ``[..., D]``: all but
-the last), global shapes from each parameter's ``sharding``.
+global dimensions by elements, among the pairs of two matrices or more when there are such, D the smaller), L =
+weight matrices of that pair / 2 (W_in, W_out), the tokens of the global and per-device batch from the non-state
+entry parameters (token ids: all dims; rows ``[..., K]`` of a width K some weight matrix has: all but the last),
+global shapes from each parameter's ``sharding``.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class ModelSizes:
 
     d_model: int
     d_ff: int
-    layers: int
+    layers: float  # 1.5 for 3 matrices of the pair
     tokens: float
     tokens_per_device: float
     dtype: str
@@ -60,13 +61,19 @@ def model_sizes(module: HloModule, params: list[StateParam], experts: bool = Fal
     weights = [p for p in params if p.weight and len(squeeze(p.global_dims)) >= 2]
     if not weights:
         return None
-    pairs: Counter = Counter()
+    elements: Counter = Counter()
+    count: Counter = Counter()
     for p in weights:
         g = squeeze(p.global_dims)
-        pairs[(min(g[-2:]), max(g[-2:]))] += math.prod(g)
-    (d, f), _ = pairs.most_common(1)[0]
-    matrices = sum(math.prod(squeeze(p.global_dims)[:-3 if experts else -2]) for p in weights
-                   if (min(squeeze(p.global_dims)[-2:]), max(squeeze(p.global_dims)[-2:])) == (d, f))
+        pair = (min(g[-2:]), max(g[-2:]))
+        elements[pair] += math.prod(g)
+        count[pair] += math.prod(g[:-3 if experts else -2])
+    # a pair of one matrix (an input projection or embedding, an output head) is a layer's only where no pair
+    # repeats: the s43 trial's MLP 784-256-256-256-256-8 read "D = 256, F = 784, L = 1" from its first layer alone
+    repeated = [pair for pair, n in count.items() if n >= 2] or list(count)
+    d, f = max(repeated, key=lambda pair: (elements[pair], -repeated.index(pair)))
+    matrices = count[(d, f)]
+    widths = {x for p in weights for x in squeeze(p.global_dims)[-2:]}
     state = {p.number for p in params}
     tokens, local = math.nan, math.nan
     for number, p in module.entry.parameters().items():
@@ -74,9 +81,11 @@ def model_sizes(module: HloModule, params: list[StateParam], experts: bool = Fal
             continue
         tiles = sharding_tiles(p.attrs.get("sharding", ""), len(p.shape.dims))
         g = tuple(x * t for x, t in zip(p.shape.dims, tiles))
+        if p.shape.element_type.startswith("u") and len(g) == 1 and g[0] <= 4:
+            continue  # a PRNG key (u32[2], u32[4]), not tokens
         if p.shape.element_type.startswith(("s", "u")):
             t, t_local = math.prod(g), math.prod(p.shape.dims)
-        elif g[-1] == d and len(g) >= 2:
+        elif g[-1] in widths and len(g) >= 2:
             t, t_local = math.prod(g[:-1]), math.prod(p.shape.dims[:-1])
         else:
             continue
@@ -85,7 +94,7 @@ def model_sizes(module: HloModule, params: list[StateParam], experts: bool = Fal
     dtype = Counter({p.dtype: p.bytes_local for p in weights}).most_common(1)[0][0]
     from parsers.hlo import ELEMENT_BITS
 
-    return ModelSizes(d, f, max(matrices // 2, 1), tokens, local, dtype, max(ELEMENT_BITS.get(dtype, 16) // 8, 1),
+    return ModelSizes(d, f, max(matrices / 2, 1), tokens, local, dtype, max(ELEMENT_BITS.get(dtype, 16) // 8, 1),
                       sum(math.prod(p.global_dims) for p in weights), sum(p.bytes_local for p in weights),
                       sum(p.bytes_local for p in params if not p.weight))
 
@@ -268,8 +277,8 @@ def _row(s: AxisStrategy, mesh: Mesh, module: HloModule, sizes: ModelSizes | Non
         ways = tensor_parallel_limit(c_flops, link, sizes.d_ff, b)
     elif link and s.strategy == "expert":
         ways = expert_parallel_limit(c_flops, link, sizes.d_ff, b)
-    bound = "-"
-    if times and math.isfinite(times.t_comm_s):
+    bound = "-"  # without the tokens per device (so T_math) there is no verdict
+    if times and math.isfinite(times.t_comm_s) and math.isfinite(times.t_math_s):
         bound = "communication" if times.t_comm_s > times.t_math_s else "compute"
     return AxisRow(s.axis, s.size, s.strategy, s.evidence, sizes.tokens_per_device, crit, ways,
                    times.t_math_s if times else nan, times.t_comm_s if times else nan, bound,
@@ -281,8 +290,8 @@ def _mesh_notes(sizes: ModelSizes, strategies: list[AxisStrategy], links: dict[s
                 devices: int) -> list[str]:
     tokens = (f"{sizes.tokens:,.0f} tokens per step ({sizes.tokens_per_device:,.0f} per device)"
               if math.isfinite(sizes.tokens) else
-              "tokens per step unknown (no input of the step is token ids or rows of width D)")
-    out = [f"model read from the HLO: D = {sizes.d_model}, F = {sizes.d_ff}, L = {sizes.layers} MLP layer(s), "
+              "tokens per step unknown (no input of the step is token ids or rows of a weight matrix's width)")
+    out = [f"model read from the HLO: D = {sizes.d_model}, F = {sizes.d_ff}, L = {sizes.layers:g} MLP layer(s), "
            f"{tokens}, {sizes.dtype} (How to Scale Your Model §5 models each layer as "
            "In[B, D]·W_in[D, F]·W_out[F, D])",
            "T_math/layer and T_comm/layer: one layer in the pass named in column 'pass', where §5 compares them "
@@ -296,12 +305,16 @@ def _mesh_notes(sizes: ModelSizes, strategies: list[AxisStrategy], links: dict[s
     if fsdp and tensor:
         lf, lt = links[fsdp[0].axis], links[tensor[0].axis]
         crit = fsdp_tp_critical_batch(c_flops, lf, lt, sizes.d_ff, sizes.bytes_per_element)
-        x_opt = optimal_fsdp(sizes.tokens, sizes.d_ff, devices, lf.axes, lt.axes)
-        per_chip = sizes.tokens / devices
-        verdict = "compute-bound" if per_chip > crit else "communication-bound"
-        out.append(f"FSDP + tensor parallelism at its best split needs B/N > 4α²/(M_X·M_Y·F) = {crit:,.0f} tokens per "
-                   f"chip; this step has {per_chip:,.0f}: {verdict}; the best FSDP ways X_opt = √(B/F·M_X/M_Y·N) = "
-                   f"{x_opt:,.1f} of {devices} (How to Scale Your Model §5, mixed FSDP and tensor parallelism)")
+        head = f"FSDP + tensor parallelism at its best split needs B/N > 4α²/(M_X·M_Y·F) = {crit:,.0f} tokens per chip"
+        book = "(How to Scale Your Model §5, mixed FSDP and tensor parallelism)"
+        if math.isfinite(sizes.tokens):
+            x_opt = optimal_fsdp(sizes.tokens, sizes.d_ff, devices, lf.axes, lt.axes)
+            per_chip = sizes.tokens / devices
+            verdict = "compute-bound" if per_chip > crit else "communication-bound"
+            out.append(f"{head}; this step has {per_chip:,.0f}: {verdict}; the best FSDP ways X_opt = "
+                       f"√(B/F·M_X/M_Y·N) = {x_opt:,.1f} of {devices} {book}")
+        else:
+            out.append(f"{head} {book}; this step's tokens are unknown, so neither the verdict nor the best FSDP ways")
     if any(s.strategy == "pipeline" for s in strategies):
         out.append("pipeline axes: the book counts their communication negligible (one hop of activations); "
                    "their cost is the bubble, (stages − 1)/(microbatches + stages − 1) of the step (§5 Pipelining)")
