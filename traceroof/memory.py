@@ -13,13 +13,13 @@ Sources, best first:
 Categories (they add up to the peak; one categorisation, :func:`value_categories`, serves the split and the
 largest-buffers table): ``parameters`` (model weights among the entry parameters, and their updates returned in
 the donated buffers), ``weight_copies`` (the weights moved or cast and nothing else: FSDP's all-gathered
-weights, a bf16 cast of f32 weights, a transposed weight), ``optimizer_state`` (entry parameters only optimizer ops
-read: Adam's moments, the step count), ``inputs`` (the other entry parameters: the batch), ``gradients`` and ``activations`` (values defined by
-backward ops with the shape of a parameter are gradients, the rest activations and scratch), ``outputs``
-(returned values not aliased to a parameter: new weights when the state is not donated, the loss) and
-``other`` (constants, thread-local scratch). Each allocation counts the values it holds at XLA's live-range
-peak under their categories (XLA's packed temporary block in their proportion), the rest by its kind. An
-entry parameter's category follows the phases (:mod:`traceroof.scopes`) of the instructions that read it.
+weights, a bf16 cast of f32 weights, a transposed weight), ``optimizer_state`` (entry parameters only optimizer
+ops read: Adam's moments, the step count), ``inputs`` (the other entry parameters: the batch), ``gradients`` and
+``activations`` (values defined by backward ops with the shape of a parameter are gradients, the rest activations
+and scratch), ``outputs`` (returned values not aliased to a parameter: new weights when the state is not donated,
+the loss) and ``other`` (constants, thread-local scratch). Each allocation counts the values it holds at XLA's
+live-range peak under their categories (XLA's packed temporary block in their proportion), the rest by its kind.
+An entry parameter's category follows the phases (:mod:`traceroof.scopes`) of the instructions that read it.
 
 The book's model (How to Scale Your Model, part 5 "How to Parallelize a Transformer for Training", §5.1.1: per
 device, parameters + optimizer state + gradients + activations; part 4 §4.3.2 on rematerialisation) is filled
