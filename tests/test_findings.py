@@ -118,6 +118,21 @@ def test_mxu_alignment_on_100_wide_dims_not_on_128(tmp_path):
     assert "mxu-alignment" not in codes(fixture("bf16_mlp"))  # a CPU has no MXU
 
 
+def test_mxu_alignment_of_weight_gradients_asks_for_rows_per_device():
+    """s43 trial (the shard_map tutorial's data-parallel MLP, 32 rows per device): the short K of the weight
+    gradients x^T·g is the batch rows each device holds, and the advice was to make the model dims (256 already)
+    multiples of 128. sharded_mlp's dump: dot.3 and dot.4 contract dim 0 of both operands (rows), and the batch
+    enters as f32[16,256] per device."""
+    (f,) = codes(fixture("sharded_mlp", "v5e"))["mxu-alignment"]
+    dump = next((FIXTURES / "sharded_mlp" / "hlo").glob("*jit_train_step.cpu_after_optimizations.txt")).read_text()
+    assert re.search(r"param\.3: f32\[16,256\]", dump)
+    for op in f.ops:
+        line = re.search(rf"%{re.escape(op)} = f32\[256,256\]\S* dot\(.*", dump).group(0)
+        assert "lhs_contracting_dims={0}, rhs_contracting_dims={0}" in line and "transpose(jvp(" in line
+    assert "(K = 16): only more rows per device fill the tile" in f.advice
+    assert "make the model dims" not in f.advice  # its 256-wide dims are whole tiles
+
+
 def test_tile_padding_on_tiled_layouts(tmp_path):
     a = tpu_program(tmp_path, 100)
     (f,) = codes(a)["tile-padding"]

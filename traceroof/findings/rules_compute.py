@@ -10,11 +10,11 @@ import re
 import numpy as np
 import pandas as pd
 
-from parsers.hlo import ELEMENT_BITS
+from parsers.hlo import ELEMENT_BITS, Instruction
 from traceroof.findings.hlo_graph import is_narrow, dot_dims
 from traceroof.findings.record import (BOOK, Finding, FindingInputs, descending, fmt_s, make, share,
                                        total)
-from traceroof.units import fmt_bytes
+from traceroof.units import fmt_bytes, fmt_list
 from traceroof.utilization import FASTER_THAN_ROOF_RATIO
 
 UPCAST_SOURCE = (f"{BOOK} §2 (the MXU multiplies bf16 inputs and accumulates in f32) and §1 (peak FLOP/s per "
@@ -106,6 +106,15 @@ def _mxu_tiles(x: FindingInputs, dtype: str) -> tuple[int, int] | None:
     return None
 
 
+def _contracts_rows(dot: Instruction) -> bool:
+    """Whether a dot contracts both operands over their leading dims, with no batch dims: x^T·g, a weight's
+    gradient summed over the rows of the batch (a forward x·W or an input gradient g·W^T contracts features)."""
+    if dot.opcode != "dot" or dot.attr_ints("lhs_batch_dims") or dot.attr_ints("rhs_batch_dims"):
+        return False
+    lc, rc = dot.attr_ints("lhs_contracting_dims"), dot.attr_ints("rhs_contracting_dims")
+    return bool(lc) and set(lc) == set(range(len(lc))) and set(rc) == set(range(len(rc)))
+
+
 def mxu_alignment(x: FindingInputs) -> list[Finding]:
     """Dots whose M, K or N are not multiples of the matrix unit's tile: the padded part of each tile is
     computed and discarded. Lost: the wasted share of the op's compute time at peak (``compute_s`` x
@@ -114,8 +123,10 @@ def mxu_alignment(x: FindingInputs) -> list[Finding]:
     if not len(mm) or not x.modules or x.chip is None or x.chip.kind not in MXU_SOURCE:
         return []
     hits, lost, wasted_flops, evidence = [], 0.0, 0.0, []
+    rows_k: set[int] = set()  # K of weight gradients short of the tile: the rows per device
+    model_dims = False  # some hit is short in a model dim
     c = x.cols
-    module, program, op, dtype = (c.value(k) for k in ("module", "program_id", "hlo_op", "dtype"))
+    module, program, op, dtype, phase = (c.value(k) for k in ("module", "program_id", "hlo_op", "dtype", "phase"))
     compute_s, measured, flops = c.num("compute_s"), c.num("measured_s"), c.num("flops")
     for i in mm:
         tiles = _mxu_tiles(x, str(dtype[i]))
@@ -130,20 +141,32 @@ def mxu_alignment(x: FindingInputs) -> list[Finding]:
         if waste < MXU_WASTE_MIN:
             continue
         hits.append(i)
+        gradient = str(phase[i]) == "backward" and _contracts_rows(dot)
+        if gradient and padded[1] != k:
+            rows_k.add(k)
+        model_dims |= padded[0] != m or padded[2] != n or (padded[1] != k and not gradient)
         compute = float(compute_s[i]) if np.isfinite(compute_s[i]) else 0.0
         lost += min(compute * waste / (1 - waste), float(measured[i])) / x.per
         wasted_flops += float(flops[i]) * waste / (1 - waste) / x.per
         if len(evidence) < 4:
             evidence.append(f"{op[i]}: M x K x N = {m} x {k} x {n} computed as {padded[0]} x {padded[1]} x "
-                            f"{padded[2]} ({waste:.0%} of the work is padding)")
+                            f"{padded[2]} ({waste:.0%} of the work is padding)"
+                            + (" (a weight gradient: K is the rows per device)" if gradient else ""))
     if not hits:
         return []
     tile = _mxu_tiles(x, "bf16")[1] if x.chip.kind == "tpu" else None
     unit = f"{tile}x{tile} MXU" if tile else "Tensor Core tiles"
     evidence.append(f"{wasted_flops:.3g} padded FLOPs per step")
-    advice = (f"make the model dims these matmuls contract and produce multiples of {tile or 'the tile'} (hidden, "
-              "FFN, head and vocabulary sizes; e.g. 100 -> 128), or pad the weights; the batch rows in multiples of "
-              f"{TPU_ROW_TILE if tile else 'the tile'}")
+    advice = []
+    if model_dims:
+        advice.append(f"make the model dims these matmuls contract and produce multiples of {tile or 'the tile'} "
+                      "(hidden, FFN, head and vocabulary sizes; e.g. 100 -> 128), or pad the weights; the batch rows "
+                      f"in multiples of {TPU_ROW_TILE if tile else 'the tile'}")
+    if rows_k:  # s43 trial: K = 32 rows per device of x^T.g, and the advice named the model dims (already 256)
+        advice.append(f"the weight gradients (x^T·g) contract over the rows each device holds (K = "
+                      f"{fmt_list(sorted(rows_k))}): only more rows per device fill the tile, a per-device batch "
+                      f"(x sequence) of a multiple of {tile or 'the tile'} (a larger batch or fewer data-parallel ways)")
+    advice = "; ".join(advice)
     title = f"{len(hits)} matmul(s) have dims that do not fill the {unit} of {x.chip.name}"
     return [make(x, "mxu-alignment", title, lost, advice, MXU_SOURCE[x.chip.kind], evidence, np.array(hits))]
 
