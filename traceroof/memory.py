@@ -734,8 +734,9 @@ def _book(pm: ProgramMemory, params_bytes: int, optimizer_bytes: int, saved_byte
     if c["weight_copies"] and gathered:
         lines.append(f"weight copies at the peak: {_mb(c['weight_copies'])}, the weights all-gathered from their "
                      "shards (FSDP) and their casts and layout copies; the book counts the sharded weights only: a "
-                     "gathered weight the backward pass reads stays live from the forward pass (gathering it again "
-                     "in the backward, under jax.checkpoint / remat of the layer, frees it in between)")
+                     "gathered weight the backward pass reads stays live from the forward pass unless XLA gathers it "
+                     "again there (remat of the layer, jax.checkpoint, allows that, though XLA may still gather it "
+                     "early: compare the weight copies of both runs)")
     elif c["weight_copies"]:
         lines.append(f"weight copies at the peak: {_mb(c['weight_copies'])}, the weights copied, cast or re-laid out "
                      "(computed from the weights alone: XLA's copies of weights it updates in place while the old "
