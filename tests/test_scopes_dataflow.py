@@ -32,15 +32,20 @@ def _holds(m: HloModule, inst, opcode: str) -> bool:
     return inst.opcode == opcode or any(x.opcode == opcode for n in inst.called for x in m.computations[n].instructions)
 
 
-# -- 1. the data-parallel gradient all-reduce ----------------------------------------------------------------
-
-_DP = textwrap.dedent("""
+# the jobs below: a fresh CPU process with 8 virtual devices and a one-axis mesh
+_MESH8 = textwrap.dedent("""
     import json, os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp
     from jax.sharding import Mesh, PartitionSpec as P
     mesh = Mesh(jax.devices()[:8], ("batch",))
+""")
+
+
+# -- 1. the data-parallel gradient all-reduce ----------------------------------------------------------------
+
+_DP = _MESH8 + textwrap.dedent("""
 
     def loss_fn(p, x, y):
         with jax.named_scope("hidden"):
@@ -131,13 +136,7 @@ def test_combined_all_reduce_takes_the_scope_its_parts_share(data_parallel):
         assert ms.get(i.name).scope == (named.pop() if len(named) == 1 else COMBINED_SCOPE), i.metadata.op_name
 
 
-_PMEAN_TREE = textwrap.dedent("""
-    import json, os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax, jax.numpy as jnp
-    from jax.sharding import Mesh, PartitionSpec as P
-    mesh = Mesh(jax.devices()[:8], ("batch",))
+_PMEAN_TREE = _MESH8 + textwrap.dedent("""
 
     def loss_fn(p, x, y):
         with jax.named_scope("net"):

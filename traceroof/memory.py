@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import pandas as pd
 
@@ -385,12 +385,39 @@ _MOVES = {"all-gather", "all-gather-start", "all-gather-done", "collective-permu
           "parameter", "constant", "tuple"}
 
 
+def _runs(module: HloModule, inst: Instruction) -> list[Instruction]:
+    """``inst`` itself, or the instructions a fusion runs (nested fusions included)."""
+    if inst.opcode != "fusion":
+        return [inst]
+    return [i for c in module.called_closure(inst.called, fused=True) for i in module.computations[c].instructions]
+
+
 def _moves_only(module: HloModule, inst: Instruction) -> bool:
     """Whether ``inst`` only moves, gathers or casts its operands (:data:`_MOVES`; a fusion of such ops too)."""
-    if inst.opcode == "fusion":
-        return all(i.opcode in _MOVES for c in inst.called if c in module.computations
-                   for i in module.computations[c].instructions)
-    return inst.opcode in _MOVES and inst.opcode not in ("parameter", "constant", "tuple")
+    if inst.opcode in ("parameter", "constant", "tuple"):
+        return False
+    return all(i.opcode in _MOVES for i in _runs(module, inst))
+
+
+def _is_scalar(comp: Computation, op: str) -> bool:
+    """Whether the value ``op`` of ``comp`` is a scalar (a loop index, a learning rate), not an array."""
+    x = comp.by_name.get(op)
+    return x is not None and not x.shape.is_tuple and not x.shape.dims
+
+
+def _entered_loops(module: HloModule, loops: _Loops, comp: Computation,
+                   ) -> Iterator[tuple[Instruction, Computation, dict[str, str | None]]]:
+    """Each ``while`` of ``comp`` with its body and the body's reads of the slots it passes through unchanged:
+    get-tuple-element name -> the value that fills the slot (:func:`_slot_value`)."""
+    for w in comp.instructions:
+        body = while_body(module, w)
+        param = next(iter(body.parameters().values()), None) if body is not None else None
+        if param is None:
+            continue
+        unchanged = loops.unchanged.get(w.name, set())
+        yield w, body, {i.name: _slot_value(module, loops, w, i.tuple_index, set()) for i in body.instructions
+                        if i.opcode == "get-tuple-element" and i.operands[:1] == (param.name,)
+                        and i.tuple_index in unchanged}
 
 
 def _weight_copies(module: HloModule, cats: Mapping[int, str], loops: _Loops) -> set[str]:
@@ -402,24 +429,14 @@ def _weight_copies(module: HloModule, cats: Mapping[int, str], loops: _Loops) ->
     out: set[str] = set()
 
     def walk(comp: Computation, seeds: set[str]) -> None:
-        def scalar(op: str) -> bool:
-            x = comp.by_name.get(op)
-            return x is not None and not x.shape.is_tuple and not x.shape.dims
-
         made = set(seeds)
         for inst in comp.instructions:
-            big = [op for op in inst.operands if not scalar(op)]
+            big = [op for op in inst.operands if not _is_scalar(comp, op)]
             if big and all(op in made for op in big) and _moves_only(module, inst):
                 made.add(inst.name)
                 out.add(inst.name)
-        for w in comp.instructions:
-            body = while_body(module, w)
-            param = next(iter(body.parameters().values()), None) if body is not None else None
-            if param is None:
-                continue
-            inside = {i.name for i in body.instructions if i.opcode == "get-tuple-element"
-                      and i.operands[:1] == (param.name,) and i.tuple_index in loops.unchanged.get(w.name, ())
-                      and _slot_value(module, loops, w, i.tuple_index, set()) in made}
+        for _, body, slots in _entered_loops(module, loops, comp):
+            inside = {n for n, v in slots.items() if v in made}
             if inside:
                 walk(body, inside)
 
@@ -432,13 +449,9 @@ def _derived(comp: Computation, seeds: set[str]) -> set[str]:
     """Values of ``comp`` computed from the ``seeds`` alone (the weights as ``comp`` receives them, or the
     batch): the seeds, constants, and every value all of whose non-scalar operands are such (the weights'
     all-gathers, slices, copies, casts; a micro-batch sliced at a loop's scalar index)."""
-    def scalar(op: str) -> bool:
-        x = comp.by_name.get(op)
-        return x is not None and not x.shape.is_tuple and not x.shape.dims
-
     out = set(seeds)
     for inst in comp.instructions:
-        if inst.opcode != "parameter" and all(op in out for op in inst.operands if not scalar(op)):
+        if inst.opcode != "parameter" and all(op in out for op in inst.operands if not _is_scalar(comp, op)):
             out.add(inst.name)
     return out
 
@@ -493,15 +506,7 @@ def _activations(module: HloModule, scopes: ModuleScopes, cats: Mapping[int, str
         saved = _saved_in(module, comp, scopes, excluded, "forward") if top else 0
         recomputed = _saved_in(module, comp, scopes, excluded, "remat") * trips
         inner: list[tuple[int, int]] = [(0, 0)]
-        for w in comp.instructions:
-            body = while_body(module, w)
-            param = next(iter(body.parameters().values()), None) if body is not None else None
-            if param is None:
-                continue
-            unchanged = loops.unchanged[w.name]
-            slots = {i.name: _slot_value(module, loops, w, i.tuple_index, set()) for i in body.instructions
-                     if i.opcode == "get-tuple-element" and i.operands[:1] == (param.name,)
-                     and i.tuple_index in unchanged}
+        for w, body, slots in _entered_loops(module, loops, comp):
             body_seeds = tuple({n for n, v in slots.items() if v in d} for d in derived)
             if comp is entry and body.root is not None and any(  # the micro-batch loop: one micro-batch live
                     scopes.get(r).how == "accumulate" for r in body.root.operands):
@@ -582,9 +587,8 @@ def program_memory(module: HloModule, dump_file: str | Path | None = None, layer
     cats = parameter_categories(module, scopes)
     copies = _weight_copies(module, cats, _loops(module))
     category_of = value_categories(module, scopes, cats, copies)
-    gathered = any(i.opcode.startswith("all-gather") or i.opcode == "fusion" and any(
-        x.opcode.startswith("all-gather") for c in i.called if c in module.computations
-        for x in module.computations[c].instructions) for i in map(module.instruction, copies) if i is not None)
+    gathered = any(x.opcode.startswith("all-gather") for i in map(module.instruction, copies) if i is not None
+                   for x in _runs(module, i))
     files = report_files(dump_file) if dump_file else {}
     xla_live = read_live_range(files["live-range"]) if "live-range" in files else None
     ours = live_range_peak(module, xla_live.schedule if xla_live else ())

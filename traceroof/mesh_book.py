@@ -71,7 +71,7 @@ def model_sizes(module: HloModule, params: list[StateParam], experts: bool = Fal
     # a pair of one matrix (an input projection or embedding, an output head) is a layer's only where no pair
     # repeats: the s43 trial's MLP 784-256-256-256-256-8 read "D = 256, F = 784, L = 1" from its first layer alone
     repeated = [pair for pair, n in count.items() if n >= 2] or list(count)
-    d, f = max(repeated, key=lambda pair: (elements[pair], -repeated.index(pair)))
+    d, f = max(repeated, key=elements.__getitem__)  # ties: the first pair seen (max keeps the first)
     matrices = count[(d, f)]
     widths = {x for p in weights for x in squeeze(p.global_dims)[-2:]}
     state = {p.number for p in params}
